@@ -1,0 +1,72 @@
+"""The backend contract: load a model once, score many token-id sequences, report what ran."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+from core.errors import UserError
+from core.scores import TokenScores
+from core.spec import EngineSettings
+
+BACKEND_REGISTRY: dict[str, str] = {
+    "hf": "core.backends.hf:HFBackend",
+    "vllm": "core.backends.vllm:VLLMBackend",
+}
+
+INSTALL_HINTS: dict[str, str] = {
+    "hf": "pip install 'logprob-parity' (needs torch and transformers)",
+    "vllm": "pip install 'logprob-parity[gpu]' on a CUDA machine, or 'logprob-parity[cpu]' for vLLM's CPU build",
+}
+
+
+class Backend(ABC):
+    """Both engines expose the same methods, so the comparison code never branches on the engine."""
+
+    name: str = ""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        device: str,
+        settings: EngineSettings,
+        max_model_len: int,
+    ) -> None:
+        self.model_path = model_path
+        self.dtype = dtype
+        self.device = device
+        self.settings = settings
+        self.max_model_len = max_model_len
+
+    @abstractmethod
+    def score(
+        self,
+        sequences: list[list[int]],
+        top_k: int,
+        gather_ids: list[Any] | None = None,
+    ) -> list[TokenScores]:
+        """Score every position of every sequence; `gather_ids[i]` is an int array [T, k] of extra
+        ids whose logprobs to return (-1 where none)."""
+
+    @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """Versions, device and resolved settings, recorded with each run."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free the engine; the worker process exits right after."""
+
+
+def load_backend_class(name: str) -> type[Backend]:
+    """Import a backend on first use, with an install hint when its engine is missing."""
+    try:
+        target = BACKEND_REGISTRY[name]
+    except KeyError:
+        raise UserError(f"unknown backend {name!r}; choose from {', '.join(BACKEND_REGISTRY)}") from None
+    module_name, cls_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise UserError(f"backend {name!r} is not installed ({exc.name} missing): {INSTALL_HINTS[name]}") from exc
+    return getattr(module, cls_name)

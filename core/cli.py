@@ -1,0 +1,268 @@
+"""The `logprob-parity` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from core.errors import EngineError, UserError
+from core.spec import BOS_POLICIES, DEVICES, EngineSettings, RunSpec
+
+SUMMARY_ROWS = (
+    ("n_tokens", "d"),
+    ("max_abs_delta", "e"),
+    ("mean_abs_delta", "e"),
+    ("p50_abs_delta", "e"),
+    ("p95_abs_delta", "e"),
+    ("p99_abs_delta", "e"),
+    ("mean_delta", "e"),
+    ("max_prob_delta", "e"),
+    ("mean_prob_delta", "e"),
+    ("argmax_agreement", "f"),
+    ("mean_kl_topk", "e"),
+    ("pearson_prob", "f"),
+    ("seq_logprob_delta", "e"),
+    ("frac_ratio_outside_0.9_1.1", "f"),
+)
+
+
+def _fmt(value: Any, kind: str) -> str:
+    """Display only: stored and JSON values keep full precision."""
+    if value is None:
+        return "-"
+    if kind == "d":
+        return str(int(value))
+    if kind == "f":
+        return f"{value:.4f}"
+    return f"{value:.3e}"
+
+
+def summary_table(runs: list[Any]) -> str:
+    head = ["metric"] + [r.dtype for r in runs]
+    rows = [head] + [[k] + [_fmt(r.summary.get(k), kind) for r in runs] for k, kind in SUMMARY_ROWS]
+    rows.append(["run_id"] + [r.run_id for r in runs])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _settings(args: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(
+        enforce_eager=not args.no_enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+        attn_implementation=args.attn_implementation,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from core.compare import compare
+    from core.prompts import read_prompt_file
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise UserError("give exactly one of --prompt TEXT or --prompts FILE")
+    if args.prompts is not None:
+        pset = read_prompt_file(args.prompts)
+        for line in pset.skipped:
+            print(f"warning: {args.prompts}: skipped {line}", file=sys.stderr)
+        texts = pset.texts
+    else:
+        texts = (args.prompt,)
+    dtypes = tuple(d.strip() for d in args.dtype.split(",") if d.strip())
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    spec = RunSpec(
+        texts=tuple(texts),
+        model=args.model,
+        revision=args.revision,
+        dtypes=dtypes,
+        backends=backends,
+        top_k=args.top_k,
+        device=args.device,
+        bos=args.bos,
+        settings=_settings(args),
+    )
+    spec.validate()
+    t0 = time.perf_counter()
+    bar = tqdm(total=2 + 6 * len(dtypes), desc="compare", unit="step", file=sys.stderr, disable=args.quiet)
+
+    def on_event(stage: str, dtype: str | None, detail: str) -> None:
+        bar.set_description(f"{stage}{f' [{dtype}]' if dtype else ''}")
+        bar.write(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
+        bar.update(6 if stage == "cache" else 1)
+
+    try:
+        runs = compare(spec, use_cache=not args.no_cache, on_event=on_event)
+    finally:
+        bar.close()
+    print(summary_table(runs))
+    for r in runs:
+        src = "from the store (no engine started)" if r.from_store else "computed"
+        print(f"{r.dtype}: run {r.run_id} {src}")
+    print(f"elapsed {time.perf_counter() - t0:.2f} s")
+    if args.json:
+        write_json(args.json, runs)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
+    """One object per run: a single object for one run, a list for several."""
+    data = [r.to_json_dict() for r in runs]
+    payload = data[0] if len(data) == 1 else data
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, allow_nan=False))
+    os.replace(tmp, out)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from core.store import Store
+
+    df = Store().list_runs()
+    if df.empty:
+        print("no stored runs")
+        return 0
+    df["created"] = df["created"].dt.strftime("%Y-%m-%d %H:%M")
+    print(df.to_string(index=False, formatters={"max_abs_delta": "{:.3e}".format, "mean_abs_delta": "{:.3e}".format}))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from core.store import Store
+
+    run = Store().load(args.run_id)
+    if args.json:
+        print(json.dumps(run.to_json_dict(), indent=1, allow_nan=False))
+        return 0
+    m = run.meta
+    print(f"run {run.run_id}  model {m['model']}  dtype {m['dtype']}  device {m['env']['device']}")
+    print(f"torch {m['env']['torch']}  transformers {m['env']['transformers']}  vllm {m['env']['vllm']}  created {m['created']}")
+    print(summary_table([run]))
+    df = run.to_frame()
+    worst = df[df["scored"]].nlargest(10, "abs_delta")[["seq", "index", "token_id", "token", "hf_logprob", "vllm_logprob", "delta"]]
+    print("\nworst tokens:")
+    print(worst.to_string(index=False))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from core.store import Store
+
+    run = Store().load(args.run_id)
+    out = Path(args.output)
+    if out.suffix.lower() == ".json":
+        write_json(out, [run])
+    elif out.suffix.lower() in (".html", ".htm"):
+        from core.report import write_html_report
+
+        write_html_report(run, out)
+    else:
+        raise UserError(f"report output must end in .html or .json (got {out.name})")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from core.demo import build_demo_model
+
+    path = build_demo_model(args.out_dir, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    app = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.address, "--server.port", str(args.port)]
+    if args.headless:
+        cmd += ["--server.headless", "true"]
+    return subprocess.call(cmd, cwd=str(app.parent.parent))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="logprob-parity", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compare", help="score text with HF and vLLM and compare token by token")
+    c.add_argument("--model", default=None, help="hub id or local folder (default: the embedded demo model)")
+    c.add_argument("--revision", default=None)
+    c.add_argument("--dtype", default="float32", help="float16, bfloat16, float32, comma-separated")
+    c.add_argument("--prompt", default=None)
+    c.add_argument("--prompts", default=None, help=".txt (a prompt a line), .jsonl ({'text': ...}) or .csv (text column)")
+    c.add_argument("--backends", default="hf,vllm")
+    c.add_argument("--top-k", type=int, default=5)
+    c.add_argument("--device", choices=DEVICES, default="auto")
+    c.add_argument("--bos", choices=BOS_POLICIES, default="auto")
+    c.add_argument("--json", default=None, metavar="OUT")
+    c.add_argument("--no-cache", action="store_true", help="recompute even if the store has this run")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    e = c.add_argument_group("engine settings (recorded in the run id)")
+    e.add_argument("--no-enforce-eager", action="store_true", help="let vLLM compile/capture graphs")
+    e.add_argument("--enable-prefix-caching", action="store_true")
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=None)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--attention-backend", default=None, help="vLLM attention backend")
+    e.add_argument("--attn-implementation", default=None, help="HF attn_implementation (sdpa, eager, ...)")
+    e.add_argument("--trust-remote-code", action="store_true", help="run the model's own code (off by default)")
+    c.set_defaults(func=cmd_compare)
+
+    sub.add_parser("runs", help="list stored runs").set_defaults(func=cmd_runs)
+
+    s = sub.add_parser("show", help="print a stored run")
+    s.add_argument("run_id")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_show)
+
+    r = sub.add_parser("report", help="write a stored run as a report (.html or .json)")
+    r.add_argument("run_id")
+    r.add_argument("-o", "--output", required=True)
+    r.set_defaults(func=cmd_report)
+
+    d = sub.add_parser("dashboard", help="start the Streamlit dashboard")
+    d.add_argument("--address", default="localhost")
+    d.add_argument("--port", type=int, default=8501)
+    d.add_argument("--headless", action="store_true")
+    d.set_defaults(func=cmd_dashboard)
+
+    m = sub.add_parser("demo-model", help="build the offline SmolLM2-135M-Instruct folder")
+    m.add_argument("out_dir", nargs="?", default=None)
+    m.add_argument("--force", action="store_true")
+    m.set_defaults(func=cmd_demo_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except EngineError as exc:
+        first, _, rest = str(exc).partition("\n")
+        print(f"error: {first}", file=sys.stderr)
+        if rest and os.environ.get("LPP_DEBUG"):
+            print(rest, file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

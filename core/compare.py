@@ -1,0 +1,198 @@
+"""The pipeline: tokenize once, score the same ids with both engines, compare, store."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from typing import Any
+
+from core import engines
+from core.env import device_name, dtype_support, resolve_device, versions
+from core.errors import UserError
+from core.models import ResolvedModel, resolve_model
+from core.run import SCHEMA_VERSION, Run, SequenceResult
+from core.spec import RunSpec, content_hash
+from core.store import Store
+from core.tokens import TokenizedText, load_tokenizer, tokenize
+
+# on_event(stage, dtype or None, detail): stages are resolve, cache, tokenize, load, score, compare, store.
+EventFn = Callable[[str, "str | None", str], None]
+
+
+def _noop(stage: str, dtype: str | None, detail: str) -> None:
+    pass
+
+
+def model_max_len(longest: int, max_positions: int | None) -> int:
+    """vLLM's max_model_len: a power of two above the longest sequence (so a warm engine serves
+    later, slightly longer prompts), at least 256, never above the model's positions."""
+    n = 256
+    while n < longest + 1:
+        n *= 2
+    return min(n, max_positions) if max_positions else n
+
+
+def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> dict[str, Any]:
+    v = versions()
+    return {
+        "schema": SCHEMA_VERSION,
+        "model": model.identity,
+        "dtype": dtype,
+        "backends": sorted(spec.backends),
+        "settings": spec.settings.to_dict(),
+        "top_k": spec.top_k,
+        "bos": spec.bos,
+        "versions": {k: v[k] for k in ("torch", "transformers", "vllm")},
+        "device": device_name(device),
+    }
+
+
+def request_key(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> str:
+    """Hash of the request before tokenizing: the same request maps to the same stored run."""
+    return content_hash({**_identity(spec, model, dtype, device), "texts": list(spec.texts)}, 32)
+
+
+def run_id_for(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, toks: list[TokenizedText], max_model_len: int) -> str:
+    """Content address: everything that can change a number, the token ids included."""
+    return content_hash(
+        {
+            **_identity(spec, model, dtype, device),
+            "texts": [t.text for t in toks],
+            "token_ids": [list(t.token_ids) for t in toks],
+            "max_model_len": max_model_len,
+        }
+    )
+
+
+def check_lengths(toks: list[TokenizedText], model: ResolvedModel, top_k: int) -> None:
+    limit = model.max_positions
+    for i, t in enumerate(toks):
+        if limit is not None and len(t.token_ids) > limit:
+            raise UserError(
+                f"prompt {i + 1} is {len(t.token_ids)} tokens but {model.name} has {limit} positions; "
+                f"shorten it (its first {limit} tokens would fit)"
+            )
+    vocab = model.vocab_size
+    if vocab is not None and top_k > vocab:
+        raise UserError(f"top-k {top_k} is above the vocabulary size {vocab}")
+
+
+def compare(
+    spec: RunSpec,
+    store: Store | None = None,
+    use_cache: bool = True,
+    on_event: EventFn | None = None,
+) -> list[Run]:
+    """One stored Run per dtype, in spec order. Cached runs come back without starting an engine."""
+    emit = on_event or _noop
+    spec.validate()
+    device = resolve_device(spec.device)
+    for d in spec.dtypes:
+        reason = dtype_support(d, device)
+        if reason:
+            raise UserError(f"{d} cannot run on this device: {reason}")
+    store = store or Store()
+    emit("resolve", None, f"model {spec.model or 'demo'}")
+    model = resolve_model(spec.model, spec.revision, spec.settings.trust_remote_code)
+
+    runs: dict[str, Run] = {}
+    keys = {d: request_key(spec, model, d, device) for d in spec.dtypes}
+    if use_cache:
+        for d, key in keys.items():
+            rid = store.lookup_request(key)
+            if rid:
+                runs[d] = store.load(rid)
+                emit("cache", d, f"run {rid} from the store, no engine started")
+    todo = [d for d in spec.dtypes if d not in runs]
+    if not todo:
+        return [runs[d] for d in spec.dtypes]
+
+    emit("tokenize", None, f"{len(spec.texts)} text(s)")
+    tokenizer = load_tokenizer(model.path, spec.settings.trust_remote_code)
+    toks = [tokenize(tokenizer, text, spec.bos) for text in spec.texts]
+    check_lengths(toks, model, spec.top_k)
+    max_model_len = model_max_len(max(len(t.token_ids) for t in toks), model.max_positions)
+    seqs = [list(t.token_ids) for t in toks]
+
+    # Start every engine process first so they load side by side (CPU: RAM permitting; one GPU:
+    # dtype after dtype, so two vLLM engines never compete for the card's memory).
+    plan = []
+    for d in todo:
+        load = {"model_path": model.path, "dtype": d, "device": device, "settings": spec.settings.to_dict(), "max_model_len": max_model_len}
+        plan.append((d, load))
+    started: dict[tuple[str, str], Any] = {}
+
+    def start(d: str, load: dict[str, Any]) -> None:
+        for b in ("vllm", "hf"):
+            started[(d, b)] = engines.start_engine(b, load)
+
+    if device == "cpu":
+        for d, load in plan:
+            start(d, load)
+    for d, load in plan:
+        if (d, "vllm") not in started:
+            start(d, load)
+        run = _score_dtype(spec, model, device, d, load, toks, seqs, max_model_len, started, emit)
+        store.save(run, request_key=keys[d])
+        emit("store", d, f"run {run.run_id} saved")
+        runs[d] = run
+    return [runs[d] for d in spec.dtypes]
+
+
+def _score_dtype(spec, model, device, dtype, load, toks, seqs, max_model_len, started, emit) -> Run:
+    t0 = time.perf_counter()
+    infos, timing = {}, {}
+    scores = {}
+    for b in ("vllm", "hf"):  # vLLM first: HF then gathers its own values on vLLM's top-k ids
+        worker, warm = started[(dtype, b)]
+        emit("load", dtype, f"{b}: {'warm engine' if warm else 'starting engine'}")
+        t = time.perf_counter()
+        infos[b] = engines.ensure_loaded(b, load, worker)
+        timing[f"{b}_load_s"] = round(time.perf_counter() - t, 3)
+        emit("score", dtype, f"{b}: {sum(map(len, seqs))} tokens")
+        t = time.perf_counter()
+        gather = [s.topk_ids for s in scores["vllm"]] if b == "hf" else None
+        try:
+            with engines.device_lock:
+                scores[b] = worker.score(seqs, spec.top_k, gather)
+        except BaseException:
+            engines.discard(worker)  # a worker that failed mid-run is not trusted again
+            raise
+        timing[f"{b}_score_s"] = round(time.perf_counter() - t, 3)
+    emit("compare", dtype, "metrics")
+    results = tuple(SequenceResult.build(t, h, v) for t, h, v in zip(toks, scores["hf"], scores["vllm"]))
+    from core.metrics import concat, summarize
+
+    summary = summarize(concat([r.metrics for r in results]))
+    rid = run_id_for(spec, model, dtype, device, toks, max_model_len)
+    now = dt.datetime.now(dt.timezone.utc)
+    v = versions()
+    meta = {
+        "run_id": rid,
+        "created": now.isoformat(timespec="seconds"),
+        "created_ts": now.timestamp(),
+        "model": model.name,
+        "model_path": model.path,
+        "revision": model.revision,
+        "model_identity": model.identity,
+        "dtype": dtype,
+        "backends": list(spec.backends),
+        "settings": {**spec.settings.to_dict(), "max_model_len": max_model_len},
+        "top_k": spec.top_k,
+        "bos": spec.bos,
+        "device": device,
+        "env": {
+            "device": device_name(device),
+            "torch": v["torch"],
+            "transformers": v["transformers"],
+            "vllm": v["vllm"],
+            "vllm_dist": v["vllm_dist"],
+            "hf_engine": infos["hf"],
+            "vllm_engine": infos["vllm"],
+        },
+        "timing": {**timing, "total_s": round(time.perf_counter() - t0, 3)},
+        "summary": summary,
+        "sequences": [{"text": r.text, "bos_added": r.bos_added, "n_positions": len(r.token_ids), "summary": r.summary} for r in results],
+    }
+    return Run(meta=meta, sequences=results)

@@ -1,0 +1,80 @@
+"""Warm engine hosts, one per (backend, model, dtype, device, settings, max_model_len), reused across runs."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+from core.spec import canonical_json
+from core.worker import WorkerClient
+
+_lock = threading.Lock()
+_workers: dict[str, WorkerClient] = {}
+_key_locks: dict[str, threading.Lock] = {}
+# One scoring job on the device at a time: engines share the GPU (or the CPU cores).
+device_lock = threading.Lock()
+
+
+def engine_key(backend: str, load_kwargs: dict[str, Any]) -> str:
+    return canonical_json({"backend": backend, **load_kwargs})
+
+
+def start_engine(backend: str, load_kwargs: dict[str, Any]) -> tuple[WorkerClient, bool]:
+    """Return a running host for this key (starting its process if needed) and whether it was warm.
+
+    The caller calls `ensure_loaded` next; starting and loading are split so that several engines
+    can start their processes at once and load side by side.
+    """
+    key = engine_key(backend, load_kwargs)
+    with _lock:
+        worker = _workers.get(key)
+        if worker is not None and worker.alive() and worker.info is not None:
+            return worker, True
+        if worker is not None and not worker.alive():
+            worker.stop()
+            _workers.pop(key, None)
+            worker = None
+        if worker is None:
+            label = f"{backend} ({load_kwargs['dtype']})"
+            worker = WorkerClient(label).start()
+            _workers[key] = worker
+        _key_locks.setdefault(key, threading.Lock())
+    return worker, False
+
+
+def ensure_loaded(backend: str, load_kwargs: dict[str, Any], worker: WorkerClient) -> dict[str, Any]:
+    key = engine_key(backend, load_kwargs)
+    with _key_locks[key]:
+        if worker.info is None:
+            try:
+                worker.load(backend, load_kwargs)
+            except BaseException:
+                discard(worker)
+                raise
+        return worker.info  # type: ignore[return-value]
+
+
+def discard(worker: WorkerClient) -> None:
+    """Stop a host and forget it; the next request for its key starts a fresh one."""
+    with _lock:
+        for key, w in list(_workers.items()):
+            if w is worker:
+                _workers.pop(key)
+    worker.stop(grace=2.0)
+
+
+def running() -> list[WorkerClient]:
+    with _lock:
+        return [w for w in _workers.values() if w.alive()]
+
+
+def shutdown_all() -> None:
+    with _lock:
+        workers = list(_workers.values())
+        _workers.clear()
+    for w in workers:
+        w.stop()
+
+
+atexit.register(shutdown_all)

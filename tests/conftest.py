@@ -1,0 +1,73 @@
+"""Shared fixtures. Engine tests share warm workers through core.engines' pool (one process)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from builders import CACHE, REPO, build_tiny_llama  # noqa: E402
+
+# Demo model and other built models live here across test runs (CI builds them once per run).
+MODELS_HOME = CACHE / "home"
+os.environ.setdefault("LOGPROB_PARITY_HOME", str(MODELS_HOME))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests need CUDA; skip them (with the reason) elsewhere."""
+    from core.env import cuda_present
+
+    if not cuda_present():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA); CI has none")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_bos() -> Path:
+    """Tiny Llama whose tokenizer adds <s> itself."""
+    return build_tiny_llama("tiny-llama-bos", adds_bos=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_nobos() -> Path:
+    """Tiny Llama whose tokenizer has <s> but does not add it."""
+    return build_tiny_llama("tiny-llama-nobos", adds_bos=False)
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    from core.demo import build_demo_model
+
+    return build_demo_model(MODELS_HOME / "models" / "smollm2-135m-instruct")
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch) -> Path:
+    """An empty store root for one test, sharing the built demo model (no 30 s rebuild)."""
+    root = tmp_path / "home"
+    root.mkdir()
+    (MODELS_HOME / "models").mkdir(parents=True, exist_ok=True)
+    (root / "models").symlink_to(MODELS_HOME / "models")
+    monkeypatch.setenv("LOGPROB_PARITY_HOME", str(root))
+    return root
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    env = dict(os.environ, LOGPROB_PARITY_HOME=str(home), PYTHONPATH=str(REPO))
+    return env
+
+
+def run_files(home: Path) -> list[str]:
+    """Everything in the store's runs folder (temp files included)."""
+    d = home / "runs"
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+__all__ = ["cli_env", "run_files", "shutil"]

@@ -1,0 +1,94 @@
+"""The `logprob-parity` command end to end, as a user runs it (subprocesses, real engines)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, run_files
+
+SENTENCES = Path(__file__).resolve().parent.parent / "core" / "data" / "sentences.txt"
+
+
+def cli(home, *args, timeout=1200):
+    return subprocess.run(
+        [sys.executable, "-m", "core.cli", *args], capture_output=True, text=True, env=cli_env(home), timeout=timeout
+    )
+
+
+@pytest.mark.engine
+def test_demo_model_float32_and_bfloat16(home, demo_model, tmp_path):
+    out = tmp_path / "runs.json"
+    p = cli(home, "compare", "--prompts", str(SENTENCES), "--dtype", "float32,bfloat16", "--json", str(out), "--quiet")
+    assert p.returncode == 0, p.stderr[-3000:]
+    print(p.stdout)  # the summary table, kept in the test log
+    runs = {r["dtype"]: r for r in json.loads(out.read_text())}
+    f32, bf16 = runs["float32"]["summary"], runs["bfloat16"]["summary"]
+    assert f32["n_tokens"] == bf16["n_tokens"] > 150
+    assert f32["max_abs_delta"] <= 1e-4, f32
+    assert bf16["max_abs_delta"] > 1e-3, bf16
+    for r in runs.values():
+        assert r["env"]["vllm"] and r["env"]["torch"] and r["env"]["transformers"] and r["env"]["device"]
+        assert len(r["sequences"]) == 10
+        for seq in r["sequences"]:
+            assert seq["token_ids"][0] == 1  # SmolLM2's BOS, prepended by the auto policy
+            assert len(seq["positions"]) == len(seq["token_ids"]) == len(seq["tokens"])
+
+    # the same command again: from the store, no engine (its speed: benchmarks/cached_compare.py)
+    again = cli(home, "compare", "--prompts", str(SENTENCES), "--dtype", "float32,bfloat16", "--quiet")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("from the store (no engine started)") == 2
+    assert "starting engine" not in again.stderr and "tokenize" not in again.stderr
+
+    rid = runs["float32"]["run_id"]
+    listed = cli(home, "runs")
+    assert rid in listed.stdout and "bfloat16" in listed.stdout
+    shown = cli(home, "show", rid[:8], "--json")
+    assert json.loads(shown.stdout)["summary"] == f32
+    report = tmp_path / "r.json"
+    assert cli(home, "report", rid, "-o", str(report)).returncode == 0
+    assert json.loads(report.read_text())["run_id"] == rid
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compare", "--model", "no-such-org/no-such-model", "--prompt", "hi there"], "unknown model 'no-such-org/no-such-model'"),
+        (["compare", "--model", "/nonexistent/folder", "--prompt", "hi there"], "does not exist"),
+        (["compare", "--prompt", ""], "the prompt is empty"),
+        (["compare", "--prompt", "   "], "the prompt is empty"),
+        (["compare", "--prompts", "EMPTY_FILE"], "holds no prompts"),
+        (["compare", "--prompt", "hi", "--dtype", "float8"], "unknown dtype 'float8'"),
+        (["compare", "--prompt", "hi", "--top-k", "101"], "above the maximum of 100"),
+        (["compare", "--prompt", "hi", "--top-k", "0"], "positive integer"),
+        (["compare"], "exactly one of --prompt TEXT or --prompts FILE"),
+        (["compare", "--prompt", "hi", "--backends", "hf"], "needs both"),
+        (["show", "deadbeef"], "no stored run"),
+        (["report", "deadbeef", "-o", "x.pdf"], "no stored run"),
+    ],
+)
+def test_bad_input_exits_with_one_line(home, tmp_path, args, message):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    args = [str(empty) if a == "EMPTY_FILE" else a for a in args]
+    p = cli(home, *args, timeout=300)
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1], p.stderr
+    assert run_files(home) == []
+
+
+@pytest.mark.engine
+def test_too_long_and_no_tokenizer(home, tiny_bos, tmp_path):
+    """Checks that need the model's config and tokenizer, still before any engine starts."""
+    long_text = " ".join(["lawyer guitar hiking family"] * 80)
+    p = cli(home, "compare", "--model", str(tiny_bos), "--prompt", long_text, timeout=300)
+    assert p.returncode == 2 and "has 128 positions" in p.stderr.splitlines()[-1], p.stderr
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    (folder / "config.json").write_text((Path(tiny_bos) / "config.json").read_text())
+    p = cli(home, "compare", "--model", str(folder), "--prompt", "hello world", timeout=300)
+    assert p.returncode == 2 and "tokenizer" in p.stderr.splitlines()[-1], p.stderr
+    assert run_files(home) == []

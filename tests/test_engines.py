@@ -1,0 +1,72 @@
+"""Integration: the real HF model and the real vLLM engine (CPU build) on real token ids."""
+
+import numpy as np
+import pytest
+
+from core import engines
+from core.compare import compare
+from core.spec import RunSpec
+from core.store import Store
+
+pytestmark = pytest.mark.engine
+
+TEXTS = ("Dave lives in Palm Coast, FL and is a lawyer.", "Caf\u00e9 na\u00efve \u65e5\u672c\u8a9e, and <script>alert(1)</script>")
+
+
+@pytest.mark.parametrize("model_fixture, tokenizer_adds_bos", [("tiny_bos", True), ("tiny_nobos", False)])
+@pytest.mark.parametrize("bos", ["auto", "none"])
+def test_same_ids_both_backends(request, home, model_fixture, tokenizer_adds_bos, bos):
+    from core.tokens import load_tokenizer, tokenizer_adds_bos as adds
+
+    model = request.getfixturevalue(model_fixture)
+    assert adds(load_tokenizer(str(model))) is tokenizer_adds_bos
+    (run,) = compare(RunSpec(texts=TEXTS, model=str(model), dtypes=("float32",), top_k=4, bos=bos), store=Store(home))
+    data = run.to_json_dict()
+    for seq, text in zip(data["sequences"], TEXTS):
+        ids = seq["token_ids"]
+        assert (ids[0] == 0) is (bos == "auto"), ids[:3]
+        first = seq["positions"][0]
+        assert first["logprob"] == {"hf": None, "vllm": None} and first["delta"] is None
+        # both engines scored exactly these ids (checked inside too); every later position has both values
+        for s in run.sequences:
+            np.testing.assert_array_equal(s.hf.token_ids, s.vllm.token_ids)
+        assert all(p["logprob"]["hf"] is not None and p["logprob"]["vllm"] is not None for p in seq["positions"][1:])
+        assert "".join(seq_piece for seq_piece in run.sequences[data["sequences"].index(seq)].pieces).endswith(text)
+    s = run.summary
+    assert s["n_tokens"] == sum(len(q["token_ids"]) - 1 for q in data["sequences"])
+    assert s["max_abs_delta"] <= 1e-4, s
+    assert s["argmax_agreement"] == 1.0
+    # ranks come from each engine independently and agree in float32
+    for q in run.sequences:
+        np.testing.assert_array_equal(q.hf.rank[1:], q.vllm.rank[1:])
+
+
+def test_engines_are_reused_and_cache_skips_them(home, tiny_bos):
+    store = Store(home)
+    spec = RunSpec(texts=("Shall I compare thee to a summer's day?",), model=str(tiny_bos), dtypes=("float32",), top_k=3)
+    (first,) = compare(spec, store=store)
+    pids = sorted(w.pid for w in engines.running())
+    events = []
+    (again,) = compare(spec, store=store, on_event=lambda *e: events.append(e))
+    assert again.from_store and again.run_id == first.run_id
+    assert [e[0] for e in events] == ["resolve", "cache"]
+    # a new text on the same model and dtype reuses the warm workers: no new process
+    (other,) = compare(RunSpec(texts=("Thou art more lovely.",), model=str(tiny_bos), dtypes=("float32",), top_k=3), store=store)
+    assert not other.from_store and other.run_id != first.run_id
+    assert sorted(w.pid for w in engines.running()) == pids
+    assert other.meta["timing"]["vllm_load_s"] < 1.0
+    # --no-cache recomputes, on the same warm engines, to the same numbers
+    (recomputed,) = compare(spec, store=store, use_cache=False)
+    np.testing.assert_array_equal(recomputed.sequences[0].metrics.delta, first.sequences[0].metrics.delta)
+
+
+def test_hf_topk_and_gathered_values_are_consistent(home, tiny_bos):
+    (run,) = compare(RunSpec(texts=TEXTS[:1], model=str(tiny_bos), dtypes=("float32",), top_k=5), store=Store(home))
+    s = run.sequences[0]
+    # HF's values on vLLM's top-k ids equal vLLM's own top-k values to float32 noise
+    np.testing.assert_allclose(s.hf.gathered_logprobs[1:], s.vllm.topk_logprobs[1:], atol=1e-4)
+    # top-k lists are sorted and the target's logprob is consistent with its rank
+    assert np.all(np.diff(s.hf.topk_logprobs[1:], axis=1) <= 0)
+    for t in range(1, len(s.token_ids)):
+        if s.vllm.rank[t] <= 5:
+            assert s.token_ids[t] in s.vllm.topk_ids[t]

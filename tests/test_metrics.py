@@ -1,0 +1,97 @@
+"""Every metric against values computed by hand."""
+
+import math
+
+import numpy as np
+import pytest
+
+from core.metrics import SUMMARY_KEYS, concat, kl_topk, summarize, token_metrics
+
+NAN = float("nan")
+
+
+def _m():
+    # position 0 unscored; 1: HF 0.5 vs vLLM 0.4; 2: equal 0.25; 3: HF 0.1 vs vLLM 0.2
+    lh = np.log([1.0, 0.5, 0.25, 0.1]); lh[0] = NAN
+    lv = np.log([1.0, 0.4, 0.25, 0.2]); lv[0] = NAN
+    hf_top1 = np.array([-1, 7, 3, 9])
+    vl_top1 = np.array([-1, 7, 4, 9])
+    vl_topk = np.log(np.array([[1, 1], [0.4, 0.4], [0.5, 0.25], [0.2, 0.1]]))
+    hf_at = np.log(np.array([[1, 1], [0.5, 0.3], [0.5, 0.25], [0.1, 0.1]]))
+    return token_metrics(lh, lv, hf_top1, vl_top1, vl_topk, hf_at)
+
+
+def test_token_level_values():
+    m = _m()
+    assert m.scored.tolist() == [False, True, True, True]
+    assert math.isnan(m.delta[0]) and math.isnan(m.kl_topk[0]) and not m.argmax_agree[0]
+    assert m.delta[1] == pytest.approx(math.log(0.8), abs=1e-15)
+    assert m.delta[2] == 0.0
+    assert m.delta[3] == pytest.approx(math.log(2.0), abs=1e-15)
+    assert m.abs_delta[1] == pytest.approx(0.2231435513142097, abs=1e-15)
+    assert m.prob_delta[1:].tolist() == pytest.approx([0.1, 0.0, 0.1], abs=1e-15)
+    assert m.argmax_agree.tolist() == [False, True, False, True]
+
+
+def test_kl_topk_by_hand():
+    # HF [0.5, 0.3 | tail 0.2] vs vLLM [0.4, 0.4 | tail 0.2]
+    expected = 0.5 * math.log(0.5 / 0.4) + 0.3 * math.log(0.3 / 0.4) + 0.2 * math.log(0.2 / 0.2)
+    assert expected == pytest.approx(0.025267154, abs=1e-9)
+    assert _m().kl_topk[1] == pytest.approx(expected, abs=1e-15)
+    # identical distributions on the partition: exactly zero
+    assert _m().kl_topk[2] == pytest.approx(0.0, abs=1e-16)
+    # HF [0.1, 0.1 | 0.8] vs vLLM [0.2, 0.1 | 0.7]
+    e3 = 0.1 * math.log(0.1 / 0.2) + 0.0 + 0.8 * math.log(0.8 / 0.7)
+    assert _m().kl_topk[3] == pytest.approx(e3, abs=1e-15)
+
+
+def test_kl_topk_tail_edge_cases():
+    # vLLM's top-k covers all the mass but HF has some outside: large but finite
+    v = kl_topk(np.log([[0.5, 0.3]]), np.log([[0.5, 0.5]]))
+    assert np.isfinite(v[0]) and v[0] > 1.0
+    # missing ids (-1 -> NaN) are left out of the head
+    w = kl_topk(np.array([[math.log(0.5), NAN]]), np.array([[math.log(0.4), NAN]]))
+    assert w[0] == pytest.approx(0.5 * math.log(0.5 / 0.4) + 0.5 * math.log(0.5 / 0.6), abs=1e-15)
+    assert math.isnan(kl_topk(np.array([[NAN]]), np.array([[NAN]]))[0])
+
+
+def test_summary_by_hand():
+    s = summarize(_m())
+    assert set(s) == set(SUMMARY_KEYS)
+    a, b = math.log(1.25), math.log(2.0)  # |deltas| 0.2231, 0, 0.6931
+    assert s["n_tokens"] == 3
+    assert s["max_abs_delta"] == pytest.approx(b, abs=1e-15)
+    assert s["mean_abs_delta"] == pytest.approx((a + b) / 3, abs=1e-15)
+    assert s["p50_abs_delta"] == pytest.approx(a, abs=1e-15)
+    # numpy's linear interpolation between the 2nd and 3rd sorted values
+    assert s["p95_abs_delta"] == pytest.approx(a + 0.9 * (b - a), abs=1e-15)
+    assert s["p99_abs_delta"] == pytest.approx(a + 0.98 * (b - a), abs=1e-15)
+    assert s["mean_delta"] == pytest.approx((-a + b) / 3, abs=1e-15)
+    assert s["seq_logprob_delta"] == pytest.approx(-a + b, abs=1e-15)
+    assert s["max_prob_delta"] == pytest.approx(0.1, abs=1e-15)
+    assert s["mean_prob_delta"] == pytest.approx(0.2 / 3, abs=1e-15)
+    assert s["argmax_agreement"] == pytest.approx(2 / 3)
+    assert s["frac_ratio_outside_0.9_1.1"] == pytest.approx(2 / 3)  # ratios 0.8, 1, 2
+    # Pearson of HF [0.5, 0.25, 0.1] against vLLM [0.4, 0.25, 0.2], by hand
+    x, y = np.array([0.5, 0.25, 0.1]), np.array([0.4, 0.25, 0.2])
+    dx, dy = x - x.mean(), y - y.mean()
+    r = (dx * dy).sum() / math.sqrt((dx**2).sum() * (dy**2).sum())
+    assert s["pearson_prob"] == pytest.approx(r, abs=1e-12)
+    assert s["mean_kl_topk"] == pytest.approx(np.mean(_m().kl_topk[1:]), abs=1e-15)
+
+
+def test_summary_of_nothing_and_concat():
+    m = _m()
+    empty = token_metrics(np.array([NAN]), np.array([NAN]), np.array([-1]), np.array([-1]), np.full((1, 2), NAN), np.full((1, 2), NAN))
+    s = summarize(empty)
+    assert s["n_tokens"] == 0 and s["max_abs_delta"] is None
+    both = summarize(concat([m, empty, m]))
+    assert both["n_tokens"] == 6
+    assert both["seq_logprob_delta"] == pytest.approx(2 * summarize(m)["seq_logprob_delta"], abs=1e-15)
+
+
+def test_no_rounding_of_float32_neighbours():
+    lh = np.array([NAN, np.float32(-1.0)], dtype=np.float64)
+    lv = np.array([NAN, np.nextafter(np.float32(-1.0), np.float32(0))], dtype=np.float64)
+    m = token_metrics(lh, lv, np.array([-1, 1]), np.array([-1, 1]), np.full((2, 1), -1.0), np.full((2, 1), -1.0))
+    assert m.abs_delta[1] == pytest.approx(2**-24, rel=0) and m.abs_delta[1] > 0

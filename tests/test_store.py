@@ -1,0 +1,106 @@
+"""Store plumbing on synthetic scores (no engine): round trip, atomicity, ids, listing."""
+
+import os
+
+import numpy as np
+import pytest
+
+from core.errors import UserError
+from core.metrics import concat, summarize
+from core.run import Run, SequenceResult
+from core.scores import TokenScores
+from core.store import Store
+from core.tokens import TokenizedText
+
+
+def _scores(ids, shift, k=2, gather=False):
+    s = TokenScores.empty(ids, k)
+    rng = np.random.default_rng(len(ids))
+    for t in range(1, len(ids)):
+        s.logprob[t] = -1.0 - t / 10 + shift
+        s.rank[t] = t
+        s.topk_ids[t] = [ids[t], 99]
+        s.topk_logprobs[t] = [-0.5 + shift, -2.0]
+    g = np.where(s.topk_ids >= 0, s.topk_logprobs + rng.normal(0, 1e-3, s.topk_logprobs.shape), np.nan)
+    return TokenScores(s.token_ids, s.logprob, s.rank, s.topk_ids, s.topk_logprobs, g if gather else None)
+
+
+def make_run(run_id="abc123", texts=("a <b>", "c\nd")):
+    seqs = []
+    for i, text in enumerate(texts):
+        ids = [1, 10 + i, 20, 30]
+        tok = TokenizedText(text, tuple(ids), ("<s>", "a", "Ġ<b>", "x"), ("<s>", "a", " <b>", "x"), True)
+        seqs.append(SequenceResult.build(tok, _scores(ids, 0.0, gather=True), _scores(ids, 1e-3 * (i + 1))))
+    summary = summarize(concat([s.metrics for s in seqs]))
+    meta = {
+        "run_id": run_id, "created": "2026-12-02T00:00:00+00:00", "created_ts": 1.0, "model": "m", "model_path": "/m",
+        "revision": None, "model_identity": {}, "dtype": "float32", "backends": ["hf", "vllm"], "settings": {},
+        "top_k": 2, "bos": "auto", "device": "cpu", "env": {"device": "cpu"}, "summary": summary,
+        "sequences": [{"text": s.text, "bos_added": True, "n_positions": 4, "summary": s.summary} for s in seqs],
+    }
+    return Run(meta=meta, sequences=tuple(seqs))
+
+
+def test_roundtrip_is_exact(tmp_path):
+    store = Store(tmp_path)
+    run = make_run()
+    store.save(run, request_key="k1")
+    back = store.load("abc")  # unique prefix
+    assert back.from_store and back.run_id == "abc123"
+    a, b = run.to_frame(), back.to_frame()
+    assert list(a.columns) == list(b.columns)
+    for col in ("hf_logprob", "vllm_logprob", "delta", "kl_topk"):
+        np.testing.assert_array_equal(a[col].to_numpy(), b[col].to_numpy())  # bit-exact, NaNs included
+    assert back.to_json_dict() == run.to_json_dict()
+    assert store.lookup_request("k1") == "abc123" and store.lookup_request("nope") is None
+
+
+def test_ids_unknown_ambiguous_and_malformed(tmp_path):
+    store = Store(tmp_path)
+    store.save(make_run("abc123"))
+    store.save(make_run("abd456"))
+    with pytest.raises(UserError, match="ambiguous"):
+        store.load("ab")
+    with pytest.raises(UserError, match="no stored run"):
+        store.load("ffff")
+    with pytest.raises(UserError, match="not a run id"):
+        store.load("../etc/passwd")
+    assert list(store.list_runs()["run_id"]) and set(store.list_runs()["run_id"]) == {"abc123", "abd456"}
+    store.delete("abd456")
+    assert not store.has("abd456") and not store.path_of("abd456").exists()
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    import pyarrow.parquet as pq
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pq, "write_table", boom)
+    with pytest.raises(OSError):
+        store.save(make_run())
+    assert os.listdir(store.runs_dir) == []
+    assert store.list_runs().empty
+
+
+def test_corrupted_file_is_reported(tmp_path):
+    store = Store(tmp_path)
+    store.save(make_run())
+    store.path_of("abc123").write_bytes(b"PAR1 garbage")
+    with pytest.raises(UserError, match="unreadable"):
+        store.load("abc123")
+
+
+def test_unwritable_root(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="not usable"):
+        Store(blocker / "sub")
+
+
+def test_mismatched_ids_are_refused():
+    ids = [1, 2, 3]
+    tok = TokenizedText("t", tuple(ids), ("a", "b", "c"), ("a", "b", "c"), False)
+    with pytest.raises(AssertionError, match="scored ids"):
+        SequenceResult.build(tok, _scores([1, 2, 4], 0.0), _scores(ids, 0.0))
