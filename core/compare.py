@@ -133,14 +133,26 @@ def compare(
     for d, load in plan:
         if (d, "vllm") not in started:
             start(d, load)
-        run = _score_dtype(spec, model, device, d, load, toks, seqs, max_model_len, started, emit)
+        run = _score_dtype(spec, model, device, d, load, toks, seqs, max_model_len, started, emit, decoder(tokenizer))
         store.save(run, request_key=keys[d])
         emit("store", d, f"run {run.run_id} saved")
         runs[d] = run
     return [runs[d] for d in spec.dtypes]
 
 
-def _score_dtype(spec, model, device, dtype, load, toks, seqs, max_model_len, started, emit) -> Run:
+def decoder(tokenizer: Any) -> Callable[[int], str]:
+    """Token id -> the text it decodes to alone (memoised: top-k lists repeat ids)."""
+    cache: dict[int, str] = {}
+
+    def decode(i: int) -> str:
+        if i not in cache:
+            cache[i] = tokenizer.decode([i])
+        return cache[i]
+
+    return decode
+
+
+def _score_dtype(spec, model, device, dtype, load, toks, seqs, max_model_len, started, emit, decode) -> Run:
     t0 = time.perf_counter()
     infos, timing = {}, {}
     scores = {}
@@ -161,7 +173,7 @@ def _score_dtype(spec, model, device, dtype, load, toks, seqs, max_model_len, st
             raise
         timing[f"{b}_score_s"] = round(time.perf_counter() - t, 3)
     emit("compare", dtype, "metrics")
-    results = tuple(SequenceResult.build(t, h, v) for t, h, v in zip(toks, scores["hf"], scores["vllm"]))
+    results = tuple(SequenceResult.build(t, h, v, decode) for t, h, v in zip(toks, scores["hf"], scores["vllm"]))
     from core.metrics import concat, summarize
 
     summary = summarize(concat([r.metrics for r in results]))

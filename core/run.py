@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +28,13 @@ class SequenceResult:
     vllm: TokenScores
     metrics: TokenMetrics
     summary: dict[str, Any]
+    # Decoded text of each side's top-k ids, so views need no tokenizer: {"hf": [[str]*k]*T, ...}
+    topk_text: dict[str, tuple[tuple[str, ...], ...]] | None = None
 
     @classmethod
-    def build(cls, tok: Any, hf: TokenScores, vllm: TokenScores) -> "SequenceResult":
+    def build(
+        cls, tok: Any, hf: TokenScores, vllm: TokenScores, decode: Callable[[int], str] | None = None
+    ) -> "SequenceResult":
         """Compare two sides' scores of the same ids; refuses scores of different ids."""
         ids = np.asarray(tok.token_ids, dtype=np.int64)
         for side, sc in (("hf", hf), ("vllm", vllm)):
@@ -39,7 +44,15 @@ class SequenceResult:
         if gathered is None:
             gathered = np.full(vllm.topk_logprobs.shape, np.nan)
         m = token_metrics(hf.logprob, vllm.logprob, hf.topk_ids[:, 0], vllm.topk_ids[:, 0], vllm.topk_logprobs, gathered)
-        return cls(tok.text, tuple(tok.token_ids), tuple(tok.tokens), tuple(tok.pieces), tok.bos_added, hf, vllm, m, summarize(m))
+        text = None
+        if decode is not None:
+            text = {
+                side: tuple(tuple(decode(int(i)) if i >= 0 else "" for i in row) for row in sc.topk_ids)
+                for side, sc in (("hf", hf), ("vllm", vllm))
+            }
+        return cls(
+            tok.text, tuple(tok.token_ids), tuple(tok.tokens), tuple(tok.pieces), tok.bos_added, hf, vllm, m, summarize(m), text
+        )
 
     def to_frame(self) -> pd.DataFrame:
         n = len(self.token_ids)
@@ -68,6 +81,8 @@ class SequenceResult:
                 "vllm_topk_ids": list(vl.topk_ids),
                 "vllm_topk_logprobs": list(vl.topk_logprobs),
                 "hf_at_vllm_topk": list(gathered),
+                "hf_topk_text": [list(r) for r in self.topk_text["hf"]] if self.topk_text else [[]] * n,
+                "vllm_topk_text": [list(r) for r in self.topk_text["vllm"]] if self.topk_text else [[]] * n,
             }
         )
 
@@ -108,6 +123,9 @@ class SequenceResult:
             vllm=side("vllm", None),
             metrics=metrics,
             summary=info["summary"],
+            topk_text={side: tuple(tuple(r) for r in df[f"{side}_topk_text"]) for side in SIDES}
+            if len(df) and len(df["hf_topk_text"].iloc[-1])
+            else None,
         )
 
     def positions_json(self) -> list[dict[str, Any]]:

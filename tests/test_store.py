@@ -29,13 +29,15 @@ def make_run(run_id="abc123", texts=("a <b>", "c\nd")):
     seqs = []
     for i, text in enumerate(texts):
         ids = [1, 10 + i, 20, 30]
-        tok = TokenizedText(text, tuple(ids), ("<s>", "a", "Ġ<b>", "x"), ("<s>", "a", " <b>", "x"), True)
+        k = max(1, len(text) // 3)
+        pieces = ("<s>", text[:k], text[k : 2 * k], text[2 * k :])  # joined pieces rebuild the text
+        tok = TokenizedText(text, tuple(ids), pieces, pieces, True)
         seqs.append(SequenceResult.build(tok, _scores(ids, 0.0, gather=True), _scores(ids, 1e-3 * (i + 1))))
     summary = summarize(concat([s.metrics for s in seqs]))
     meta = {
         "run_id": run_id, "created": "2026-12-02T00:00:00+00:00", "created_ts": 1.0, "model": "m", "model_path": "/m",
         "revision": None, "model_identity": {}, "dtype": "float32", "backends": ["hf", "vllm"], "settings": {},
-        "top_k": 2, "bos": "auto", "device": "cpu", "env": {"device": "cpu"}, "summary": summary,
+        "top_k": 2, "bos": "auto", "device": "cpu", "env": {"device": "cpu", "torch": "t", "transformers": "tf", "vllm": "v"}, "summary": summary,
         "sequences": [{"text": s.text, "bos_added": True, "n_positions": 4, "summary": s.summary} for s in seqs],
     }
     return Run(meta=meta, sequences=tuple(seqs))

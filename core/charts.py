@@ -1,0 +1,115 @@
+"""Altair charts of one or more runs (one colour per dtype); the dashboard shows them, reports embed them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from core.run import Run
+
+FLOOR = 1e-10  # |Δ| of exactly 0 drawn here on log axes
+
+
+def chart_frame(runs: list[Run], seq_index: int | None = None) -> pd.DataFrame:
+    """Scored positions of the runs (one sequence, or all), with a dtype column."""
+    frames = []
+    for r in runs:
+        df = r.to_frame()
+        if seq_index is not None:
+            df = df[df["seq"] == seq_index]
+        df = df[df["scored"]]
+        frames.append(
+            df[["seq", "index", "token_id", "piece", "hf_logprob", "vllm_logprob", "delta", "abs_delta", "hf_prob", "prob_delta", "kl_topk"]]
+            .assign(dtype=r.dtype, abs_delta_plot=lambda d: d["abs_delta"].clip(lower=FLOOR))
+        )
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _tooltip() -> list[Any]:
+    import altair as alt
+
+    return [
+        alt.Tooltip("dtype:N"),
+        alt.Tooltip("seq:Q", title="prompt"),
+        alt.Tooltip("index:Q", title="position"),
+        alt.Tooltip("piece:N", title="token"),
+        alt.Tooltip("hf_logprob:Q", title="HF logprob", format=".9f"),
+        alt.Tooltip("vllm_logprob:Q", title="vLLM logprob", format=".9f"),
+        alt.Tooltip("delta:Q", title="Δ logp", format=".3e"),
+    ]
+
+
+def histogram(df: pd.DataFrame) -> Any:
+    import altair as alt
+
+    return (
+        alt.Chart(df, title="|Δ logp| per dtype")
+        .transform_calculate(log_abs="log(datum.abs_delta_plot) / LN10")
+        .mark_bar(opacity=0.55, binSpacing=0)
+        .encode(
+            x=alt.X("log_abs:Q", bin=alt.Bin(maxbins=40), title="log10 |Δ logp| (nats)"),
+            y=alt.Y("count():Q", stack=None, title="tokens"),
+            color=alt.Color("dtype:N"),
+        )
+    )
+
+
+def scatter(df: pd.DataFrame) -> Any:
+    import altair as alt
+
+    lo = float(min(df["hf_logprob"].min(), df["vllm_logprob"].min())) if len(df) else -10.0
+    diag = alt.Chart(pd.DataFrame({"x": [lo, 0.0]})).mark_line(color="#999", strokeDash=[4, 4]).encode(x="x:Q", y="x:Q")
+    pts = (
+        alt.Chart(df, title="vLLM vs HF logprob")
+        .mark_circle(size=45, opacity=0.7)
+        .encode(
+            x=alt.X("hf_logprob:Q", title="HF logprob"),
+            y=alt.Y("vllm_logprob:Q", title="vLLM logprob"),
+            color="dtype:N",
+            tooltip=_tooltip(),
+        )
+    )
+    return diag + pts
+
+
+def by_position(df: pd.DataFrame) -> Any:
+    import altair as alt
+
+    return (
+        alt.Chart(df, title="|Δ logp| by position")
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("index:Q", title="position"),
+            y=alt.Y("abs_delta_plot:Q", scale=alt.Scale(type="log"), title="|Δ logp| (nats)"),
+            color="dtype:N",
+            detail="seq:N",
+            tooltip=_tooltip(),
+        )
+    )
+
+
+def by_probability(df: pd.DataFrame) -> Any:
+    import altair as alt
+
+    return (
+        alt.Chart(df, title="|Δ logp| against HF probability")
+        .mark_circle(size=45, opacity=0.7)
+        .encode(
+            x=alt.X("hf_prob:Q", scale=alt.Scale(type="log"), title="HF probability of the token"),
+            y=alt.Y("abs_delta_plot:Q", scale=alt.Scale(type="log"), title="|Δ logp| (nats)"),
+            color="dtype:N",
+            tooltip=_tooltip(),
+        )
+    )
+
+
+CHARTS = {"histogram": histogram, "scatter": scatter, "by_position": by_position, "by_probability": by_probability}
+
+
+def worst_tokens(runs: list[Run], n: int = 20, seq_index: int | None = None) -> pd.DataFrame:
+    df = chart_frame(runs, seq_index)
+    if df.empty:
+        return df
+    cols = ["dtype", "seq", "index", "piece", "token_id", "hf_logprob", "vllm_logprob", "delta", "abs_delta", "prob_delta", "kl_topk"]
+    return df.nlargest(n, "abs_delta")[cols].rename(columns={"piece": "token", "seq": "prompt", "index": "position"})

@@ -1,0 +1,98 @@
+"""A self-contained HTML report: styles, data and charts (as SVG) inline, so it opens offline."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from pathlib import Path
+
+from core.charts import CHARTS, chart_frame, worst_tokens
+from core.render import token_view_html
+from core.run import Run
+
+MAX_SEQUENCES = 50
+CARD_KEYS = ("n_tokens", "max_abs_delta", "mean_abs_delta", "p95_abs_delta", "argmax_agreement", "mean_kl_topk")
+
+_PAGE_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#111;padding:0 1em}
+h1{font-size:1.5em} h2{font-size:1.2em;margin-top:2em}
+table{border-collapse:collapse;font-size:13px} td,th{border:1px solid #ddd;padding:.25em .6em;text-align:right}
+th{background:#f5f5f5} td.l,th.l{text-align:left}
+.charts{display:flex;flex-wrap:wrap;gap:1em} .charts svg{max-width:100%;height:auto}
+.meta td{text-align:left}
+pre{white-space:pre-wrap;word-break:break-word;background:#f7f7f7;padding:.6em}
+"""
+
+
+def _e(x: object) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _num(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return _e(v)
+
+
+def _svg(chart: object) -> str:
+    try:
+        import vl_convert as vlc
+    except ImportError:
+        return "<p>(charts need vl-convert-python)</p>"
+    return vlc.vegalite_to_svg(chart.to_json())  # type: ignore[attr-defined]
+
+
+def report_html(runs: list[Run]) -> str:
+    first = runs[0]
+    m = first.meta
+    title = f"logprob-parity: {m['model']} · {', '.join(r.dtype for r in runs)}"
+    meta_rows = [
+        ("model", m["model"]),
+        ("revision", m.get("revision") or "local folder (weights hashed)"),
+        ("device", m["env"]["device"]),
+        ("torch / transformers / vLLM", f"{m['env']['torch']} / {m['env']['transformers']} / {m['env']['vllm']}"),
+        ("top-k / BOS policy", f"{m['top_k']} / {m['bos']}"),
+        ("engine settings", json.dumps(m["settings"], sort_keys=True)),
+    ] + [(f"run id ({r.dtype})", f"{r.run_id}  created {r.meta.get('created')}") for r in runs]
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_PAGE_CSS}</style></head><body>"]
+    parts.append(f"<h1>{_e(title)}</h1>")
+    parts.append("<table class='meta'>" + "".join(f"<tr><th class='l'>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in meta_rows) + "</table>")
+
+    parts.append("<h2>Summary</h2><table><tr><th class='l'>metric</th>" + "".join(f"<th>{_e(r.dtype)}</th>" for r in runs) + "</tr>")
+    for key in first.summary:
+        parts.append(f"<tr><td class='l'>{_e(key)}</td>" + "".join(f"<td>{_num(r.summary.get(key))}</td>" for r in runs) + "</tr>")
+    parts.append("</table>")
+
+    df = chart_frame(runs)
+    if not df.empty:
+        parts.append("<h2>Charts</h2><div class='charts'>")
+        parts.extend(f"<div>{_svg(make(df).properties(width=480, height=260))}</div>" for make in CHARTS.values())
+        parts.append("</div>")
+
+    worst = worst_tokens(runs, 20)
+    if not worst.empty:
+        parts.append("<h2>Worst 20 tokens</h2><table><tr>" + "".join(f"<th>{_e(c)}</th>" for c in worst.columns) + "</tr>")
+        for _, row in worst.iterrows():
+            cells = "".join(f"<td class='l'>{_e(repr(v))}</td>" if c == "token" else f"<td>{_num(v)}</td>" for c, v in row.items())
+            parts.append(f"<tr>{cells}</tr>")
+        parts.append("</table>")
+
+    n = min(len(first.sequences), MAX_SEQUENCES)
+    parts.append(f"<h2>Tokens</h2><p>Hover a token for both logprobs, ranks and top-5 lists. Showing {n} of {len(first.sequences)} prompts.</p>")
+    for i in range(n):
+        s = first.sequences[i]
+        parts.append(f"<h3>Prompt {i + 1}</h3><pre>{_e(s.text)}</pre>")
+        parts.append(token_view_html(runs, i))
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
+def write_html_report(runs: Run | list[Run], path: str | os.PathLike) -> None:
+    runs = [runs] if isinstance(runs, Run) else runs
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(report_html(runs), encoding="utf-8")
+    os.replace(tmp, out)

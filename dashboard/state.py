@@ -1,0 +1,79 @@
+"""Shared, cached handles: the store, loaded runs, what this machine can run, and URL state."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import streamlit as st
+
+from core.env import dtype_support, resolve_device
+from core.errors import UserError
+from core.render import SCALES
+from core.run import Run
+from core.store import Store
+
+
+@st.cache_resource
+def get_store() -> Store:
+    return Store()
+
+
+@st.cache_resource(max_entries=64)
+def load_run(run_id: str) -> Run:
+    """Runs are content-addressed and immutable, so one loaded copy is shared by every session."""
+    return get_store().load(run_id)
+
+
+def engines_available() -> str | None:
+    """None when both engines can run here, else why not (viewer mode)."""
+    missing = [name for name in ("torch", "transformers", "vllm") if importlib.util.find_spec(name) is None]
+    return f"viewer mode: {', '.join(missing)} not installed here; stored runs and shared links still open" if missing else None
+
+
+def dtype_reasons(device: str = "auto") -> dict[str, str | None]:
+    try:
+        dev = resolve_device(device)
+    except UserError as exc:
+        return {d: str(exc) for d in ("float16", "bfloat16", "float32")}
+    return {d: dtype_support(d, dev) for d in ("float16", "bfloat16", "float32")}
+
+
+def runs_from_query() -> tuple[list[Run], list[str]]:
+    """The runs named in ?runs=a,b; unknown or malformed ids become messages, not crashes."""
+    raw = st.query_params.get("runs", "")
+    runs, problems = [], []
+    for rid in [r for r in raw.split(",") if r][:8]:
+        try:
+            runs.append(load_run(get_store().resolve_id(rid.strip())))
+        except UserError as exc:
+            problems.append(str(exc))
+    return runs, problems
+
+
+def query_int(name: str, default: int, lo: int, hi: int) -> int:
+    try:
+        return min(max(int(st.query_params.get(name, default)), lo), hi)
+    except (TypeError, ValueError):
+        return default
+
+
+def query_float(name: str, default: float | None) -> float | None:
+    try:
+        v = st.query_params.get(name)
+        return float(v) if v not in (None, "") else default
+    except (TypeError, ValueError):
+        return default
+
+
+def query_metric() -> str:
+    m = st.query_params.get("metric", "abs_delta")
+    return m if m in SCALES else "abs_delta"
+
+
+def set_query(**values: Any) -> None:
+    for k, v in values.items():
+        if v is None:
+            st.query_params.pop(k, None)
+        else:
+            st.query_params[k] = str(v)

@@ -1,0 +1,60 @@
+"""Prompt-set page: many prompts at once, aggregates per dtype, open any prompt in the token view."""
+
+import pandas as pd
+import streamlit as st
+
+from core.errors import UserError
+from core.prompts import MAX_UPLOAD_BYTES, parse_prompts
+from dashboard.components.run_view import show_runs
+from dashboard.components.runner import run_with_status
+from dashboard.components.spec_form import spec_form
+from dashboard.state import query_int, runs_from_query, set_query
+
+st.title("Prompt set")
+upload = st.file_uploader(
+    f"Prompts: .txt (one a line), .jsonl ({{\"text\": ...}}) or .csv (a text column), up to {MAX_UPLOAD_BYTES >> 20} MiB",
+    type=["txt", "jsonl", "csv"],
+    key="ps-upload",
+)
+texts = None
+if upload is not None:
+    try:
+        pset = parse_prompts(upload.getvalue(), upload.name)
+        texts = pset.texts
+        st.success(f"{len(texts)} prompts from {upload.name}")
+        if pset.skipped:
+            st.warning(f"Skipped {len(pset.skipped)} entries: " + "; ".join(pset.skipped[:10]))
+    except UserError as exc:
+        st.error(str(exc))
+
+spec, submitted = spec_form("ps", with_text=False)
+if submitted and spec is not None:
+    if not texts:
+        st.error("Upload a prompt file first.")
+    else:
+        from dataclasses import replace
+
+        runs = run_with_status(replace(spec, texts=tuple(texts)), progress_bar=True)
+        if runs:
+            set_query(runs=",".join(r.run_id for r in runs), seq=0)
+
+runs, problems = runs_from_query()
+for p in problems:
+    st.warning(p)
+if runs:
+    st.subheader("Aggregates per dtype")
+    keys = list(runs[0].summary)
+    st.dataframe(pd.DataFrame({r.dtype: [r.summary[k] for k in keys] for r in runs}, index=keys), width="stretch")
+    st.subheader("Per prompt (click a row to open it)")
+    n = min(len(r.sequences) for r in runs)
+    table = pd.DataFrame({"prompt": range(n), "text": [s.text[:120] for s in runs[0].sequences[:n]],
+                          "tokens": [s.summary["n_tokens"] for s in runs[0].sequences[:n]]})
+    for r in runs:
+        table[f"max |Δ| {r.dtype}"] = [s.summary["max_abs_delta"] for s in r.sequences[:n]]
+        table[f"mean |Δ| {r.dtype}"] = [s.summary["mean_abs_delta"] for s in r.sequences[:n]]
+    event = st.dataframe(table, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row", key="ps-table")
+    chosen = event.selection.rows[0] if event and event.selection.rows else query_int("seq", 0, 0, n - 1)
+    set_query(seq=chosen)
+    st.divider()
+    st.markdown(f"**Prompt {chosen}**")
+    show_runs(runs, page="prompt-set", seq_fixed=int(chosen))

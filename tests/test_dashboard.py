@@ -1,0 +1,121 @@
+"""Streamlit AppTest of each page; one drives the real engines on a tiny model."""
+
+import html
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from core.store import Store
+from test_store import make_run
+
+APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+HOSTILE = ("<script>alert(1)</script>", "<img src=x onerror=alert(1)>")
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches(home):
+    """Each test gets its own store root; cached handles from other tests must not leak in."""
+    st.cache_resource.clear()
+    st.cache_data.clear()
+    yield
+    st.cache_resource.clear()
+    st.cache_data.clear()
+
+
+def _html(at: AppTest) -> str:
+    return "".join(getattr(e, "proto", None).body for e in at.get("html") if hasattr(e.proto, "body"))
+
+
+def test_compare_page_opens_a_stored_run_and_escapes_tokens(home):
+    text = " ".join(HOSTILE)
+    Store(home).save(make_run("feed01", texts=(text,)))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["runs"] = "feed01"
+    at.run()
+    assert not at.exception
+    body = _html(at)
+    assert body.count('class="lpp-tok') == 4
+    assert "<script" not in body and "<img" not in body
+    k = len(text) // 3  # the pieces, escaped, are in the view as text
+    assert all(html.escape(p, quote=True) in body for p in (text[:k], text[k : 2 * k], text[2 * k :]))
+    assert "HF    logprob" in body and "vLLM  logprob" in body
+    labels = [m.label for m in at.metric]
+    assert "max |Δ logp|" in labels and "argmax agreement" in labels
+    # the view state is in the URL
+    assert at.query_params["runs"] == "feed01" and at.query_params["metric"] == "abs_delta"
+
+
+def test_view_state_from_the_url(home):
+    Store(home).save(make_run("feed02"))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params.update({"runs": "feed02", "seq": "1", "metric": "kl_topk", "thr": "1e-05"})
+    at.run()
+    assert not at.exception
+    assert at.selectbox(key="compare-metric").value == "kl_topk"
+    assert at.number_input(key="compare-seq").value == 1
+    assert "top-k KL" in _html(at)
+
+
+@pytest.mark.parametrize("runs", ["nothex!", "deadbeef", ",,,", "a" * 500])
+def test_malformed_or_unknown_run_ids_warn(home, runs):
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params.update({"runs": runs, "seq": "x", "metric": "<b>", "thr": "nan?"})
+    at.run()
+    assert not at.exception
+    if runs.strip(","):
+        assert at.warning and ("no stored run" in at.warning[0].value or "not a run id" in at.warning[0].value)
+
+
+def test_runs_page_lists_and_deletes(home):
+    store = Store(home)
+    store.save(make_run("abc111"))
+    store.save(make_run("abc222"))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()  # st.navigation registers the pages on the first run
+    at.switch_page("views/runs.py")
+    at.run()
+    assert not at.exception
+    assert at.title[0].value == "Stored runs"
+    df = at.dataframe[0].value
+    assert set(df["run_id"]) == {"abc111", "abc222"}
+    assert [b.label for b in at.button] == ["Open selected", "Delete selected"]
+
+
+def test_prompt_set_page_shows_aggregates(home):
+    Store(home).save(make_run("beef01", texts=("first prompt", "second <b>bold</b>")))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()  # st.navigation registers the pages on the first run
+    at.switch_page("views/prompt_set.py")
+    at.query_params.update({"runs": "beef01", "seq": "1"})
+    at.run()
+    assert not at.exception
+    assert at.title[0].value == "Prompt set"
+    tables = [d.value for d in at.dataframe]
+    assert "float32" in tables[0].columns and "max_abs_delta" in tables[0].index
+    assert list(tables[1]["text"]) == ["first prompt", "second <b>bold</b>"]  # shown as text by the grid
+    assert " &lt;b&gt;bo" in _html(at) and "ld&lt;/b&gt;" in _html(at)  # prompt 1 (from ?seq=1), escaped
+
+
+@pytest.mark.engine
+def test_compare_page_runs_the_real_engines(home, tiny_bos):
+    at = AppTest.from_file(APP, default_timeout=900)
+    at.run()
+    at.selectbox(key="compare-preset").set_value("Other (Hub id or local folder)")
+    at.text_input(key="compare-custom").input(str(tiny_bos))
+    at.text_area(key="compare-text").input("Shall I compare thee to a summer's day? <script>alert(1)</script>")
+    at.checkbox(key="compare-dt-bfloat16").uncheck()
+    at.button[0].click()
+    at.run()
+    assert not at.exception, at.exception
+    assert not at.error, [e.value for e in at.error]
+    rid = at.query_params["runs"]
+    assert Store(home).has(rid)
+    body = _html(at)
+    assert body.count('class="lpp-tok') > 10 and "&lt;" in body and "<script" not in body
+    # a bad request keeps the app up and says why
+    at.text_area(key="compare-text").input("   ")
+    at.button[0].click()
+    at.run()
+    assert not at.exception and "empty" in at.error[0].value
