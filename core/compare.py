@@ -10,6 +10,7 @@ from typing import Any
 from core import engines
 from core.env import device_name, dtype_support, resolve_device, versions
 from core.errors import UserError
+from core.metrics import concat, summarize
 from core.models import ResolvedModel, resolve_model
 from core.run import SCHEMA_VERSION, Run, SequenceResult
 from core.spec import RunSpec, content_hash
@@ -174,8 +175,6 @@ def _score_dtype(spec, model, device, dtype, load, toks, seqs, max_model_len, st
         timing[f"{b}_score_s"] = round(time.perf_counter() - t, 3)
     emit("compare", dtype, "metrics")
     results = tuple(SequenceResult.build(t, h, v, decode) for t, h, v in zip(toks, scores["hf"], scores["vllm"]))
-    from core.metrics import concat, summarize
-
     summary = summarize(concat([r.metrics for r in results]))
     rid = run_id_for(spec, model, dtype, device, toks, max_model_len)
     now = dt.datetime.now(dt.timezone.utc)

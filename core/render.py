@@ -8,8 +8,6 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 
 from core.run import Run, SequenceResult
@@ -167,11 +165,3 @@ def token_view_html(runs: list[Run], seq_index: int, metric: str = "abs_delta", 
     rows = [sequence_row_html(r.dtype, r.sequences[seq_index], scale, threshold) for r in runs if seq_index < len(r.sequences)]
     return f"<style>{CSS}</style><div class=\"lpp-tv\">{legend_html(scale, threshold)}{''.join(rows)}</div>"
 
-
-def escape_table(df: Any) -> Any:
-    """Token columns for tables rendered as HTML: escaped text, never markup."""
-    out = df.copy()
-    for col in ("token", "piece", "text"):
-        if col in out.columns:
-            out[col] = out[col].map(lambda s: html.escape(str(s), quote=True))
-    return out

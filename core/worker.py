@@ -27,7 +27,7 @@ AUTHKEY_ENV = "LPP_WORKER_AUTHKEY"
 LOG_TAIL_CHARS = 2000
 
 
-def _describe_load_error(exc: BaseException) -> tuple[str, str]:
+def _describe_error(exc: BaseException) -> tuple[str, str]:
     """(kind, message) for errors a user can act on; everything else is an engine error."""
     text = f"{type(exc).__name__}: {exc}"
     low = text.lower()
@@ -74,7 +74,7 @@ def serve() -> None:
                 else:
                     conn.send(("error", "engine", f"unknown request {op!r}"))
             except BaseException as exc:  # report everything; the client decides
-                kind, text = _describe_load_error(exc)
+                kind, text = _describe_error(exc)
                 traceback.print_exc()
                 conn.send(("error", kind, text))
                 if op == "load":
