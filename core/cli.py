@@ -94,6 +94,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         device=args.device,
         bos=args.bos,
         settings=_settings(args),
+        truncate=args.truncate,
     )
     spec.validate()
     t0 = time.perf_counter()
@@ -208,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--bos", choices=BOS_POLICIES, default="auto")
     c.add_argument("--json", default=None, metavar="OUT")
     c.add_argument("--no-cache", action="store_true", help="recompute even if the store has this run")
+    c.add_argument("--truncate", action="store_true", help="keep the first positions of prompts longer than the model allows")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     e = c.add_argument_group("engine settings (recorded in the run id)")
     e.add_argument("--no-enforce-eager", action="store_true", help="let vLLM compile/capture graphs")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
+from contextlib import ExitStack
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +18,7 @@ from core.run import SCHEMA_VERSION, Run, SequenceResult
 from core.spec import RunSpec, content_hash
 from core.store import Store
 from core.tokens import TokenizedText, load_tokenizer, tokenize
+from core.tokens import truncate as truncate_tokens
 
 # on_event(stage, dtype or None, detail): stages are resolve, cache, tokenize, load, score, compare, store.
 EventFn = Callable[[str, "str | None", str], None]
@@ -51,7 +54,7 @@ def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> d
 
 def request_key(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> str:
     """Hash of the request before tokenizing: the same request maps to the same stored run."""
-    return content_hash({**_identity(spec, model, dtype, device), "texts": list(spec.texts)}, 32)
+    return content_hash({**_identity(spec, model, dtype, device), "texts": list(spec.texts), "truncate": spec.truncate}, 32)
 
 
 def run_id_for(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, toks: list[TokenizedText], max_model_len: int) -> str:
@@ -66,17 +69,33 @@ def run_id_for(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, tok
     )
 
 
-def check_lengths(toks: list[TokenizedText], model: ResolvedModel, top_k: int) -> None:
+def check_lengths(toks: list[TokenizedText], model: ResolvedModel, top_k: int, truncate: bool = False) -> list[TokenizedText]:
+    """Refuse (or, with truncate, cut) prompts longer than the model's positions."""
     limit = model.max_positions
+    out = []
     for i, t in enumerate(toks):
         if limit is not None and len(t.token_ids) > limit:
-            raise UserError(
-                f"prompt {i + 1} is {len(t.token_ids)} tokens but {model.name} has {limit} positions; "
-                f"shorten it (its first {limit} tokens would fit)"
-            )
+            if not truncate:
+                raise UserError(
+                    f"prompt {i + 1} is {len(t.token_ids)} tokens but {model.name} has {limit} positions; "
+                    f"shorten it, or truncate (--truncate) to keep its first {limit} tokens"
+                )
+            t = truncate_tokens(t, limit)
+        out.append(t)
     vocab = model.vocab_size
     if vocab is not None and top_k > vocab:
         raise UserError(f"top-k {top_k} is above the vocabulary size {vocab}")
+    return out
+
+
+_inflight_lock = threading.Lock()
+_inflight: dict[str, threading.Lock] = {}
+
+
+def _request_lock(key: str) -> threading.Lock:
+    """One lock per request key: identical concurrent requests compute once, the rest wait and read the store."""
+    with _inflight_lock:
+        return _inflight.setdefault(key, threading.Lock())
 
 
 def compare(
@@ -84,8 +103,12 @@ def compare(
     store: Store | None = None,
     use_cache: bool = True,
     on_event: EventFn | None = None,
+    model_roots: list[str] | None = None,
 ) -> list[Run]:
-    """One stored Run per dtype, in spec order. Cached runs come back without starting an engine."""
+    """One stored Run per dtype, in spec order. Cached runs come back without starting an engine.
+
+    model_roots: where local model folders may come from (None: anywhere; see core.models).
+    """
     emit = on_event or _noop
     spec.validate()
     device = resolve_device(spec.device)
@@ -95,10 +118,16 @@ def compare(
             raise UserError(f"{d} cannot run on this device: {reason}")
     store = store or Store()
     emit("resolve", None, f"model {spec.model or 'demo'}")
-    model = resolve_model(spec.model, spec.revision, spec.settings.trust_remote_code)
-
-    runs: dict[str, Run] = {}
+    model = resolve_model(spec.model, spec.revision, spec.settings.trust_remote_code, model_roots)
     keys = {d: request_key(spec, model, d, device) for d in spec.dtypes}
+    with ExitStack() as held:
+        for key in sorted(keys.values()):  # a fixed order: no two requests deadlock
+            held.enter_context(_request_lock(key))
+        return _compare_locked(spec, store, use_cache, emit, device, model, keys)
+
+
+def _compare_locked(spec, store, use_cache, emit, device, model, keys) -> list[Run]:
+    runs: dict[str, Run] = {}
     if use_cache:
         for d, key in keys.items():
             rid = store.lookup_request(key)
@@ -111,8 +140,7 @@ def compare(
 
     emit("tokenize", None, f"{len(spec.texts)} text(s)")
     tokenizer = load_tokenizer(model.path, spec.settings.trust_remote_code)
-    toks = [tokenize(tokenizer, text, spec.bos) for text in spec.texts]
-    check_lengths(toks, model, spec.top_k)
+    toks = check_lengths([tokenize(tokenizer, text, spec.bos) for text in spec.texts], model, spec.top_k, spec.truncate)
     max_model_len = model_max_len(max(len(t.token_ids) for t in toks), model.max_positions)
     seqs = [list(t.token_ids) for t in toks]
 
@@ -128,16 +156,22 @@ def compare(
         for b in ("vllm", "hf"):
             started[(d, b)] = engines.start_engine(b, load)
 
-    if device == "cpu":
+    try:
+        if device == "cpu":
+            for d, load in plan:
+                start(d, load)
         for d, load in plan:
-            start(d, load)
-    for d, load in plan:
-        if (d, "vllm") not in started:
-            start(d, load)
-        run = _score_dtype(spec, model, device, d, load, toks, seqs, max_model_len, started, emit, decoder(tokenizer))
-        store.save(run, request_key=keys[d])
-        emit("store", d, f"run {run.run_id} saved")
-        runs[d] = run
+            if (d, "vllm") not in started:
+                start(d, load)
+            run = _score_dtype(spec, model, device, d, load, toks, seqs, max_model_len, started, emit, decoder(tokenizer))
+            store.save(run, request_key=keys[d])
+            emit("store", d, f"run {run.run_id} saved")
+            runs[d] = run
+    except BaseException:
+        for worker, _ in started.values():  # started for this request but never loaded: not worth keeping
+            if worker.info is None:
+                engines.discard(worker)
+        raise
     return [runs[d] for d in spec.dtypes]
 
 

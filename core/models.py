@@ -40,12 +40,39 @@ class ResolvedModel:
         return cfg.get("vocab_size")
 
 
-def resolve_model(model: str | None, revision: str | None = None, trust_remote_code: bool = False) -> ResolvedModel:
+ROOTS_ENV = "LPP_MODEL_ROOTS"
+
+
+def model_roots_from_env() -> list[str] | None:
+    """`LPP_MODEL_ROOTS` (os.pathsep-separated): the only folders local models may come from."""
+    raw = os.environ.get(ROOTS_ENV)
+    return None if raw is None else [r for r in raw.split(os.pathsep) if r]
+
+
+def check_allowed(path: str, roots: list[str] | None) -> None:
+    if roots is None:
+        return
+    real = os.path.realpath(path)
+    for root in roots:
+        base = os.path.realpath(os.path.expanduser(root))
+        if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
+            return
+    allowed = ", ".join(roots) if roots else f"none (set {ROOTS_ENV})"
+    raise UserError(f"local model folders are limited on this server; allowed roots: {allowed}")
+
+
+def resolve_model(
+    model: str | None, revision: str | None = None, trust_remote_code: bool = False, roots: list[str] | None = None
+) -> ResolvedModel:
+    """roots: None lets local folders come from anywhere (also when LPP_MODEL_ROOTS is unset)."""
     if is_demo(model):
         path = build_demo_model()
         return _local(str(path), f"demo:{DEMO_NAME}", None, trust_remote_code)
     assert model is not None
+    roots = roots if roots is not None else model_roots_from_env()
     expanded = os.path.expanduser(model)
+    if model.startswith((".", "/", "~")) or os.path.isdir(expanded):
+        check_allowed(expanded, roots)
     if os.path.isdir(expanded):
         return _local(os.path.abspath(expanded), model, None, trust_remote_code)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:

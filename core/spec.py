@@ -68,6 +68,7 @@ class RunSpec:
     device: str = "auto"
     bos: str = "auto"
     settings: EngineSettings = field(default_factory=EngineSettings)
+    truncate: bool = False  # keep the first positions of a prompt longer than the model allows
 
     def validate(self) -> None:
         """Checks that need no model: fail fast, before anything loads."""

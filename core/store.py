@@ -6,6 +6,7 @@ read as complete. Nothing here unpickles: Parquet and JSON only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
@@ -22,6 +23,11 @@ from core.paths import store_root
 from core.run import SCHEMA_VERSION, Run, SequenceResult
 
 META_KEY = b"logprob_parity_meta"
+REQUIRED_COLUMNS = {
+    "seq", "index", "token_id", "token", "piece", "scored", "hf_logprob", "vllm_logprob", "hf_rank", "vllm_rank",
+    "hf_prob", "vllm_prob", "delta", "abs_delta", "prob_delta", "kl_topk", "argmax_agree",
+    "hf_topk_ids", "hf_topk_logprobs", "vllm_topk_ids", "vllm_topk_logprobs", "hf_at_vllm_topk",
+}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -33,7 +39,8 @@ CREATE TABLE IF NOT EXISTS runs (
     n_tokens INTEGER NOT NULL,
     max_abs_delta REAL,
     mean_abs_delta REAL,
-    meta TEXT NOT NULL
+    meta TEXT NOT NULL,
+    sha256 TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS requests (request_key TEXT PRIMARY KEY, run_id TEXT NOT NULL);
 """
@@ -72,6 +79,7 @@ class Store:
                 pq.write_table(table, f)
                 f.flush()
                 os.fsync(f.fileno())
+            digest = _sha256(Path(tmp))
             os.replace(tmp, self.path_of(run.run_id))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -79,7 +87,7 @@ class Store:
         s = run.summary
         with closing(self._db()) as db, db:
             db.execute(
-                "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
                     run.run_id,
                     meta.get("created_ts", time.time()),
@@ -90,6 +98,7 @@ class Store:
                     s["max_abs_delta"],
                     s["mean_abs_delta"],
                     json.dumps(meta),
+                    digest,
                 ),
             )
             if request_key:
@@ -135,13 +144,22 @@ class Store:
 
         run_id = self.resolve_id(run_id)
         path = self.path_of(run_id)
+        if not path.is_file():
+            raise UserError(f"no stored run {run_id}: its file is missing from {self.runs_dir}")
+        with closing(self._db()) as db:
+            (expected,) = db.execute("SELECT sha256 FROM runs WHERE run_id=?", (run_id,)).fetchone()
         try:
+            if _sha256(path) != expected:
+                raise UserError(f"stored run {run_id} failed its integrity check (file changed since it was written)")
             table = pq.read_table(path)
             meta = json.loads(table.schema.metadata[META_KEY])
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise UserError(f"stored run {run_id} is unreadable ({type(exc).__name__}: {exc})") from exc
         if meta.get("run_id") != run_id or meta.get("schema_version") != SCHEMA_VERSION:
             raise UserError(f"stored run {run_id} does not match its index entry (schema or id); delete and re-run it")
+        missing = REQUIRED_COLUMNS - set(table.column_names)
+        if missing:
+            raise UserError(f"stored run {run_id} lacks columns {sorted(missing)}; delete and re-run it")
         df = table.to_pandas()
         seqs = tuple(
             SequenceResult.from_frame(df[df["seq"] == i].reset_index(drop=True), info)
@@ -160,6 +178,14 @@ class Store:
         df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
         df["first_text"] = [_first_text(json.loads(r[-1])) for r in rows]
         return df
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _first_text(meta: dict[str, Any]) -> str:

@@ -83,3 +83,17 @@ def decode_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
     if prev != tokenizer.decode(ids):
         pieces[-1] += tokenizer.decode(ids)[len(prev) :]
     return pieces
+
+
+def truncate(tok: TokenizedText, limit: int) -> TokenizedText:
+    """The first `limit` tokens; the text becomes what those tokens decode to."""
+    if len(tok.token_ids) <= limit:
+        return tok
+    pieces = tok.pieces[:limit]
+    return TokenizedText(
+        text="".join(pieces[1:] if tok.bos_added else pieces),
+        token_ids=tok.token_ids[:limit],
+        tokens=tok.tokens[:limit],
+        pieces=pieces,
+        bos_added=tok.bos_added,
+    )

@@ -8,6 +8,7 @@ temp folder, with a random authkey handed over in the environment; only our own 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -25,6 +26,18 @@ from core.errors import EngineError, UserError
 ADDRESS_ENV = "LPP_WORKER_ADDRESS"
 AUTHKEY_ENV = "LPP_WORKER_AUTHKEY"
 LOG_TAIL_CHARS = 2000
+# Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
+LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
+# Root causes vLLM's engine core logs but does not raise to the caller, as (pattern, message).
+_LOG_CAUSES = (
+    (re.compile(r"(out of memory|less than requested memory|No available memory for the cache blocks|"
+                r"Reduce CPU memory|insufficient memory|Cannot allocate memory)", re.I),
+     "out of memory while starting the engine; lower gpu_memory_utilization, use a smaller model or free memory"),
+    (re.compile(r"Model architectures? \[[^\]]*\] (?:are|is) not supported", re.I),
+     "vLLM does not support this model's architecture"),
+    (re.compile(r"trust_remote_code", re.I),
+     "this model needs custom code: turn on trust_remote_code only if you trust its authors"),
+)
 
 
 def _describe_error(exc: BaseException) -> tuple[str, str]:
@@ -126,14 +139,19 @@ class WorkerClient:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def log_tail(self) -> str:
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         try:
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+            return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
 
     def _died(self, doing: str) -> EngineError:
-        code = self.proc.poll() if self.proc else None
+        code = None
+        if self.proc is not None:
+            try:  # the socket closes a moment before the exit status is there to read
+                code = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         how = f"exit code {code}" if code is not None and code >= 0 else f"signal {-code}" if code else "no answer"
         return EngineError(f"{self.label} worker died while {doing} ({how}). Last log lines:\n{self.log_tail()}")
 
@@ -150,7 +168,7 @@ class WorkerClient:
                     pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise EngineError(f"{self.label} worker did not start within {timeout:.0f} s")
+                raise EngineError(f"{self.label} engine did not start within {timeout:.0f} s ({LOAD_TIMEOUT_ENV}); stopped it")
             time.sleep(0.05)
 
     def _request(self, msg: tuple, doing: str, timeout: float) -> Any:
@@ -173,11 +191,27 @@ class WorkerClient:
         _, kind, text = reply
         if kind == "user":
             raise UserError(f"{self.label}: {text}")
-        raise EngineError(f"{self.label}: {text}")
+        cause = self.root_cause()
+        if cause:
+            raise UserError(f"{self.label}: {cause}")
+        raise EngineError(f"{self.label}: {text}\n{self.log_tail()}")
 
-    def load(self, backend: str, kwargs: dict[str, Any], timeout: float = 900.0) -> dict[str, Any]:
-        self._connect(timeout=120.0)
-        self.info = self._request(("load", backend, kwargs), "loading the model", timeout)
+    def root_cause(self) -> str | None:
+        """A cause the user can act on, found in the worker's log (vLLM logs its engine core's errors)."""
+        log = self.log_tail(200_000)
+        for pattern, message in _LOG_CAUSES:
+            m = pattern.search(log)
+            if m:
+                line = next((ln for ln in log.splitlines() if m.group(0) in ln), m.group(0))
+                return f"{message} ({line.strip()[-300:]})"
+        return None
+
+    def load(self, backend: str, kwargs: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        timeout = timeout if timeout is not None else float(os.environ.get(LOAD_TIMEOUT_ENV, "900"))
+        start = time.monotonic()
+        self._connect(timeout=timeout)
+        left = max(timeout - (time.monotonic() - start), 1.0)
+        self.info = self._request(("load", backend, kwargs), "loading the model", left)
         return self.info
 
     def score(self, sequences: list[list[int]], top_k: int, gather_ids: Any = None, timeout: float = 3600.0) -> Any:

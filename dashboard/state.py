@@ -9,6 +9,7 @@ import streamlit as st
 
 from core.env import dtype_support, resolve_device
 from core.errors import UserError
+from core.models import model_roots_from_env
 from core.render import SCALES
 from core.run import Run
 from core.store import Store
@@ -29,6 +30,19 @@ def engines_available() -> str | None:
     """None when both engines can run here, else why not (viewer mode)."""
     missing = [name for name in ("torch", "transformers", "vllm") if importlib.util.find_spec(name) is None]
     return f"viewer mode: {', '.join(missing)} not installed here; stored runs and shared links still open" if missing else None
+
+
+LOCAL_ADDRESSES = ("localhost", "127.0.0.1", "::1")
+
+
+def model_roots() -> list[str] | None:
+    """Where local model folders may come from: anywhere when served on localhost; when served
+    beyond it, only LPP_MODEL_ROOTS (none if unset), so visitors cannot load arbitrary paths."""
+    roots = model_roots_from_env()
+    address = st.get_option("server.address")
+    if roots is None and address and address not in LOCAL_ADDRESSES:
+        return []
+    return roots
 
 
 def dtype_reasons(device: str = "auto") -> dict[str, str | None]:

@@ -75,3 +75,18 @@ def build_tiny_llama(name: str = "tiny-llama-bos", adds_bos: bool = True, max_po
     model.save_pretrained(tmp, safe_serialization=True)
     tmp.rename(out)
     return out
+
+
+def build_tiny_openai_gpt() -> Path:
+    """An architecture HF runs but vLLM does not (OpenAI GPT-1), for the 'unsupported' message."""
+    out = CACHE / "tiny-openai-gpt"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(tmp, adds_bos=True)
+    OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=1, n_head=2)).save_pretrained(tmp)
+    tmp.rename(out)
+    return out

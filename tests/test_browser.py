@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_env
+from hostile import HOSTILE as HOSTILE_STRINGS
+from test_hostile import hostile_run
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
@@ -21,7 +23,6 @@ HOSTILE = "Thou art <script>alert(1)</script> and <img src=x onerror=alert(1)> l
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.engine,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (scripts/setup.sh --test installs it)"),
 ]
 
@@ -65,6 +66,7 @@ def _tokens(page):
     return [(s.get_attribute("style") or "", s.get_attribute("title") or "") for s in spans.all()]
 
 
+@pytest.mark.engine
 def test_compare_in_the_browser_and_share(server, tiny_bos):
     from playwright.sync_api import sync_playwright
 
@@ -107,3 +109,46 @@ def test_compare_in_the_browser_and_share(server, tiny_bos):
         other.screenshot(path=str(ARTIFACTS / "browser-shared.png"), full_page=True)
         browser.close()
     assert dialogs == []
+
+
+COUNT_EXECUTIONS = """
+window.__execs = 0;
+for (const f of ['alert', 'confirm', 'prompt', 'print']) { window[f] = () => { window.__execs += 1; }; }
+"""
+
+
+def _check_page(page, dialogs):
+    for tok in page.locator(".lpp-tok").all()[:60]:  # hover: fires any mouse handlers a token might carry
+        tok.hover()
+    assert page.evaluate("window.__execs") == 0 and dialogs == []
+    assert page.locator(".lpp-tv script, .lpp-tv img, .lpp-tv iframe, .lpp-tv svg, .lpp-tv a, .lpp-tv object").count() == 0
+    shown = page.locator(".lpp-row .lpp-text").first.inner_text()
+    for s in HOSTILE_STRINGS:
+        if s.startswith("<") and len(s) < 200:
+            assert s in shown, s
+
+
+def test_hostile_text_never_executes(server, home, tmp_path):
+    """53 hostile strings as tokens, in the dashboard (a shared link) and in the HTML report."""
+    from playwright.sync_api import sync_playwright
+
+    from core.report import write_html_report
+    from core.store import Store
+
+    run = hostile_run()
+    Store(home).save(run)
+    report = tmp_path / "hostile.html"
+    write_html_report(run, report)
+    dialogs = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        for url in (f"{server}/?runs={run.run_id}", report.as_uri()):
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            page.add_init_script(COUNT_EXECUTIONS)
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.goto(url)
+            page.locator(".lpp-tok").first.wait_for(timeout=60_000)
+            page.wait_for_timeout(1000)
+            _check_page(page, dialogs)
+            page.close()
+        browser.close()

@@ -92,3 +92,22 @@ def test_too_long_and_no_tokenizer(home, tiny_bos, tmp_path):
     p = cli(home, "compare", "--model", str(folder), "--prompt", "hello world", timeout=300)
     assert p.returncode == 2 and "tokenizer" in p.stderr.splitlines()[-1], p.stderr
     assert run_files(home) == []
+
+
+def test_store_folder_not_writable(home, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    env_home = blocker / "store"
+    p = subprocess.run([sys.executable, "-m", "core.cli", "runs"], capture_output=True, text=True,
+                       env=cli_env(env_home), timeout=120)
+    assert p.returncode == 2 and "not usable" in p.stderr and "LOGPROB_PARITY_HOME" in p.stderr
+
+
+def test_no_gpu_for_device_cuda(home):
+    from core.env import cuda_present
+
+    if cuda_present():
+        pytest.skip("this machine has a GPU")
+    p = cli(home, "compare", "--prompt", "hello there", "--device", "cuda", timeout=120)
+    assert p.returncode == 2 and "no NVIDIA GPU is visible" in p.stderr.splitlines()[-1]
+    assert run_files(home) == []

@@ -25,13 +25,17 @@ def _scores(ids, shift, k=2, gather=False):
     return TokenScores(s.token_ids, s.logprob, s.rank, s.topk_ids, s.topk_logprobs, g if gather else None)
 
 
-def make_run(run_id="abc123", texts=("a <b>", "c\nd")):
+def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None):
+    """A run with made-up scores; `pieces` (one list per text) sets the tokens, else each text is cut in three."""
     seqs = []
     for i, text in enumerate(texts):
-        ids = [1, 10 + i, 20, 30]
-        k = max(1, len(text) // 3)
-        pieces = ("<s>", text[:k], text[k : 2 * k], text[2 * k :])  # joined pieces rebuild the text
-        tok = TokenizedText(text, tuple(ids), pieces, pieces, True)
+        if pieces is not None:
+            toks = ("<s>", *pieces[i])
+        else:
+            k = max(1, len(text) // 3)
+            toks = ("<s>", text[:k], text[k : 2 * k], text[2 * k :])  # joined pieces rebuild the text
+        ids = [1] + [10 + i + j for j in range(len(toks) - 1)]
+        tok = TokenizedText(text, tuple(ids), toks, toks, True)
         seqs.append(SequenceResult.build(tok, _scores(ids, 0.0, gather=True), _scores(ids, 1e-3 * (i + 1))))
     summary = summarize(concat([s.metrics for s in seqs]))
     meta = {
@@ -89,9 +93,22 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 def test_corrupted_file_is_reported(tmp_path):
     store = Store(tmp_path)
     store.save(make_run())
-    store.path_of("abc123").write_bytes(b"PAR1 garbage")
-    with pytest.raises(UserError, match="unreadable"):
+    path = store.path_of("abc123")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="failed its integrity check"):
         store.load("abc123")
+    path.unlink()
+    with pytest.raises(UserError, match="no stored run"):  # indexed but gone: not served as complete
+        store.load("abc123")
+
+
+def test_corrupted_index_is_reported(tmp_path):
+    Store(tmp_path)
+    (tmp_path / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(UserError, match="not usable"):
+        Store(tmp_path)
 
 
 def test_unwritable_root(tmp_path):

@@ -7,7 +7,7 @@ import streamlit as st
 from core.compare import compare
 from core.errors import EngineError, UserError
 from core.run import Run
-from dashboard.state import get_store
+from dashboard.state import get_store, model_roots
 
 
 def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
@@ -26,7 +26,7 @@ def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
                 bar.progress(min(done / steps, 1.0), text=label)
 
         try:
-            runs = compare(spec, store=get_store(), on_event=on_event)
+            runs = compare(spec, store=get_store(), on_event=on_event, model_roots=model_roots())
         except UserError as exc:
             status.update(label="Could not run", state="error", expanded=False)
             st.error(str(exc))

@@ -39,6 +39,7 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
             if col.checkbox(d, value=default, key=f"{key}-dt-{d}", disabled=why is not None, help=why or f"compare in {d}"):
                 chosen.append(d)
         top_k = dcols[-1].number_input("top-k", 1, MAX_TOP_K, 5, key=f"{key}-topk")
+        truncate = st.checkbox("Truncate prompts longer than the model's positions", False, key=f"{key}-truncate")
         st.caption("Backends: HF transformers and vLLM, on the same token ids.")
         with st.expander("Engine settings (recorded in the run id)"):
             e1, e2, e3 = st.columns(3)
@@ -81,5 +82,6 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
         top_k=int(top_k),
         bos=bos,
         settings=settings,
+        truncate=truncate,
     )
     return spec, True

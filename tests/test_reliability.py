@@ -1,0 +1,194 @@
+"""Crashed engines, concurrent clients, and the bad inputs that need a model or an engine."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from core import engines
+from core.compare import compare
+from core.errors import EngineError, UserError
+from core.spec import EngineSettings, RunSpec
+from core.store import Store
+from conftest import run_files
+
+engine = pytest.mark.engine
+
+
+def _spec(model, text="Shall I compare thee to a summer's day?", seed=0, **kw):
+    return RunSpec(texts=(text,), model=str(model), dtypes=("float32",), top_k=3, settings=EngineSettings(seed=seed, **kw))
+
+
+def _workers(backend):
+    return [w for w in engines.running() if w.label.startswith(backend)]
+
+
+def _wait_for_worker(backend, exclude, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for w in _workers(backend):
+            if w.pid not in exclude:
+                return w
+        time.sleep(0.1)
+    raise AssertionError(f"no new {backend} worker appeared")
+
+
+@engine
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_kill_9_a_worker_mid_run(home, tiny_nobos, backend):
+    """The run fails with a clear message, nothing is stored, and the next run starts fresh and succeeds."""
+    store = Store(home)
+    seed = 1000 + len(backend)  # an engine key of its own: cold workers, so the kill lands mid-load
+    before = {w.pid for w in engines.running()}
+    errors = []
+    t = threading.Thread(target=lambda: _run_catching(errors, _spec(tiny_nobos, seed=seed), store))
+    t.start()
+    victim = _wait_for_worker(backend, before)
+    time.sleep(2.0)
+    os.kill(victim.pid, signal.SIGKILL)
+    t.join(600)
+    assert len(errors) == 1 and isinstance(errors[0], EngineError), errors
+    assert "died" in str(errors[0]) and "signal 9" in str(errors[0])
+    assert store.list_runs().empty and run_files(home) == []
+    (run,) = compare(_spec(tiny_nobos, seed=seed), store=store)
+    assert run.summary["n_tokens"] > 5 and store.has(run.run_id)
+    assert victim.pid not in {w.pid for w in engines.running()}
+
+
+@engine
+def test_a_warm_worker_that_died_is_replaced(home, tiny_bos):
+    store = Store(home)
+    compare(_spec(tiny_bos), store=store)
+    hf = max(_workers("hf (float32)"), key=lambda w: w.last_used)  # the one that just scored
+    os.kill(hf.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    (run,) = compare(_spec(tiny_bos, text="A new text after the crash."), store=store)
+    assert store.has(run.run_id) and all(w.pid != hf.pid for w in engines.running())
+
+
+def _run_catching(errors, spec, store):
+    try:
+        compare(spec, store=store)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        errors.append(exc)
+
+
+@engine
+def test_eight_concurrent_clients(home, tiny_bos):
+    """4 identical requests and 4 different ones at once: all answered, the identical one computed once,
+    one engine per backend, no errors."""
+    store = Store(home)
+    texts = ["The same request from four users."] * 4 + [f"User {i} asks something else entirely." for i in range(4)]
+    results, events = [None] * 8, [[] for _ in range(8)]
+
+    def client(i):
+        results[i] = compare(_spec(tiny_bos, text=texts[i]), store=store, on_event=lambda *e: events[i].append(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert all(r is not None for r in results)
+    same = {r[0].run_id for r in results[:4]}
+    assert len(same) == 1
+    computed = sum(any(e[0] == "store" for e in ev) for ev in events[:4])
+    assert computed == 1, [[e[0] for e in ev] for ev in events[:4]]
+    assert len({r[0].run_id for r in results}) == 5 and len(store.list_runs()) == 5
+    keys = {}
+    for w in engines.running():
+        keys[w.label] = keys.get(w.label, 0) + 1
+    assert len(_workers("vllm (float32)")) == len({w.address for w in _workers("vllm (float32)")})
+    print("workers by label:", keys)
+
+
+@engine
+def test_engine_start_timeout(home, tiny_bos, monkeypatch):
+    monkeypatch.setenv("LPP_ENGINE_START_TIMEOUT", "3")
+    with pytest.raises(EngineError, match="within 3 s|longer than 3 s"):
+        compare(_spec(tiny_bos, seed=2001), store=Store(home))
+    assert not [w for w in engines.running() if w.info is None]
+    assert run_files(home) == []
+
+
+@engine
+def test_vllm_not_installed(home, tiny_bos, tmp_path, monkeypatch):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "vllm.py").write_text("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shim))
+    with pytest.raises(UserError, match="not installed .*logprob-parity\\[cpu\\]"):
+        compare(_spec(tiny_bos, seed=2002), store=Store(home))
+
+
+@engine
+def test_out_of_memory_is_named(home, tiny_bos):
+    # on CPU, gpu_memory_utilization is the share of RAM vLLM reserves: 0.99 cannot be had
+    with pytest.raises(UserError, match="out of memory"):
+        compare(_spec(tiny_bos, gpu_memory_utilization=0.99), store=Store(home))
+    assert run_files(home) == []
+
+
+@engine
+def test_architecture_vllm_does_not_support(home):
+    from builders import build_tiny_openai_gpt
+
+    with pytest.raises(UserError, match="vLLM does not support this model's architecture"):
+        compare(_spec(build_tiny_openai_gpt()), store=Store(home))
+
+
+def test_custom_code_needs_trust(home, tiny_bos, tmp_path):
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    cfg = (Path(tiny_bos) / "config.json").read_text().replace('"model_type"', '"auto_map": {"AutoModelForCausalLM": "m.M"}, "model_type"')
+    (folder / "config.json").write_text(cfg)
+    with pytest.raises(UserError, match="custom code .* trust_remote_code is off"):
+        compare(_spec(folder), store=Store(home))
+
+
+def test_gated_model_message(home, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    class Response:  # the attributes huggingface_hub's HTTP errors read
+        headers: dict = {}
+        status_code = 403
+        request = None
+
+    def gated(**kw):
+        raise GatedRepoError("403 gated", response=Response())
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", gated)
+    with pytest.raises(UserError, match="gated: accept its terms on the Hub and set HF_TOKEN"):
+        compare(_spec("meta-llama/Llama-3.2-1B"), store=Store(home))
+
+
+def test_dtype_the_gpu_cannot_run(monkeypatch):
+    from core import env
+
+    monkeypatch.setattr(env, "_gpu_query", lambda field: "7.0" if field == "compute_cap" else "Tesla V100")
+    assert "bfloat16 needs an Ampere" in env.dtype_support("bfloat16", "cuda")
+    assert env.dtype_support("float16", "cuda") is None and env.dtype_support("bfloat16", "cpu") is None
+
+
+def test_model_roots_limit_local_folders(home, tiny_bos, tmp_path):
+    with pytest.raises(UserError, match="limited on this server"):
+        compare(_spec(tiny_bos), store=Store(home), model_roots=[str(tmp_path)])
+    with pytest.raises(UserError, match="allowed roots: none"):
+        compare(_spec("/etc"), store=Store(home), model_roots=[])
+
+
+def test_too_long_prompt_can_be_truncated(home, tiny_bos):
+    from core.compare import check_lengths
+    from core.models import resolve_model
+    from core.tokens import load_tokenizer, tokenize
+
+    model = resolve_model(str(tiny_bos))
+    tok = tokenize(load_tokenizer(str(tiny_bos)), "lawyer guitar hiking family " * 60, "auto")
+    with pytest.raises(UserError, match="has 128 positions; shorten it, or truncate"):
+        check_lengths([tok], model, 5)
+    (cut,) = check_lengths([tok], model, 5, truncate=True)
+    assert len(cut.token_ids) == 128 and cut.token_ids == tok.token_ids[:128] and tok.text.startswith(cut.text)
