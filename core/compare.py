@@ -52,6 +52,11 @@ def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> d
     }
 
 
+def load_kwargs(model: ResolvedModel, dtype: str, device: str, settings: Any, max_model_len: int) -> dict[str, Any]:
+    """What a worker needs to load an engine (and, with the backend, what keys it in the pool)."""
+    return {"model_path": model.path, "dtype": dtype, "device": device, "settings": settings.to_dict(), "max_model_len": max_model_len}
+
+
 def request_key(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> str:
     """Hash of the request before tokenizing: the same request maps to the same stored run."""
     return content_hash({**_identity(spec, model, dtype, device), "texts": list(spec.texts), "truncate": spec.truncate}, 32)
@@ -146,10 +151,7 @@ def _compare_locked(spec, store, use_cache, emit, device, model, keys) -> list[R
 
     # Start every engine process first so they load side by side (CPU: RAM permitting; one GPU:
     # dtype after dtype, so two vLLM engines never compete for the card's memory).
-    plan = []
-    for d in todo:
-        load = {"model_path": model.path, "dtype": d, "device": device, "settings": spec.settings.to_dict(), "max_model_len": max_model_len}
-        plan.append((d, load))
+    plan = [(d, load_kwargs(model, d, device, spec.settings, max_model_len)) for d in todo]
     started: dict[tuple[str, str], Any] = {}
 
     def start(d: str, load: dict[str, Any]) -> None:

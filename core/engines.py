@@ -6,7 +6,7 @@ import atexit
 import threading
 from typing import Any
 
-from core.spec import canonical_json
+from core.spec import EngineSettings, canonical_json
 from core.worker import WorkerClient
 
 _lock = threading.Lock()
@@ -17,7 +17,17 @@ device_lock = threading.Lock()
 
 
 def engine_key(backend: str, load_kwargs: dict[str, Any]) -> str:
-    return canonical_json({"backend": backend, **load_kwargs})
+    """Only the settings a backend reads split its engines: an HF knob never restarts vLLM."""
+    settings = EngineSettings.from_dict(load_kwargs["settings"])
+    part = settings.hf_part() if backend == "hf" else settings.vllm_part()
+    return canonical_json({"backend": backend, **load_kwargs, "settings": part})
+
+
+def worker_for(backend: str, load_kwargs: dict[str, Any]) -> WorkerClient:
+    """A loaded engine host for this key, started if needed."""
+    worker, _ = start_engine(backend, load_kwargs)
+    ensure_loaded(backend, load_kwargs, worker)
+    return worker
 
 
 def start_engine(backend: str, load_kwargs: dict[str, Any]) -> tuple[WorkerClient, bool]:

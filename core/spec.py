@@ -27,6 +27,7 @@ class EngineSettings:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool | None = None
     max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None
     seed: int = 0
     attention_backend: str | None = None

@@ -81,9 +81,9 @@ def serve() -> None:
                     kwargs = dict(kwargs, settings=EngineSettings(**kwargs["settings"]))
                     backend = load_backend_class(name)(**kwargs)
                     conn.send(("ok", backend.info()))
-                elif op == "score":
-                    assert backend is not None, "score before load"
-                    conn.send(("ok", backend.score(*msg[1:])))
+                elif op in ("score", "generate"):
+                    assert backend is not None, f"{op} before load"
+                    conn.send(("ok", getattr(backend, op)(*msg[1:])))
                 else:
                     conn.send(("error", "engine", f"unknown request {op!r}"))
             except BaseException as exc:  # report everything; the client decides
@@ -214,8 +214,12 @@ class WorkerClient:
         self.info = self._request(("load", backend, kwargs), "loading the model", left)
         return self.info
 
-    def score(self, sequences: list[list[int]], top_k: int, gather_ids: Any = None, timeout: float = 3600.0) -> Any:
-        return self._request(("score", sequences, top_k, gather_ids), "scoring", timeout)
+    def score(self, sequences: list[list[int]], top_k: int, gather_ids: Any = None, batch_size: int | None = None,
+              padding_side: str = "right", timeout: float = 3600.0) -> Any:
+        return self._request(("score", sequences, top_k, gather_ids, batch_size, padding_side), "scoring", timeout)
+
+    def generate(self, sequences: list[list[int]], max_new_tokens: int, timeout: float = 3600.0) -> list[list[int]]:
+        return self._request(("generate", sequences, max_new_tokens), "generating", timeout)
 
     def stop(self, grace: float = 20.0) -> None:
         """Ask the host to exit, then make sure it and its engine processes are gone."""

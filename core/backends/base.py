@@ -46,9 +46,16 @@ class Backend(ABC):
         sequences: list[list[int]],
         top_k: int,
         gather_ids: list[Any] | None = None,
+        batch_size: int | None = None,
+        padding_side: str = "right",
     ) -> list[TokenScores]:
         """Score every position of every sequence; `gather_ids[i]` is an int array [T, k] of extra
-        ids whose logprobs to return (-1 where none)."""
+        ids whose logprobs to return (-1 where none). batch_size: sequences per engine call
+        (None: the engine's default)."""
+
+    @abstractmethod
+    def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuation of each sequence, exactly max_new_tokens ids."""
 
     @abstractmethod
     def info(self) -> dict[str, Any]:

@@ -26,19 +26,59 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def score(
-        self, sequences: list[list[int]], top_k: int, gather_ids: list[np.ndarray] | None = None
+        self,
+        sequences: list[list[int]],
+        top_k: int,
+        gather_ids: list[np.ndarray] | None = None,
+        batch_size: int | None = None,
+        padding_side: str = "right",
     ) -> list[TokenScores]:
-        # One sequence per forward pass: no padding, so no padding can change a value.
-        return [
-            self._score_one(ids, top_k, None if gather_ids is None else gather_ids[i])
-            for i, ids in enumerate(sequences)
-        ]
+        """Default: one sequence per forward pass, so no padding can change a value. A batch_size > 1
+        pads (on `padding_side`) with correct position ids: the noise-floor diagnostics use it."""
+        bs = batch_size or 1
+        out: list[TokenScores] = []
+        for start in range(0, len(sequences), bs):
+            chunk = sequences[start : start + bs]
+            for j, logits in enumerate(self._forward(chunk, padding_side)):
+                i = start + j
+                out.append(self._from_logits(sequences[i], logits, top_k, None if gather_ids is None else gather_ids[i]))
+        return out
 
-    def _score_one(self, ids: list[int], k: int, gather: np.ndarray | None) -> TokenScores:
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=x, use_cache=False).logits[0, :-1]  # row t-1 predicts token t
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        target = x[0, 1:]
+    def _forward(self, chunk: list[list[int]], padding_side: str) -> list[torch.Tensor]:
+        """Each sequence's logits rows (row t-1 predicts token t)."""
+        if len(chunk) == 1:
+            x = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            return [self.model(input_ids=x, use_cache=False).logits[0, :-1]]
+        width = max(map(len, chunk))
+        x = torch.zeros((len(chunk), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(x)
+        for b, ids in enumerate(chunk):
+            sl = slice(0, len(ids)) if padding_side == "right" else slice(width - len(ids), width)
+            x[b, sl] = torch.tensor(ids, device=self.device)
+            mask[b, sl] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        rows = []
+        for b, ids in enumerate(chunk):
+            lo = 0 if padding_side == "right" else width - len(ids)
+            rows.append(logits[b, lo : lo + len(ids) - 1])
+        return rows
+
+    @torch.inference_mode()
+    def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuation of each sequence, one at a time (no padding)."""
+        out = []
+        for ids in sequences:
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                    do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
+            out.append(y[0, len(ids) :].tolist())
+        return out
+
+    def _from_logits(self, ids: list[int], logits: torch.Tensor, k: int, gather: np.ndarray | None) -> TokenScores:
+        # float32 log_softmax, as vLLM does; a float64 reference model keeps float64
+        lp = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+        target = torch.tensor(ids[1:], dtype=torch.long, device=lp.device)
         target_lp = lp.gather(1, target[:, None])[:, 0]
         # vLLM's rule: rank = number of vocabulary entries >= the target's logprob.
         rank = (lp >= target_lp[:, None]).sum(dim=-1)

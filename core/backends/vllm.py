@@ -57,6 +57,8 @@ class VLLMBackend(Backend):
             kwargs["enable_chunked_prefill"] = settings.enable_chunked_prefill
         if settings.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
+        if settings.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = settings.max_num_seqs
         if settings.attention_backend:
             kwargs["attention_backend"] = settings.attention_backend
         if device == "cpu":
@@ -72,12 +74,28 @@ class VLLMBackend(Backend):
         self.llm = LLM(**kwargs)
 
     def score(
-        self, sequences: list[list[int]], top_k: int, gather_ids: list[np.ndarray] | None = None
+        self,
+        sequences: list[list[int]],
+        top_k: int,
+        gather_ids: list[np.ndarray] | None = None,
+        batch_size: int | None = None,
+        padding_side: str = "right",
     ) -> list[TokenScores]:
+        """Default: every sequence in one generate call (vLLM batches them); batch_size=1 scores
+        each alone, which the noise-floor diagnostics compare against."""
         params = SamplingParams(prompt_logprobs=top_k, max_tokens=1, temperature=0.0, detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [self._parse(list(ids), out, top_k) for ids, out in zip(sequences, outputs)]
+        bs = batch_size or max(1, len(sequences))
+        results: list[TokenScores] = []
+        for start in range(0, len(sequences), bs):
+            chunk = sequences[start : start + bs]
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in chunk], params, use_tqdm=False)
+            results.extend(self._parse(list(ids), out, top_k) for ids, out in zip(chunk, outputs))
+        return results
+
+    def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, min_tokens=max_new_tokens, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
     @staticmethod
     def _parse(ids: list[int], out: Any, k: int) -> TokenScores:
