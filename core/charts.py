@@ -73,11 +73,12 @@ def scatter(df: pd.DataFrame) -> Any:
     return diag + pts
 
 
-def by_position(df: pd.DataFrame) -> Any:
+def by_position(df: pd.DataFrame, floors: dict[str, float] | None = None) -> Any:
+    """floors: HF's own noise (mean |Δ logp| across batch size and padding) per dtype, drawn as a band."""
     import altair as alt
 
-    return (
-        alt.Chart(df, title="|Δ logp| by position")
+    line = (
+        alt.Chart(df, title="|Δ logp| by position" + (" (dashed: HF's own noise floor)" if floors else ""))
         .mark_line(point=True)
         .encode(
             x=alt.X("index:Q", title="position"),
@@ -87,6 +88,13 @@ def by_position(df: pd.DataFrame) -> Any:
             tooltip=_tooltip(),
         )
     )
+    if not floors:
+        return line
+    band = pd.DataFrame([{"dtype": d, "floor": max(f, FLOOR)} for d, f in floors.items()])
+    rule = alt.Chart(band).mark_rule(strokeDash=[6, 4], size=2).encode(
+        y="floor:Q", color="dtype:N", tooltip=[alt.Tooltip("dtype:N"), alt.Tooltip("floor:Q", title="HF noise floor", format=".3e")]
+    )
+    return line + rule
 
 
 def by_probability(df: pd.DataFrame) -> Any:

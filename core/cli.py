@@ -59,6 +59,7 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         attention_backend=args.attention_backend,
@@ -67,10 +68,7 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
     )
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from core.compare import compare
+def _spec_from_args(args: argparse.Namespace) -> RunSpec:
     from core.prompts import read_prompt_file
 
     if (args.prompt is None) == (args.prompts is None):
@@ -97,6 +95,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
         truncate=args.truncate,
     )
     spec.validate()
+    return spec
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from core.compare import compare
+
+    spec = _spec_from_args(args)
+    dtypes = spec.dtypes
     t0 = time.perf_counter()
     bar = tqdm(total=2 + 6 * len(dtypes), desc="compare", unit="step", file=sys.stderr, disable=args.quiet)
 
@@ -116,6 +124,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"elapsed {time.perf_counter() - t0:.2f} s")
     if args.json:
         write_json(args.json, runs)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from core.diagnostics import PARTS, diagnose, diagnostics_text
+
+    spec = _spec_from_args(args)
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip()) if args.parts != "all" else PARTS
+    t0 = time.perf_counter()
+
+    def on_event(stage: str, dtype: str | None, detail: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
+
+    result = diagnose(spec, parts=parts, gen_tokens=args.gen_tokens, slow_knobs=args.slow_knobs, on_event=on_event)
+    print(diagnostics_text(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, allow_nan=False))
         print(f"wrote {args.json}")
     return 0
 
@@ -193,11 +220,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, cwd=str(app.parent.parent))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="logprob-parity", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
-    c = sub.add_parser("compare", help="score text with HF and vLLM and compare token by token")
+def _add_spec_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--model", default=None, help="hub id or local folder (default: the embedded demo model)")
     c.add_argument("--revision", default=None)
     c.add_argument("--dtype", default="float32", help="float16, bfloat16, float32, comma-separated")
@@ -210,18 +233,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", default=None, metavar="OUT")
     c.add_argument("--no-cache", action="store_true", help="recompute even if the store has this run")
     c.add_argument("--truncate", action="store_true", help="keep the first positions of prompts longer than the model allows")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--quiet", action="store_true", help="no progress output")
     e = c.add_argument_group("engine settings (recorded in the run id)")
     e.add_argument("--no-enforce-eager", action="store_true", help="let vLLM compile/capture graphs")
     e.add_argument("--enable-prefix-caching", action="store_true")
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--attention-backend", default=None, help="vLLM attention backend")
     e.add_argument("--attn-implementation", default=None, help="HF attn_implementation (sdpa, eager, ...)")
     e.add_argument("--trust-remote-code", action="store_true", help="run the model's own code (off by default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="logprob-parity", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compare", help="score text with HF and vLLM and compare token by token")
+    _add_spec_args(c)
     c.set_defaults(func=cmd_compare)
+
+    g = sub.add_parser("diagnose", help="noise floor, knob ablation, float64 reference, downstream impact, verdict")
+    _add_spec_args(g)
+    g.add_argument("--parts", default="noise,reference,downstream", help="noise,reference,downstream,ablation or 'all'")
+    g.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens to generate for the downstream check")
+    g.add_argument("--slow-knobs", action="store_true", help="also ablate knobs that are slow here (torch.compile on CPU)")
+    g.set_defaults(func=cmd_diagnose)
 
     sub.add_parser("runs", help="list stored runs").set_defaults(func=cmd_runs)
 

@@ -173,6 +173,7 @@ def diagnose(
     if "ablation" in parts:
         result["ablation"] = _ablation(spec, store, base_runs, device, slow_knobs, emit)
     result["diagnostics_id"] = content_hash({k: result[k] for k in ("model", "device", "versions", "texts", "parts", "run_ids")} | {"gen": gen_tokens})
+    result = json.loads(json.dumps(result, allow_nan=False))  # exactly what the store gives back
     save_diagnostics(store, result)
     return result
 
@@ -288,6 +289,20 @@ def save_diagnostics(store: Store, result: dict[str, Any]) -> None:
     os.replace(tmp, folder / f"{result['diagnostics_id']}.json")
 
 
+def load_diagnostics(store: Store, diag_id: str) -> dict[str, Any]:
+    from core.errors import UserError
+
+    if not diag_id or not all(c in "0123456789abcdef" for c in diag_id):
+        raise UserError(f"{diag_id!r} is not a diagnostics id")
+    path = store.root / "diagnostics" / f"{diag_id}.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"no stored diagnostics with id {diag_id!r}") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"stored diagnostics {diag_id} are unreadable: {exc}") from exc
+
+
 def diagnostics_for_run(store: Store, run_id: str) -> dict[str, Any] | None:
     """The newest diagnostics that include this run, if any (JSON only, never pickle)."""
     folder = store.root / "diagnostics"
@@ -302,3 +317,48 @@ def diagnostics_for_run(store: Store, run_id: str) -> dict[str, Any] | None:
         if run_id in data.get("run_ids", {}).values():
             found.append((path.stat().st_mtime, data))
     return max(found, key=lambda x: x[0])[1] if found else None
+
+
+def _f(v: Any) -> str:
+    return "-" if v is None else (f"{v:.3e}" if isinstance(v, float) else str(v))
+
+
+def diagnostics_tables(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The result as flat tables (rows of dicts) for the CLI, the dashboard and the report."""
+    noise, ref, down = [], [], []
+    for d, out in result["dtypes"].items():
+        if "noise" in out:
+            noise.append({"dtype": d, "source": "vLLM vs HF (the gap)", "mean_abs": out["gap"]["mean"], "max_abs": out["gap"]["max"]})
+            noise.extend({"dtype": d, "source": k, "mean_abs": v["mean"], "max_abs": v["max"]} for k, v in out["noise"].items())
+            noise.append({"dtype": d, "source": "gap / HF's own noise", "mean_abs": out["ratio_to_hf_noise"], "max_abs": None})
+        if "reference" in out:
+            r = out["reference"]
+            ref.append({"dtype": d, "mean |vLLM - ref|": r["vllm_vs_ref"]["mean"], "mean |HF - ref|": r["hf_vs_ref"]["mean"],
+                        "max |vLLM - ref|": r["vllm_vs_ref"]["max"], "max |HF - ref|": r["hf_vs_ref"]["max"],
+                        "tokens where vLLM is closer": r["frac_tokens_vllm_closer"], "closer overall": r["closer_overall"]})
+        if "greedy" in out:
+            g, m = out["greedy"], out["mcq"]
+            down.append({"dtype": d, "greedy first difference": g["first_difference"],
+                         "HF token there": g.get("hf_token"), "vLLM token there": g.get("vllm_token"),
+                         "MCQ flips HF vs vLLM": f"{m['flips_between_engines']}/{m['n_questions']}",
+                         "MCQ accuracy HF": m["hf_accuracy"], "MCQ accuracy vLLM": m["vllm_accuracy"]})
+    return {"noise": noise, "reference": ref, "downstream": down, "ablation": result.get("ablation", [])}
+
+
+def diagnostics_text(result: dict[str, Any]) -> str:
+    import pandas as pd
+
+    lines = [f"diagnostics {result['diagnostics_id']}  model {result['model']}  device {result['device']}"]
+    for d, out in result["dtypes"].items():
+        v = out["verdict"]
+        lines += ["", f"[{v['level'].upper()}] {v['headline']}"] + [f"  - {r}" for r in v["reasons"]]
+    for name, rows in diagnostics_tables(result).items():
+        if rows:
+            lines += ["", f"== {name} =="]
+            lines.append(pd.DataFrame(rows).drop(columns=["note", "run_id"], errors="ignore").to_string(index=False, float_format=_f))
+    knob = biggest_knob(result.get("ablation", []))
+    if knob:
+        lines += ["", f"The knob that moves the gap most: {knob['knob']} ({knob['dtype']}: mean |Δ| change {knob['change']:+.3e})"]
+    if result.get("mcq_dtype_flips"):
+        lines += ["", "MCQ answer flips between dtypes: " + ", ".join(f"{k}: {v}" for k, v in result["mcq_dtype_flips"].items())]
+    return "\n".join(lines)

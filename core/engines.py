@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
+import time
 from typing import Any
 
 from core.spec import EngineSettings, canonical_json
 from core.worker import WorkerClient
 
 _lock = threading.Lock()
+# Warm hosts kept at most (LPP_MAX_WARM_ENGINES); beyond it the least recently used idle one stops.
+MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
+IDLE_BEFORE_EVICT_S = 30.0
 _workers: dict[str, WorkerClient] = {}
 _key_locks: dict[str, threading.Lock] = {}
 # One scoring job on the device at a time: engines share the GPU (or the CPU cores).
 device_lock = threading.Lock()
+# Warm hosts kept at most (LPP_MAX_WARM_ENGINES); beyond it the least recently used idle one stops.
+MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
+IDLE_BEFORE_EVICT_S = 30.0
 
 
 def engine_key(backend: str, load_kwargs: dict[str, Any]) -> str:
@@ -46,6 +54,7 @@ def start_engine(backend: str, load_kwargs: dict[str, Any]) -> tuple[WorkerClien
             _workers.pop(key, None)
             worker = None
         if worker is None:
+            _evict_idle_locked()
             label = f"{backend} ({load_kwargs['dtype']})"
             worker = WorkerClient(label).start()
             _workers[key] = worker
@@ -63,6 +72,20 @@ def ensure_loaded(backend: str, load_kwargs: dict[str, Any], worker: WorkerClien
                 discard(worker)
                 raise
         return worker.info  # type: ignore[return-value]
+
+
+def _evict_idle_locked() -> None:
+    """Stop least-recently-used hosts idle for a while until one more fits under the cap."""
+    cap = int(os.environ.get(MAX_WARM_ENV, "8"))
+    now = time.monotonic()
+    idle = sorted(
+        ((k, w) for k, w in _workers.items() if w.info is not None and now - w.last_used > IDLE_BEFORE_EVICT_S),
+        key=lambda kw: kw[1].last_used,
+    )
+    while len(_workers) >= cap and idle:
+        key, w = idle.pop(0)
+        _workers.pop(key, None)
+        w.stop(grace=5.0)
 
 
 def discard(worker: WorkerClient) -> None:

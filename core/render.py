@@ -165,3 +165,22 @@ def token_view_html(runs: list[Run], seq_index: int, metric: str = "abs_delta", 
     rows = [sequence_row_html(r.dtype, r.sequences[seq_index], scale, threshold) for r in runs if seq_index < len(r.sequences)]
     return f"<style>{CSS}</style><div class=\"lpp-tv\">{legend_html(scale, threshold)}{''.join(rows)}</div>"
 
+
+
+_LEVEL_COLOURS = {"match": ("#ecfdf5", "#065f46"), "close": ("#fffbeb", "#92400e"), "differs": ("#fef2f2", "#991b1b")}
+
+
+def verdict_html(verdicts: list[dict]) -> str:
+    """Verdict cards (from core.verdict) for reports."""
+    cards = []
+    for v in verdicts:
+        bg, fg = _LEVEL_COLOURS.get(v["level"], ("#f3f4f6", "#111827"))
+        items = "".join(f"<li>{html.escape(r, quote=True)}</li>" for r in v["reasons"])
+        cards.append(
+            f'<div style="background:{bg};color:{fg};border-radius:8px;padding:.6em 1em;margin:.5em 0">'
+            f"<b>{html.escape(v['headline'], quote=True)}</b><ul>{items}</ul></div>"
+        )
+    if verdicts:
+        th = "; ".join(html.escape(t, quote=True) for t in verdicts[0]["thresholds"])
+        cards.append(f'<p style="font-size:12px;color:#555">Thresholds: {th}</p>')
+    return "".join(cards)

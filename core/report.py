@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from core.charts import CHARTS, chart_frame, worst_tokens
-from core.render import token_view_html
+from core.render import token_view_html, verdict_html
+from core.verdict import verdict
 from core.run import Run
 
 MAX_SEQUENCES = 50
@@ -61,6 +62,7 @@ def report_html(runs: list[Run]) -> str:
     parts.append(f"<h1>{_e(title)}</h1>")
     parts.append("<table class='meta'>" + "".join(f"<tr><th class='l'>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in meta_rows) + "</table>")
 
+    parts.append("<h2>Verdict</h2>" + verdict_html([verdict(r.summary, r.dtype).to_dict() for r in runs]))
     parts.append("<h2>Summary</h2><table><tr><th class='l'>metric</th>" + "".join(f"<th>{_e(r.dtype)}</th>" for r in runs) + "</tr>")
     for key in first.summary:
         parts.append(f"<tr><td class='l'>{_e(key)}</td>" + "".join(f"<td>{_num(r.summary.get(key))}</td>" for r in runs) + "</tr>")

@@ -15,6 +15,7 @@ VIEWS = Path(__file__).resolve().parent / "views"
 pages = [
     st.Page(VIEWS / "compare.py", title="Compare", icon="🔬", url_path="compare", default=True),
     st.Page(VIEWS / "prompt_set.py", title="Prompt set", icon="📚", url_path="prompt-set"),
+    st.Page(VIEWS / "diagnostics.py", title="Diagnostics", icon="🩺", url_path="diagnostics"),
     st.Page(VIEWS / "runs.py", title="Runs", icon="🗂️", url_path="runs"),
 ]
 st.navigation(pages).run()

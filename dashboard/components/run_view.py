@@ -13,6 +13,7 @@ from core.charts import CHARTS, chart_frame, worst_tokens
 from core.render import SCALES, token_view_html
 from core.report import report_html
 from core.run import Run
+from core.verdict import verdict
 from dashboard.state import query_float, query_int, query_metric, set_query
 
 METRIC_LABELS = {k: s.label for k, s in SCALES.items()}
@@ -41,6 +42,30 @@ def metric_cards(runs: list[Run]) -> None:
             b.metric("seq Δ logp", _fmt(s["seq_logprob_delta"]))
 
 
+def verdict_cards(verdicts: list[dict]) -> None:
+    """Plain language for people who do not read the numbers."""
+    show = {"match": st.success, "close": st.warning, "differs": st.error}
+    cols = st.columns(len(verdicts))
+    for col, v in zip(cols, verdicts):
+        with col:
+            show.get(v["level"], st.info)(v["headline"] + "\n\n" + "\n".join(f"- {r}" for r in v["reasons"]))
+    st.caption("Thresholds: " + "; ".join(verdicts[0]["thresholds"]))
+
+
+def noise_floors(runs: list[Run]) -> dict | None:
+    """HF's own noise per dtype, from diagnostics stored for these runs (if any were run)."""
+    from core.diagnostics import diagnostics_for_run
+    from dashboard.state import get_store
+
+    found = diagnostics_for_run(get_store(), runs[0].run_id)
+    if not found:
+        return None
+    outs = {d: o for d, o in found["dtypes"].items() if o["run_id"] in {r.run_id for r in runs} and "floor" in o}
+    if not outs:
+        return None
+    return {"hf": {d: o["floor"]["hf"] for d, o in outs.items()}, "ratios": {d: o["ratio_to_hf_noise"] for d, o in outs.items()}}
+
+
 def _header(runs: list[Run]) -> None:
     m = runs[0].meta
     env = m["env"]
@@ -62,6 +87,7 @@ def _share(runs: list[Run], seq: int, metric: str, thr: float | None, page: str)
 
 def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = None) -> None:
     _header(runs)
+    verdict_cards([verdict(r.summary, r.dtype).to_dict() for r in runs])
     metric_cards(runs)
     n_seq = min(len(r.sequences) for r in runs)
     c1, c2, c3, c4 = st.columns([2, 2, 2, 3])
@@ -81,12 +107,18 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
 
     st.html(token_view_html(runs, int(seq), metric, thr or None, hi))
 
+    floors = noise_floors(runs)
+    if floors:
+        st.caption("Noise floor from stored diagnostics: " + " · ".join(
+            f"{d}: gap = {r:.3g}× HF's own batch/padding noise" for d, r in floors["ratios"].items() if r is not None))
     df = chart_frame(runs, int(seq))
     tabs = st.tabs(["|Δ| histogram", "vLLM vs HF", "|Δ| by position", "|Δ| vs probability", "Worst 20", "All prompts"])
-    for tab, make in zip(tabs[:4], CHARTS.values()):
+    for tab, (name, make) in zip(tabs[:4], CHARTS.items()):
         with tab:
             if df.empty:
                 st.info("No scored tokens.")
+            elif name == "by_position" and floors:
+                st.altair_chart(make(df, floors["hf"]), width="stretch")
             else:
                 st.altair_chart(make(df), width="stretch")
     with tabs[4]:

@@ -1,0 +1,87 @@
+"""Diagnostics page: is the gap more than the noise, which knob moves it, who is closer to float64,
+and does it change an answer?"""
+
+import json
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from core.diagnostics import PARTS, biggest_knob, diagnose, diagnostics_tables, load_diagnostics
+from core.errors import EngineError, UserError
+from dashboard.components.run_view import verdict_cards
+from dashboard.components.spec_form import spec_form
+from dashboard.state import get_store, set_query
+
+st.title("Diagnostics")
+st.caption(
+    "Noise floor (HF against HF across batch size, padding and attention; vLLM alone vs batched and repeated), "
+    "a float64 HF reference, greedy generation and multiple-choice answers from both engines, and an ablation "
+    "of engine knobs. Everything runs on the same token ids as the comparison."
+)
+parts = st.multiselect("Diagnostics", PARTS, default=["noise", "reference", "downstream"], key="diag-parts",
+                       help="ablation starts one vLLM engine per knob and dtype (about 40 s each on a CPU)")
+spec, submitted = spec_form("diag", with_text=True)
+if submitted and spec is not None:
+    with st.status("Diagnosing…", expanded=True) as status:
+        try:
+            result = diagnose(spec, store=get_store(), parts=tuple(parts),
+                              on_event=lambda stage, d, detail: status.update(label=f"{stage}{f' [{d}]' if d else ''}: {detail}"))
+            status.update(label="Done", state="complete", expanded=False)
+            set_query(diag=result["diagnostics_id"])
+        except (UserError, EngineError) as exc:
+            status.update(label="Could not run", state="error", expanded=False)
+            st.error(str(exc).splitlines()[0])
+
+diag_id = st.query_params.get("diag")
+result = None
+if diag_id:
+    try:
+        result = load_diagnostics(get_store(), diag_id)
+    except UserError as exc:
+        st.warning(str(exc))
+if result:
+    st.subheader(f"{result['model']} · {result['device']}")
+    verdict_cards([out["verdict"] for out in result["dtypes"].values()])
+    tables = diagnostics_tables(result)
+    if tables["noise"]:
+        st.markdown("**Noise floor**: the vLLM–HF gap beside each engine's disagreement with itself (mean |Δ logp|)")
+        df = pd.DataFrame(tables["noise"])
+        st.dataframe(df, hide_index=True, width="stretch")
+        plot = df[df["source"] != "gap / HF's own noise"].assign(mean_abs=lambda d: d["mean_abs"].clip(lower=1e-10))
+        st.altair_chart(
+            alt.Chart(plot).mark_bar().encode(
+                x=alt.X("mean_abs:Q", scale=alt.Scale(type="log"), title="mean |Δ logp| (0 drawn at 1e-10)"),
+                y=alt.Y("source:N", title=None), color="dtype:N", yOffset="dtype:N",
+                tooltip=["dtype", "source", alt.Tooltip("mean_abs:Q", format=".3e"), alt.Tooltip("max_abs:Q", format=".3e")],
+            ),
+            width="stretch",
+        )
+    if tables["reference"]:
+        st.markdown("**High-precision reference** (HF in float64 on the CPU): which engine is closer to the truth")
+        st.dataframe(pd.DataFrame(tables["reference"]), hide_index=True, width="stretch")
+    if tables["downstream"]:
+        st.markdown("**Downstream impact**: greedy generation and multiple-choice answers (sum of option logprobs)")
+        st.dataframe(pd.DataFrame(tables["downstream"]), hide_index=True, width="stretch")
+        if result.get("mcq_dtype_flips"):
+            st.caption("Answer flips between dtypes: " + ", ".join(f"{k}: {v}" for k, v in result["mcq_dtype_flips"].items()))
+        for d, out in result["dtypes"].items():
+            g = out.get("greedy")
+            if g:
+                with st.expander(f"Greedy continuations, {d}"):
+                    st.text(f"HF:   {g['hf_text']!r}\nvLLM: {g['vllm_text']!r}")
+    if tables["ablation"]:
+        st.markdown("**Knob attribution**: the gap (mean |Δ logp|) with one setting changed")
+        ab = pd.DataFrame(tables["ablation"])
+        st.dataframe(ab.drop(columns=["run_id"]), hide_index=True, width="stretch")
+        knob = biggest_knob(tables["ablation"])
+        if knob:
+            st.info(f"The knob that moves the gap most: {knob['knob']} ({knob['dtype']}, mean |Δ| {knob['change']:+.3e})")
+        tried = ab.dropna(subset=["mean_abs_delta"])
+        st.altair_chart(
+            alt.Chart(tried).mark_bar().encode(x=alt.X("mean_abs_delta:Q", title="mean |Δ logp|"), y=alt.Y("knob:N", title=None),
+                                               color="dtype:N", yOffset="dtype:N"),
+            width="stretch",
+        )
+    st.download_button("Diagnostics JSON", json.dumps(result, indent=1, allow_nan=False), f"diagnostics-{result['diagnostics_id']}.json",
+                       "application/json")
