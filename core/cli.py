@@ -190,14 +190,16 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from core.store import Store
 
-    run = Store().load(args.run_id)
+    store = Store()
+    run = store.load(args.run_id)
     out = Path(args.output)
     if out.suffix.lower() == ".json":
         write_json(out, [run])
     elif out.suffix.lower() in (".html", ".htm"):
+        from core.diagnostics import diagnostics_for_run
         from core.report import write_html_report
 
-        write_html_report(run, out)
+        write_html_report(run, out, diagnostics_for_run(store, run.run_id))
     else:
         raise UserError(f"report output must end in .html or .json (got {out.name})")
     print(f"wrote {out}")

@@ -46,7 +46,36 @@ def _svg(chart: object) -> str:
     return vlc.vegalite_to_svg(chart.to_json())  # type: ignore[attr-defined]
 
 
-def report_html(runs: list[Run]) -> str:
+def _table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    cols = [c for c in rows[0] if c not in ("run_id", "note")] + (["note"] if "note" in rows[0] else [])
+    head = "".join(f"<th>{_e(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{_num(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def diagnostics_section(diag: dict) -> str:
+    from core.diagnostics import biggest_knob, diagnostics_tables
+
+    tables = diagnostics_tables(diag)
+    titles = {
+        "noise": "Noise floor: the vLLM–HF gap beside each engine's disagreement with itself (mean |Δ logp|)",
+        "reference": "High-precision reference (HF in float64 on the CPU)",
+        "downstream": "Downstream impact: greedy generation and multiple-choice answers",
+        "ablation": "Knob attribution: the gap with one setting changed",
+    }
+    parts = [f"<h2>Diagnostics</h2><p>diagnostics {_e(diag['diagnostics_id'])}</p>"]
+    for key, title in titles.items():
+        if tables[key]:
+            parts.append(f"<h3>{_e(title)}</h3>{_table(tables[key])}")
+    knob = biggest_knob(diag.get("ablation", []))
+    if knob:
+        parts.append(f"<p>The knob that moves the gap most: {_e(knob['knob'])} ({_e(knob['dtype'])}, {knob['change']:+.3e})</p>")
+    return "".join(parts)
+
+
+def report_html(runs: list[Run], diagnostics: dict | None = None) -> str:
     first = runs[0]
     m = first.meta
     title = f"logprob-parity: {m['model']} · {', '.join(r.dtype for r in runs)}"
@@ -62,7 +91,8 @@ def report_html(runs: list[Run]) -> str:
     parts.append(f"<h1>{_e(title)}</h1>")
     parts.append("<table class='meta'>" + "".join(f"<tr><th class='l'>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in meta_rows) + "</table>")
 
-    parts.append("<h2>Verdict</h2>" + verdict_html([verdict(r.summary, r.dtype).to_dict() for r in runs]))
+    ratios = {d: o.get("ratio_to_hf_noise") for d, o in (diagnostics or {}).get("dtypes", {}).items() if o.get("run_id") in {r.run_id for r in runs}}
+    parts.append("<h2>Verdict</h2>" + verdict_html([verdict(r.summary, r.dtype, ratios.get(r.dtype)).to_dict() for r in runs]))
     parts.append("<h2>Summary</h2><table><tr><th class='l'>metric</th>" + "".join(f"<th>{_e(r.dtype)}</th>" for r in runs) + "</tr>")
     for key in first.summary:
         parts.append(f"<tr><td class='l'>{_e(key)}</td>" + "".join(f"<td>{_num(r.summary.get(key))}</td>" for r in runs) + "</tr>")
@@ -82,6 +112,8 @@ def report_html(runs: list[Run]) -> str:
             parts.append(f"<tr>{cells}</tr>")
         parts.append("</table>")
 
+    if diagnostics:
+        parts.append(diagnostics_section(diagnostics))
     n = min(len(first.sequences), MAX_SEQUENCES)
     parts.append(f"<h2>Tokens</h2><p>Hover a token for both logprobs, ranks and top-5 lists. Showing {n} of {len(first.sequences)} prompts.</p>")
     for i in range(n):
@@ -92,9 +124,9 @@ def report_html(runs: list[Run]) -> str:
     return "".join(parts)
 
 
-def write_html_report(runs: Run | list[Run], path: str | os.PathLike) -> None:
+def write_html_report(runs: Run | list[Run], path: str | os.PathLike, diagnostics: dict | None = None) -> None:
     runs = [runs] if isinstance(runs, Run) else runs
     out = Path(path)
     tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(report_html(runs), encoding="utf-8")
+    tmp.write_text(report_html(runs, diagnostics), encoding="utf-8")
     os.replace(tmp, out)

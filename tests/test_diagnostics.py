@@ -102,3 +102,13 @@ def test_knob_ablation(home, tiny_bos):
     assert all(Store(home).has(x["run_id"]) for x in tried)
     assert biggest_knob(rows) in tried
     print([(x["knob"], x["mean_abs_delta"], x["change"], x["note"]) for x in rows])
+
+
+def test_report_carries_the_diagnostics(demo_diag, tmp_path):
+    from core.report import report_html
+
+    store, r = demo_diag
+    runs = [store.load(rid) for rid in r["run_ids"].values()]
+    page = report_html(runs, r)
+    assert "Noise floor" in page and "High-precision reference" in page and "Downstream impact" in page
+    assert "HF&#x27;s own noise" in page or "HF's own noise" in page

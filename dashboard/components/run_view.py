@@ -132,17 +132,24 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def _report_bytes(run_ids: tuple[str, ...]) -> bytes:
-    from dashboard.state import load_run
+def _report_bytes(run_ids: tuple[str, ...], diag_id: str | None) -> bytes:
+    from core.diagnostics import load_diagnostics
+    from dashboard.state import get_store, load_run
 
-    return report_html([load_run(r) for r in run_ids]).encode("utf-8")
+    diag = load_diagnostics(get_store(), diag_id) if diag_id else None
+    return report_html([load_run(r) for r in run_ids], diag).encode("utf-8")
 
 
 def _downloads(runs: list[Run], page: str) -> None:
     ids = tuple(r.run_id for r in runs)
     stem = f"logprob-parity-{'-'.join(i[:8] for i in ids)}"
     c1, c2, c3 = st.columns(3)
-    c1.download_button("HTML report", _report_bytes(ids), f"{stem}.html", "text/html", key=f"{page}-dl-html")
+    from core.diagnostics import diagnostics_for_run
+    from dashboard.state import get_store
+
+    diag = diagnostics_for_run(get_store(), ids[0])
+    c1.download_button("HTML report", _report_bytes(ids, diag["diagnostics_id"] if diag else None), f"{stem}.html", "text/html",
+                       key=f"{page}-dl-html")
     data = [r.to_json_dict() for r in runs]
     c2.download_button("JSON", json.dumps(data if len(data) > 1 else data[0], allow_nan=False), f"{stem}.json",
                        "application/json", key=f"{page}-dl-json")
