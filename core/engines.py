@@ -15,6 +15,7 @@ _lock = threading.Lock()
 # Warm hosts kept at most (LPP_MAX_WARM_ENGINES); beyond it the least recently used idle one stops.
 MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
 IDLE_BEFORE_EVICT_S = 30.0
+MAX_GPU_ENV = "LPP_MAX_GPU_ENGINES"
 _workers: dict[str, WorkerClient] = {}
 _key_locks: dict[str, threading.Lock] = {}
 # One scoring job on the device at a time: engines share the GPU (or the CPU cores).
@@ -22,6 +23,7 @@ device_lock = threading.Lock()
 # Warm hosts kept at most (LPP_MAX_WARM_ENGINES); beyond it the least recently used idle one stops.
 MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
 IDLE_BEFORE_EVICT_S = 30.0
+MAX_GPU_ENV = "LPP_MAX_GPU_ENGINES"
 
 
 def engine_key(backend: str, load_kwargs: dict[str, Any]) -> str:
@@ -55,6 +57,8 @@ def start_engine(backend: str, load_kwargs: dict[str, Any]) -> tuple[WorkerClien
             worker = None
         if worker is None:
             _evict_idle_locked()
+            if backend == "vllm" and load_kwargs["device"] == "cuda":
+                _evict_gpu_engines_locked()
             label = f"{backend} ({load_kwargs['dtype']})"
             worker = WorkerClient(label).start()
             _workers[key] = worker
@@ -86,6 +90,20 @@ def _evict_idle_locked() -> None:
         key, w = idle.pop(0)
         _workers.pop(key, None)
         w.stop(grace=5.0)
+
+
+def _evict_gpu_engines_locked() -> None:
+    """On one GPU, warm vLLM engines hold their share of its memory: keep at most
+    LPP_MAX_GPU_ENGINES (default 3) and stop the least recently used to make room."""
+    cap = int(os.environ.get(MAX_GPU_ENV, "3"))
+    gpu = sorted(
+        ((k, w) for k, w in _workers.items() if w.info is not None and '"backend":"vllm"' in k and '"device":"cuda"' in k),
+        key=lambda kw: kw[1].last_used,
+    )
+    while len(gpu) >= cap:
+        key, w = gpu.pop(0)
+        _workers.pop(key, None)
+        w.stop(grace=10.0)
 
 
 def discard(worker: WorkerClient) -> None:

@@ -41,10 +41,11 @@ def _wait_for_worker(backend, exclude, timeout=120):
 def test_kill_9_a_worker_mid_run(home, tiny_nobos, backend):
     """The run fails with a clear message, nothing is stored, and the next run starts fresh and succeeds."""
     store = Store(home)
-    seed = 1000 + len(backend)  # an engine key of its own: cold workers, so the kill lands mid-load
+    # settings no other test uses: cold workers for both engines, so the kill lands mid-start
+    spec = _spec(tiny_nobos, seed=1000 + len(backend), attn_implementation="eager" if backend == "hf" else None)
     before = {w.pid for w in engines.running()}
     errors = []
-    t = threading.Thread(target=lambda: _run_catching(errors, _spec(tiny_nobos, seed=seed), store))
+    t = threading.Thread(target=lambda: _run_catching(errors, spec, store))
     t.start()
     victim = _wait_for_worker(backend, before)
     time.sleep(2.0)
@@ -53,7 +54,7 @@ def test_kill_9_a_worker_mid_run(home, tiny_nobos, backend):
     assert len(errors) == 1 and isinstance(errors[0], EngineError), errors
     assert "died" in str(errors[0]) and "signal 9" in str(errors[0])
     assert store.list_runs().empty and run_files(home) == []
-    (run,) = compare(_spec(tiny_nobos, seed=seed), store=store)
+    (run,) = compare(spec, store=store)
     assert run.summary["n_tokens"] > 5 and store.has(run.run_id)
     assert victim.pid not in {w.pid for w in engines.running()}
 

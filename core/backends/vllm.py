@@ -15,8 +15,9 @@ from core.scores import TokenScores
 from core.spec import MAX_TOP_K, EngineSettings
 
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-# Default share of GPU memory one vLLM engine takes on CUDA, leaving room for the HF model.
-CUDA_MEMORY_SHARE = 0.35
+# Default share of GPU memory one vLLM engine takes on CUDA: three warm engines (one per dtype) and
+# the HF models fit on one card (core.engines keeps at most LPP_MAX_GPU_ENGINES vLLM engines warm).
+CUDA_MEMORY_SHARE = 0.12
 
 
 def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, trust_remote_code: bool) -> int:
