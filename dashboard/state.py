@@ -65,6 +65,16 @@ def runs_from_query() -> tuple[list[Run], list[str]]:
     return runs, problems
 
 
+def current_runs(just_run: list[Run] | None = None) -> list[Run]:
+    """Point the URL at runs just computed, then show whatever the URL names (warning on bad ids)."""
+    if just_run:
+        set_query(runs=",".join(r.run_id for r in just_run), seq=0)
+    runs, problems = runs_from_query()
+    for p in problems:
+        st.warning(p)
+    return runs
+
+
 def query_int(name: str, default: int, lo: int, hi: int) -> int:
     try:
         return min(max(int(st.query_params.get(name, default)), lo), hi)

@@ -3,7 +3,7 @@
 import html
 import re
 
-from core.report import report_html, write_html_report
+from core.report import write_html_report
 from core.render import token_view_html
 from test_store import make_run
 

@@ -1,5 +1,7 @@
 """Prompt-set page: many prompts at once, aggregates per dtype, open any prompt in the token view."""
 
+from dataclasses import replace
+
 import pandas as pd
 import streamlit as st
 
@@ -8,7 +10,7 @@ from core.prompts import MAX_UPLOAD_BYTES, parse_prompts
 from dashboard.components.run_view import show_runs
 from dashboard.components.runner import run_with_status
 from dashboard.components.spec_form import spec_form
-from dashboard.state import query_int, runs_from_query, set_query
+from dashboard.state import current_runs, query_int, set_query
 
 st.title("Prompt set")
 upload = st.file_uploader(
@@ -28,19 +30,13 @@ if upload is not None:
         st.error(str(exc))
 
 spec, submitted = spec_form("ps", with_text=False)
+just_run = None
 if submitted and spec is not None:
     if not texts:
         st.error("Upload a prompt file first.")
     else:
-        from dataclasses import replace
-
-        runs = run_with_status(replace(spec, texts=tuple(texts)), progress_bar=True)
-        if runs:
-            set_query(runs=",".join(r.run_id for r in runs), seq=0)
-
-runs, problems = runs_from_query()
-for p in problems:
-    st.warning(p)
+        just_run = run_with_status(replace(spec, texts=tuple(texts)), progress_bar=True)
+runs = current_runs(just_run)
 if runs:
     st.subheader("Aggregates per dtype")
     keys = list(runs[0].summary)
