@@ -11,6 +11,7 @@ SEED_TEXT = (
     "Dave lives in Palm Coast, FL and is a lawyer. His personal interests include playing guitar, "
     "hiking, and spending time with his family."
 )
+ATTENTION_BACKENDS = ["default", "FLEX_ATTENTION", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "CPU_ATTN"]
 PRESETS = {
     "demo: SmolLM2-135M-Instruct (embedded, offline)": "demo",
     "facebook/opt-125m (Hub)": "facebook/opt-125m",
@@ -49,7 +50,8 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
             mnbt = e2.number_input("max_num_batched_tokens (0 = default)", 0, 1 << 20, 0, key=f"{key}-mnbt")
             gmu = e3.number_input("gpu_memory_utilization (0 = auto)", 0.0, 0.95, 0.0, 0.05, key=f"{key}-gmu")
             seed = e3.number_input("seed", 0, 2**31 - 1, 0, key=f"{key}-seed")
-            attn_b = e1.text_input("vLLM attention_backend", "", key=f"{key}-attnb", placeholder="default")
+            attn_b = e1.selectbox("vLLM attention_backend", ATTENTION_BACKENDS, key=f"{key}-attnb",
+                                  help="FLEX_ATTENTION matched HF to 3e-5 in float32 on an H200; the CPU build has CPU_ATTN only")
             attn_i = e2.selectbox("HF attn_implementation", ["default", "sdpa", "eager"], key=f"{key}-attni")
             trust = e3.checkbox("trust_remote_code", False, key=f"{key}-trust", help="runs the model's own Python code")
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
@@ -70,7 +72,7 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
         max_num_batched_tokens=int(mnbt) or None,
         gpu_memory_utilization=float(gmu) or None,
         seed=int(seed),
-        attention_backend=attn_b.strip() or None,
+        attention_backend=None if attn_b == "default" else attn_b,
         attn_implementation=None if attn_i == "default" else attn_i,
         trust_remote_code=trust,
     )
