@@ -57,7 +57,7 @@ def verdict(summary: dict[str, Any], dtype: str, noise_ratio: float | None = Non
     if agree is not None and agree < 1:
         reasons.append(f"The engines' most likely next token differs at {1 - agree:.1%} of positions: greedy outputs can diverge.")
     if noise_ratio is not None:
-        reasons.append(f"The vLLM–HF gap is {noise_ratio:.2g}x HF's own noise across batch size and padding.")
+        reasons.append(f"The vLLM–HF gap is {noise_ratio:.2g}x HF's own noise (the largest of: batched with other prompts, left or right padding, another attention implementation).")
     if mx <= VLLM_TEST_TOL[1]:
         level, head = "match", f"{dtype}: vLLM and HF agree (within vLLM's own test tolerance)."
     elif ok_rl and worst_ratio <= RATIO_BANDS[1]:

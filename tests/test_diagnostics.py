@@ -86,7 +86,7 @@ def test_dashboard_shows_diagnostics(demo_diag, monkeypatch):
     at2.query_params["runs"] = ",".join(r["run_ids"].values())
     at2.run()
     assert not at2.exception
-    assert any("HF's own batch/padding noise" in c.value for c in at2.caption)
+    assert any("HF's own noise (batching, padding, attention)" in c.value for c in at2.caption)
     st.cache_resource.clear()
 
 

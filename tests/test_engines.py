@@ -70,3 +70,18 @@ def test_hf_topk_and_gathered_values_are_consistent(home, tiny_bos):
     for t in range(1, len(s.token_ids)):
         if s.vllm.rank[t] <= 5:
             assert s.token_ids[t] in s.vllm.topk_ids[t]
+
+
+def test_hf_row_chunking_changes_no_value(tiny_bos):
+    """The HF backend in-process (plumbing of its own arithmetic): chunked rows == one block, bit for bit."""
+    from core.backends.hf import HFBackend
+    from core.spec import EngineSettings
+
+    hf = HFBackend(str(tiny_bos), "float32", "cpu", EngineSettings(), 128)
+    ids = [0] + list(range(5, 105))
+    gather = np.tile(np.arange(4), (len(ids), 1))
+    whole = hf.score([ids], 4, [gather])[0]
+    hf.ROW_CHUNK = 7
+    parts = hf.score([ids], 4, [gather])[0]
+    for f in ("logprob", "rank", "topk_ids", "topk_logprobs", "gathered_logprobs"):
+        np.testing.assert_array_equal(getattr(whole, f), getattr(parts, f))

@@ -16,6 +16,7 @@ from core.spec import EngineSettings
 
 class HFBackend(Backend):
     name = "hf"
+    ROW_CHUNK = 256  # positions per float32 log_softmax block
 
     def __init__(self, model_path: str, dtype: str, device: str, settings: EngineSettings, max_model_len: int):
         super().__init__(model_path, dtype, device, settings, max_model_len)
@@ -76,34 +77,33 @@ class HFBackend(Backend):
         return out
 
     def _from_logits(self, ids: list[int], logits: torch.Tensor, k: int, gather: np.ndarray | None) -> TokenScores:
-        # float32 log_softmax, as vLLM does; a float64 reference model keeps float64
-        lp = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
-        target = torch.tensor(ids[1:], dtype=torch.long, device=lp.device)
-        target_lp = lp.gather(1, target[:, None])[:, 0]
-        # vLLM's rule: rank = number of vocabulary entries >= the target's logprob.
-        rank = (lp >= target_lp[:, None]).sum(dim=-1)
-        top_lp, top_ids = lp.topk(k, dim=-1)
-
+        """Row chunks of ROW_CHUNK positions: the float32 [rows, vocab] log_softmax of a long sequence
+        is never held whole. log_softmax is row-wise, so chunking changes no value."""
         out = TokenScores.empty(ids, k)
-        out.logprob[1:] = target_lp.double().cpu().numpy()
-        out.rank[1:] = rank.cpu().numpy()
-        out.topk_ids[1:] = top_ids.cpu().numpy()
-        out.topk_logprobs[1:] = top_lp.double().cpu().numpy()
-        if gather is None:
+        full = None if gather is None else np.full(np.asarray(gather).shape, np.nan)
+        target = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
+        g_all = None if gather is None else torch.as_tensor(np.asarray(gather)[1:], dtype=torch.long, device=logits.device)
+        for lo in range(0, logits.shape[0], self.ROW_CHUNK):
+            hi = min(lo + self.ROW_CHUNK, logits.shape[0])
+            rows = logits[lo:hi]
+            # float32 log_softmax, as vLLM does; a float64 reference model keeps float64
+            lp = torch.log_softmax(rows if rows.dtype == torch.float64 else rows.float(), dim=-1)
+            target_lp = lp.gather(1, target[lo:hi, None])[:, 0]
+            # vLLM's rule: rank = number of vocabulary entries >= the target's logprob.
+            rank = (lp >= target_lp[:, None]).sum(dim=-1)
+            top_lp, top_ids = lp.topk(k, dim=-1)
+            out.logprob[1 + lo : 1 + hi] = target_lp.double().cpu().numpy()
+            out.rank[1 + lo : 1 + hi] = rank.cpu().numpy()
+            out.topk_ids[1 + lo : 1 + hi] = top_ids.cpu().numpy()
+            out.topk_logprobs[1 + lo : 1 + hi] = top_lp.double().cpu().numpy()
+            if full is not None:
+                g = g_all[lo:hi]
+                vals = lp.gather(1, g.clamp(min=0)).double()
+                vals[g < 0] = float("nan")
+                full[1 + lo : 1 + hi] = vals.cpu().numpy()
+        if full is None:
             return out
-        g = torch.as_tensor(np.asarray(gather)[1:], dtype=torch.long, device=self.device)
-        vals = lp.gather(1, g.clamp(min=0)).double()
-        vals[g < 0] = float("nan")
-        full = np.full(np.asarray(gather).shape, np.nan)
-        full[1:] = vals.cpu().numpy()
-        return TokenScores(
-            token_ids=out.token_ids,
-            logprob=out.logprob,
-            rank=out.rank,
-            topk_ids=out.topk_ids,
-            topk_logprobs=out.topk_logprobs,
-            gathered_logprobs=full,
-        )
+        return TokenScores(out.token_ids, out.logprob, out.rank, out.topk_ids, out.topk_logprobs, gathered_logprobs=full)
 
     def info(self) -> dict[str, Any]:
         dev = torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else "cpu"

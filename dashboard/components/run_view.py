@@ -110,7 +110,7 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
     floors = noise_floors(runs)
     if floors:
         st.caption("Noise floor from stored diagnostics: " + " · ".join(
-            f"{d}: gap = {r:.3g}× HF's own batch/padding noise" for d, r in floors["ratios"].items() if r is not None))
+            f"{d}: gap = {r:.3g}× HF's own noise (batching, padding, attention)" for d, r in floors["ratios"].items() if r is not None))
     df = chart_frame(runs, int(seq))
     tabs = st.tabs(["|Δ| histogram", "vLLM vs HF", "|Δ| by position", "|Δ| vs probability", "Worst 20", "All prompts"])
     for tab, (name, make) in zip(tabs[:4], CHARTS.items()):

@@ -13,6 +13,11 @@ from dashboard.components.run_view import verdict_cards
 from dashboard.components.spec_form import spec_form
 from dashboard.state import get_store, set_query
 
+def sci(df: pd.DataFrame) -> dict:
+    """Small numbers in scientific notation: 4e-06, not 0.000004."""
+    return {c: st.column_config.NumberColumn(format="%.3e") for c in df.select_dtypes("number").columns}
+
+
 st.title("Diagnostics")
 st.caption(
     "Noise floor (HF against HF across batch size, padding and attention; vLLM alone vs batched and repeated), "
@@ -47,7 +52,7 @@ if result:
     if tables["noise"]:
         st.markdown("**Noise floor**: the vLLM–HF gap beside each engine's disagreement with itself (mean |Δ logp|)")
         df = pd.DataFrame(tables["noise"])
-        st.dataframe(df, hide_index=True, width="stretch")
+        st.dataframe(df, hide_index=True, width="stretch", column_config=sci(df))
         plot = df[df["source"] != "gap / HF's own noise"].assign(mean_abs=lambda d: d["mean_abs"].clip(lower=1e-10))
         st.altair_chart(
             alt.Chart(plot).mark_bar().encode(
@@ -59,7 +64,8 @@ if result:
         )
     if tables["reference"]:
         st.markdown("**High-precision reference** (HF in float64 on the CPU): which engine is closer to the truth")
-        st.dataframe(pd.DataFrame(tables["reference"]), hide_index=True, width="stretch")
+        ref = pd.DataFrame(tables["reference"])
+        st.dataframe(ref, hide_index=True, width="stretch", column_config=sci(ref))
     if tables["downstream"]:
         st.markdown("**Downstream impact**: greedy generation and multiple-choice answers (sum of option logprobs)")
         st.dataframe(pd.DataFrame(tables["downstream"]), hide_index=True, width="stretch")
@@ -73,7 +79,7 @@ if result:
     if tables["ablation"]:
         st.markdown("**Knob attribution**: the gap (mean |Δ logp|) with one setting changed")
         ab = pd.DataFrame(tables["ablation"])
-        st.dataframe(ab.drop(columns=["run_id"]), hide_index=True, width="stretch")
+        st.dataframe(ab.drop(columns=["run_id"]), hide_index=True, width="stretch", column_config=sci(ab))
         knob = biggest_knob(tables["ablation"])
         if knob:
             st.info(f"The knob that moves the gap most: {knob['knob']} ({knob['dtype']}, mean |Δ| {knob['change']:+.3e})")
