@@ -158,6 +158,7 @@ def _compare_locked(spec, store, use_cache, emit, device, model, keys) -> list[R
         for b in ("vllm", "hf"):
             started[(d, b)] = engines.start_engine(b, load)
 
+    decode = decoder(tokenizer)  # one memo for every dtype
     try:
         if device == "cpu":
             for d, load in plan:
@@ -165,7 +166,7 @@ def _compare_locked(spec, store, use_cache, emit, device, model, keys) -> list[R
         for d, load in plan:
             if (d, "vllm") not in started:
                 start(d, load)
-            run = _score_dtype(spec, model, device, d, load, toks, seqs, max_model_len, started, emit, decoder(tokenizer))
+            run = _score_dtype(spec, model, device, d, load, toks, seqs, max_model_len, started, emit, decode)
             store.save(run, request_key=keys[d])
             emit("store", d, f"run {run.run_id} saved")
             runs[d] = run

@@ -21,7 +21,7 @@ from core.compare import check_lengths, compare, load_kwargs, model_max_len
 from core.env import device_name, resolve_device, versions
 from core.models import resolve_model
 from core.run import Run
-from core.spec import EngineSettings, RunSpec, content_hash
+from core.spec import RunSpec, content_hash
 from core.store import Store
 from core.tokens import load_tokenizer, tokenize
 from core.verdict import verdict
@@ -56,7 +56,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def ablation_knobs(device: str, settings: EngineSettings, slow: bool) -> list[tuple[str, dict[str, Any] | None, str]]:
+def ablation_knobs(device: str, slow: bool) -> list[tuple[str, dict[str, Any] | None, str]]:
     """(name, change to the settings or None when skipped, note). Only what this platform can run."""
     knobs: list[tuple[str, dict[str, Any] | None, str]] = [
         ("vLLM prefix caching on", {"enable_prefix_caching": True}, ""),
@@ -258,7 +258,7 @@ def _ablation(spec: RunSpec, store: Store, base_runs: list[Run], device: str, sl
         base = run.summary["mean_abs_delta"]
         rows.append({"dtype": run.dtype, "knob": "baseline", "mean_abs_delta": base, "max_abs_delta": run.summary["max_abs_delta"],
                      "change": 0.0, "run_id": run.run_id, "note": json.dumps(spec.settings.to_dict(), sort_keys=True)})
-        for name, change, note in ablation_knobs(device, spec.settings, slow):
+        for name, change, note in ablation_knobs(device, slow):
             if change is None:
                 rows.append({"dtype": run.dtype, "knob": name, "mean_abs_delta": None, "max_abs_delta": None, "change": None, "run_id": None, "note": note})
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import threading
 import time
@@ -92,12 +93,17 @@ def _evict_idle_locked() -> None:
         w.stop(grace=5.0)
 
 
+def _is_gpu_vllm(key: str) -> bool:
+    parts = json.loads(key)
+    return parts["backend"] == "vllm" and parts["device"] == "cuda"
+
+
 def _evict_gpu_engines_locked() -> None:
     """On one GPU, warm vLLM engines hold their share of its memory: keep at most
     LPP_MAX_GPU_ENGINES (default 3) and stop the least recently used to make room."""
     cap = int(os.environ.get(MAX_GPU_ENV, "3"))
     gpu = sorted(
-        ((k, w) for k, w in _workers.items() if w.info is not None and '"backend":"vllm"' in k and '"device":"cuda"' in k),
+        ((k, w) for k, w in _workers.items() if w.info is not None and _is_gpu_vllm(k)),
         key=lambda kw: kw[1].last_used,
     )
     while len(gpu) >= cap:
