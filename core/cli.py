@@ -65,6 +65,11 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         attention_backend=args.attention_backend,
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        hf_batch_size=args.hf_batch_size,
+        hf_device_map=args.hf_device_map,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
@@ -247,6 +252,15 @@ def _add_spec_args(c: argparse.ArgumentParser) -> None:
     e.add_argument("--attention-backend", default=None, help="vLLM attention backend")
     e.add_argument("--attn-implementation", default=None, help="HF attn_implementation (sdpa, eager, ...)")
     e.add_argument("--trust-remote-code", action="store_true", help="run the model's own code (off by default)")
+    e.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="vLLM tensor parallel GPUs (default: the fewest that hold the model)")
+    e.add_argument("--pipeline-parallel-size", type=int, default=None, help="vLLM pipeline stages (default 1)")
+    e.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="vLLM's executor: ray runs across a Ray cluster's GPUs (default: vLLM's choice)")
+    e.add_argument("--hf-batch-size", type=int, default=1,
+                   help="HF sequences per forward pass (default 1: no padding, no batch effects)")
+    e.add_argument("--hf-device-map", choices=["auto"], default=None,
+                   help="spread the HF model over the GPUs with accelerate (default: when it does not fit one)")
 
 
 def build_parser() -> argparse.ArgumentParser:

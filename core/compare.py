@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import threading
 import time
-from contextlib import ExitStack
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
-from core import engines
+from core import engines, parallel
 from core.env import device_name, dtype_support, resolve_device, versions
 from core.errors import UserError
+from core.memory import ELEM_BYTES
 from core.metrics import concat, summarize
 from core.models import ResolvedModel, resolve_model
 from core.run import SCHEMA_VERSION, Run, SequenceResult
@@ -75,15 +77,17 @@ def run_id_for(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, tok
 
 
 def check_lengths(toks: list[TokenizedText], model: ResolvedModel, top_k: int, truncate: bool = False) -> list[TokenizedText]:
-    """Refuse (or, with truncate, cut) prompts longer than the model's positions."""
-    limit = model.max_positions
+    """Refuse (or, with truncate, cut) prompts longer than the model's positions allow: vLLM keeps
+    one position for the token it must generate, so a prompt may use all but one."""
+    limit = None if model.max_positions is None else model.max_positions - 1
     out = []
     for i, t in enumerate(toks):
         if limit is not None and len(t.token_ids) > limit:
             if not truncate:
                 raise UserError(
-                    f"prompt {i + 1} is {len(t.token_ids)} tokens but {model.name} has {limit} positions; "
-                    f"shorten it, or truncate (--truncate) to keep its first {limit} tokens"
+                    f"prompt {i + 1} is {len(t.token_ids)} tokens but {model.name} has {model.max_positions} positions "
+                    f"(vLLM keeps one for the token it generates); shorten it, or truncate (--truncate) to keep "
+                    f"its first {limit} tokens"
                 )
             t = truncate_tokens(t, limit)
         out.append(t)
@@ -124,6 +128,8 @@ def compare(
     store = store or Store()
     emit("resolve", None, f"model {spec.model or 'demo'}")
     model = resolve_model(spec.model, spec.revision, spec.settings.trust_remote_code, model_roots)
+    widest = max(spec.dtypes, key=ELEM_BYTES.__getitem__)  # one parallel plan for every dtype of the request
+    spec = dataclasses.replace(spec, settings=parallel.resolve(spec.settings, model.path, widest, device))
     keys = {d: request_key(spec, model, d, device) for d in spec.dtypes}
     with ExitStack() as held:
         for key in sorted(keys.values()):  # a fixed order: no two requests deadlock
@@ -149,8 +155,8 @@ def _compare_locked(spec, store, use_cache, emit, device, model, keys) -> list[R
     max_model_len = model_max_len(max(len(t.token_ids) for t in toks), model.max_positions)
     seqs = [list(t.token_ids) for t in toks]
 
-    # Start every engine process first so they load side by side (CPU: RAM permitting; one GPU:
-    # dtype after dtype, so two vLLM engines never compete for the card's memory).
+    # Start every engine process first so they load side by side when they all fit in free memory
+    # (warm idle engines may be stopped for them); otherwise dtype after dtype.
     plan = [(d, load_kwargs(model, d, device, spec.settings, max_model_len)) for d in todo]
     started: dict[tuple[str, str], Any] = {}
 
@@ -160,7 +166,7 @@ def _compare_locked(spec, store, use_cache, emit, device, model, keys) -> list[R
 
     decode = decoder(tokenizer)  # one memo for every dtype
     try:
-        if device == "cpu":
+        if engines.fits_together([(b, load) for _, load in plan for b in ("vllm", "hf")]):
             for d, load in plan:
                 start(d, load)
         for d, load in plan:

@@ -1,30 +1,34 @@
-"""Warm engine hosts, one per (backend, model, dtype, device, settings, max_model_len), reused across runs."""
+"""Warm engine hosts, one per (backend, model, dtype, device, settings, max_model_len), reused across runs.
+
+Hosts stay warm between runs. They stop when idle longer than LPP_ENGINE_IDLE_TIMEOUT seconds
+(default 1800; 0 keeps them), when more than LPP_MAX_WARM_ENGINES (default 8) are warm, or when a
+new engine would not fit in the device's free memory: then the least recently used idle ones go first.
+"""
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import threading
 import time
 from typing import Any
 
+from core import memory
 from core.spec import EngineSettings, canonical_json
 from core.worker import WorkerClient
 
-_lock = threading.Lock()
-# Warm hosts kept at most (LPP_MAX_WARM_ENGINES); beyond it the least recently used idle one stops.
 MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
+IDLE_TIMEOUT_ENV = "LPP_ENGINE_IDLE_TIMEOUT"
+# A host used within this many seconds is never evicted: a request may be about to use it.
 IDLE_BEFORE_EVICT_S = 30.0
-MAX_GPU_ENV = "LPP_MAX_GPU_ENGINES"
+REAP_EVERY_S = 30.0
+
+_lock = threading.Lock()
 _workers: dict[str, WorkerClient] = {}
 _key_locks: dict[str, threading.Lock] = {}
+_reaper: threading.Thread | None = None
 # One scoring job on the device at a time: engines share the GPU (or the CPU cores).
 device_lock = threading.Lock()
-# Warm hosts kept at most (LPP_MAX_WARM_ENGINES); beyond it the least recently used idle one stops.
-MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
-IDLE_BEFORE_EVICT_S = 30.0
-MAX_GPU_ENV = "LPP_MAX_GPU_ENGINES"
 
 
 def engine_key(backend: str, load_kwargs: dict[str, Any]) -> str:
@@ -41,29 +45,37 @@ def worker_for(backend: str, load_kwargs: dict[str, Any]) -> WorkerClient:
     return worker
 
 
+def engine_bytes(backend: str, load_kwargs: dict[str, Any]) -> int:
+    """What this engine will take on its device (per GPU), from the model's files."""
+    settings = EngineSettings.from_dict(load_kwargs["settings"])
+    return memory.engine_bytes(backend, load_kwargs["model_path"], load_kwargs["dtype"], load_kwargs["device"],
+                               load_kwargs["max_model_len"], settings)
+
+
 def start_engine(backend: str, load_kwargs: dict[str, Any]) -> tuple[WorkerClient, bool]:
     """Return a running host for this key (starting its process if needed) and whether it was warm.
 
-    The caller calls `ensure_loaded` next; starting and loading are split so that several engines
-    can start their processes at once and load side by side.
+    A new host starts loading at once, in the background; the caller waits with `ensure_loaded`,
+    so engines started one after the other load side by side.
     """
     key = engine_key(backend, load_kwargs)
     with _lock:
         worker = _workers.get(key)
         if worker is not None and worker.alive() and worker.info is not None:
+            worker.last_used = time.monotonic()  # claimed: not evicted while this request runs
             return worker, True
         if worker is not None and not worker.alive():
             worker.stop()
             _workers.pop(key, None)
             worker = None
         if worker is None:
-            _evict_idle_locked()
-            if backend == "vllm" and load_kwargs["device"] == "cuda":
-                _evict_gpu_engines_locked()
-            label = f"{backend} ({load_kwargs['dtype']})"
-            worker = WorkerClient(label).start()
+            need = engine_bytes(backend, load_kwargs)
+            _make_room_locked(load_kwargs["device"], need)
+            worker = WorkerClient(f"{backend} ({load_kwargs['dtype']})", device=load_kwargs["device"], need_bytes=need).start()
+            worker.begin_load(backend, load_kwargs)
             _workers[key] = worker
         _key_locks.setdefault(key, threading.Lock())
+        _start_reaper_locked()
     return worker, False
 
 
@@ -72,44 +84,88 @@ def ensure_loaded(backend: str, load_kwargs: dict[str, Any], worker: WorkerClien
     with _key_locks[key]:
         if worker.info is None:
             try:
-                worker.load(backend, load_kwargs)
+                worker.wait_loaded()
             except BaseException:
                 discard(worker)
                 raise
         return worker.info  # type: ignore[return-value]
 
 
-def _evict_idle_locked() -> None:
-    """Stop least-recently-used hosts idle for a while until one more fits under the cap."""
-    cap = int(os.environ.get(MAX_WARM_ENV, "8"))
+def fits_together(needs: list[tuple[str, dict[str, Any]]]) -> bool:
+    """Whether these engines (backend, load kwargs) fit in the device's free memory at once,
+    counting warm idle hosts that could be stopped for them."""
+    cold = [(b, lk) for b, lk in needs if not _is_warm(engine_key(b, lk))]
+    if not cold:
+        return True
+    device = cold[0][1]["device"]
+    with _lock:
+        reclaimable = sum(w.need_bytes for w in _idle_locked(device))
+    return sum(engine_bytes(b, lk) for b, lk in cold) <= memory.free_bytes(device) + reclaimable
+
+
+def _is_warm(key: str) -> bool:
+    with _lock:
+        w = _workers.get(key)
+        return w is not None and w.alive() and w.info is not None
+
+
+def _idle_locked(device: str | None = None) -> list[WorkerClient]:
+    """Loaded hosts unused for a while, least recently used first."""
     now = time.monotonic()
-    idle = sorted(
-        ((k, w) for k, w in _workers.items() if w.info is not None and now - w.last_used > IDLE_BEFORE_EVICT_S),
-        key=lambda kw: kw[1].last_used,
+    return sorted(
+        (w for w in _workers.values()
+         if w.info is not None and not w.busy and now - w.last_used > IDLE_BEFORE_EVICT_S
+         and (device is None or w.device == device)),
+        key=lambda w: w.last_used,
     )
+
+
+def _make_room_locked(device: str, need: int) -> None:
+    """Stop idle hosts, least recently used first, until one more host fits under the count cap and
+    `need` bytes fit in the device's free memory (less what hosts still loading will take)."""
+    cap = int(os.environ.get(MAX_WARM_ENV, "8"))
+    idle = _idle_locked()
     while len(_workers) >= cap and idle:
-        key, w = idle.pop(0)
-        _workers.pop(key, None)
-        w.stop(grace=5.0)
+        _stop_locked(idle.pop(0))
+    idle = _idle_locked(device)
+    while idle:
+        loading = sum(w.need_bytes for w in _workers.values() if w.info is None and w.device == device)
+        if memory.free_bytes(device) - loading >= need:
+            break
+        _stop_locked(idle.pop(0))
 
 
-def _is_gpu_vllm(key: str) -> bool:
-    parts = json.loads(key)
-    return parts["backend"] == "vllm" and parts["device"] == "cuda"
+def _stop_locked(worker: WorkerClient) -> None:
+    for key, w in list(_workers.items()):
+        if w is worker:
+            _workers.pop(key)
+    worker.stop(grace=10.0)
 
 
-def _evict_gpu_engines_locked() -> None:
-    """On one GPU, warm vLLM engines hold their share of its memory: keep at most
-    LPP_MAX_GPU_ENGINES (default 3) and stop the least recently used to make room."""
-    cap = int(os.environ.get(MAX_GPU_ENV, "3"))
-    gpu = sorted(
-        ((k, w) for k, w in _workers.items() if w.info is not None and _is_gpu_vllm(k)),
-        key=lambda kw: kw[1].last_used,
-    )
-    while len(gpu) >= cap:
-        key, w = gpu.pop(0)
-        _workers.pop(key, None)
-        w.stop(grace=10.0)
+def reap_idle() -> int:
+    """Stop hosts idle longer than LPP_ENGINE_IDLE_TIMEOUT seconds; returns how many stopped."""
+    timeout = float(os.environ.get(IDLE_TIMEOUT_ENV, "1800"))
+    if timeout <= 0:
+        return 0
+    now = time.monotonic()
+    with _lock:
+        old = [w for w in _workers.values() if w.info is not None and not w.busy and now - w.last_used > timeout]
+        for w in old:
+            _stop_locked(w)
+    return len(old)
+
+
+def _reap_forever() -> None:
+    while True:
+        time.sleep(min(REAP_EVERY_S, max(float(os.environ.get(IDLE_TIMEOUT_ENV, "1800")), 1.0)))
+        reap_idle()
+
+
+def _start_reaper_locked() -> None:
+    global _reaper
+    if _reaper is None:
+        _reaper = threading.Thread(target=_reap_forever, name="lpp-engine-reaper", daemon=True)
+        _reaper.start()
 
 
 def discard(worker: WorkerClient) -> None:

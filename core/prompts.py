@@ -11,6 +11,11 @@ from pathlib import Path
 from core.errors import UserError
 
 MAX_UPLOAD_BYTES = 20 << 20
+# The forum sentence: the text people paste into the usual vLLM-vs-HF scripts.
+SEED_TEXT = (
+    "Dave lives in Palm Coast, FL and is a lawyer. His personal interests include playing guitar, "
+    "hiking, and spending time with his family."
+)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,30 @@ from core.scores import TokenScores
 
 SCHEMA_VERSION = 1
 SIDES = ("hf", "vllm")
+LIST_COLUMNS = ("hf_topk_ids", "hf_topk_logprobs", "vllm_topk_ids", "vllm_topk_logprobs", "hf_at_vllm_topk",
+                "hf_topk_text", "vllm_topk_text")
+
+
+def table_columns(table: Any) -> dict[str, Any]:
+    """A stored run's Arrow table as numpy columns; list columns of one width become [rows, k] arrays."""
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    cols: dict[str, Any] = {}
+    for name in table.column_names:
+        col = table.column(name).combine_chunks()
+        if name in LIST_COLUMNS:
+            flat = pc.list_flatten(col)
+            width = len(flat) // n if n else 0
+            if width * n != len(flat):
+                raise ValueError(f"column {name} has rows of different lengths")
+            values = np.asarray(flat.to_pylist(), dtype=object) if name.endswith("_text") else flat.to_numpy(zero_copy_only=False)
+            cols[name] = values.reshape(n, width)
+        elif name in ("token", "piece"):
+            cols[name] = np.asarray(col.to_pylist(), dtype=object)
+        else:
+            cols[name] = col.to_numpy(zero_copy_only=False)
+    return cols
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,8 +52,9 @@ class SequenceResult:
     vllm: TokenScores
     metrics: TokenMetrics
     summary: dict[str, Any]
-    # Decoded text of each side's top-k ids, so views need no tokenizer: {"hf": [[str]*k]*T, ...}
-    topk_text: dict[str, tuple[tuple[str, ...], ...]] | None = None
+    # Decoded text of each side's top-k ids, so views need no tokenizer: {"hf": [T][k] strings, ...}
+    # (tuples when built, a numpy object array [T, k] when read from the store)
+    topk_text: dict[str, Any] | None = None
 
     @classmethod
     def build(
@@ -87,45 +112,34 @@ class SequenceResult:
         )
 
     @classmethod
-    def from_frame(cls, df: pd.DataFrame, info: dict[str, Any]) -> "SequenceResult":
-        ids = df["token_id"].to_numpy(np.int64)
-
-        def mat(col: str, dtype: Any) -> np.ndarray:
-            return np.stack([np.asarray(v, dtype=dtype) for v in df[col]]) if len(df) else np.zeros((0, 0), dtype)
+    def from_columns(cls, cols: dict[str, Any], rows: slice, info: dict[str, Any]) -> "SequenceResult":
+        """One sequence's rows of a stored run, from whole-table columns (see `table_columns`):
+        numpy slices, no per-row Python work, so reopening a large run stays fast."""
+        ids = cols["token_id"][rows]
 
         def side(name: str, gathered: np.ndarray | None) -> TokenScores:
             return TokenScores(
                 token_ids=ids,
-                logprob=df[f"{name}_logprob"].to_numpy(np.float64),
-                rank=df[f"{name}_rank"].to_numpy(np.int64),
-                topk_ids=mat(f"{name}_topk_ids", np.int64),
-                topk_logprobs=mat(f"{name}_topk_logprobs", np.float64),
+                logprob=cols[f"{name}_logprob"][rows],
+                rank=cols[f"{name}_rank"][rows],
+                topk_ids=cols[f"{name}_topk_ids"][rows],
+                topk_logprobs=cols[f"{name}_topk_logprobs"][rows],
                 gathered_logprobs=gathered,
             )
 
-        metrics = TokenMetrics(
-            scored=df["scored"].to_numpy(bool),
-            hf_prob=df["hf_prob"].to_numpy(np.float64),
-            vllm_prob=df["vllm_prob"].to_numpy(np.float64),
-            delta=df["delta"].to_numpy(np.float64),
-            abs_delta=df["abs_delta"].to_numpy(np.float64),
-            prob_delta=df["prob_delta"].to_numpy(np.float64),
-            kl_topk=df["kl_topk"].to_numpy(np.float64),
-            argmax_agree=df["argmax_agree"].to_numpy(bool),
-        )
+        metrics = TokenMetrics(**{f: cols[f][rows] for f in TokenMetrics.__dataclass_fields__})
+        text = {side: cols[f"{side}_topk_text"][rows] for side in SIDES}
         return cls(
             text=info["text"],
-            token_ids=tuple(int(i) for i in ids),
-            tokens=tuple(df["token"]),
-            pieces=tuple(df["piece"]),
+            token_ids=tuple(ids.tolist()),
+            tokens=tuple(cols["token"][rows]),
+            pieces=tuple(cols["piece"][rows]),
             bos_added=bool(info["bos_added"]),
-            hf=side("hf", mat("hf_at_vllm_topk", np.float64)),
+            hf=side("hf", cols["hf_at_vllm_topk"][rows]),
             vllm=side("vllm", None),
             metrics=metrics,
             summary=info["summary"],
-            topk_text={side: tuple(tuple(r) for r in df[f"{side}_topk_text"]) for side in SIDES}
-            if len(df) and len(df["hf_topk_text"].iloc[-1])
-            else None,
+            topk_text=text if all(t.shape[1] for t in text.values()) else None,
         )
 
     def positions_json(self) -> list[dict[str, Any]]:

@@ -31,8 +31,14 @@ class EngineSettings:
     gpu_memory_utilization: float | None = None
     seed: int = 0
     attention_backend: str | None = None
+    # vLLM parallelism; None: chosen from the model's size and the GPUs present (core.parallel)
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    distributed_executor_backend: str | None = None  # "ray": a Ray cluster's GPUs; None: vLLM's choice
     # HF
     attn_implementation: str | None = None
+    hf_batch_size: int = 1  # sequences per forward pass; 1 means no padding and no batch effects
+    hf_device_map: str | None = None  # "auto": accelerate spreads the model over the GPUs
     # both
     trust_remote_code: bool = False
 
@@ -49,11 +55,16 @@ class EngineSettings:
 
     def vllm_part(self) -> dict[str, Any]:
         d = self.to_dict()
-        d.pop("attn_implementation")
+        for name in HF_ONLY:
+            d.pop(name)
         return d
 
     def hf_part(self) -> dict[str, Any]:
-        return {"attn_implementation": self.attn_implementation, "trust_remote_code": self.trust_remote_code}
+        d = self.to_dict()
+        return {name: d[name] for name in (*HF_ONLY, "trust_remote_code")}
+
+
+HF_ONLY = ("attn_implementation", "hf_batch_size", "hf_device_map")
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,8 @@ class RunSpec:
             raise UserError(
                 f"top-k {self.top_k} is above the maximum of {MAX_TOP_K} prompt logprobs this tool asks vLLM for"
             )
+        if not isinstance(self.settings.hf_batch_size, int) or self.settings.hf_batch_size < 1:
+            raise UserError(f"hf_batch_size must be a positive integer (got {self.settings.hf_batch_size})")
         if self.device not in DEVICES:
             raise UserError(f"unknown device {self.device!r}; choose from {', '.join(DEVICES)}")
         if self.bos not in BOS_POLICIES:

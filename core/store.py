@@ -16,11 +16,12 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from core.errors import UserError
 from core.paths import store_root
-from core.run import SCHEMA_VERSION, Run, SequenceResult
+from core.run import SCHEMA_VERSION, Run, SequenceResult, table_columns
 
 META_KEY = b"logprob_parity_meta"
 REQUIRED_COLUMNS = {
@@ -160,10 +161,13 @@ class Store:
         missing = REQUIRED_COLUMNS - set(table.column_names)
         if missing:
             raise UserError(f"stored run {run_id} lacks columns {sorted(missing)}; delete and re-run it")
-        df = table.to_pandas()
+        try:
+            cols = table_columns(table)
+        except ValueError as exc:
+            raise UserError(f"stored run {run_id} is unreadable ({exc}); delete and re-run it") from exc
+        bounds = np.searchsorted(cols["seq"], np.arange(len(meta["sequences"]) + 1))  # rows are stored in seq order
         seqs = tuple(
-            SequenceResult.from_frame(df[df["seq"] == i].reset_index(drop=True), info)
-            for i, info in enumerate(meta["sequences"])
+            SequenceResult.from_columns(cols, slice(bounds[i], bounds[i + 1]), info) for i, info in enumerate(meta["sequences"])
         )
         return Run(meta=meta, sequences=seqs, from_store=True)
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import Client, Connection, Listener
@@ -35,7 +36,7 @@ _LOG_CAUSES = (
      "out of memory while starting the engine; lower gpu_memory_utilization, use a smaller model or free memory"),
     (re.compile(r"Model architectures? \[[^\]]*\] (?:are|is) not supported", re.I),
      "vLLM does not support this model's architecture"),
-    (re.compile(r"trust_remote_code", re.I),
+    (re.compile(r"trust_remote_code=True", re.I),
      "this model needs custom code: turn on trust_remote_code only if you trust its authors"),
 )
 
@@ -79,8 +80,12 @@ def serve() -> None:
                     from core.spec import EngineSettings
 
                     kwargs = dict(kwargs, settings=EngineSettings(**kwargs["settings"]))
-                    backend = load_backend_class(name)(**kwargs)
-                    conn.send(("ok", backend.info()))
+                    t0 = time.monotonic()
+                    cls = load_backend_class(name)
+                    t1 = time.monotonic()
+                    backend = cls(**kwargs)
+                    timing = {"import_s": round(t1 - t0, 2), "init_s": round(time.monotonic() - t1, 2)}
+                    conn.send(("ok", {**backend.info(), "load_timing": timing}))
                 elif op in ("score", "generate"):
                     assert backend is not None, f"{op} before load"
                     conn.send(("ok", getattr(backend, op)(*msg[1:])))
@@ -101,9 +106,12 @@ def serve() -> None:
 class WorkerClient:
     """One engine host process. `start()` returns at once; `load()` waits for the model."""
 
-    def __init__(self, label: str, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, label: str, extra_env: dict[str, str] | None = None, device: str = "cpu", need_bytes: int = 0) -> None:
         self.label = label
         self.extra_env = extra_env or {}
+        self.device = device
+        self.need_bytes = need_bytes  # what core.engines expects it to take on its device
+        self.busy = False  # a request is in flight: never reaped or evicted
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.info: dict[str, Any] | None = None
@@ -119,6 +127,9 @@ class WorkerClient:
         env[ADDRESS_ENV] = self.address
         env[AUTHKEY_ENV] = self._authkey.hex()
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # vLLM's engine core in this host process, not a second one: one import of torch and vLLM
+        # instead of two, which halves the start and the CPU that engines starting side by side share.
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(self.log_path, "ab") as log:
@@ -173,6 +184,7 @@ class WorkerClient:
 
     def _request(self, msg: tuple, doing: str, timeout: float) -> Any:
         assert self.conn is not None
+        self.busy = True
         try:
             self.conn.send(msg)
             deadline = time.monotonic() + timeout
@@ -185,7 +197,9 @@ class WorkerClient:
             reply = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError) as exc:
             raise self._died(doing) from exc
-        self.last_used = time.monotonic()
+        finally:
+            self.busy = False
+            self.last_used = time.monotonic()
         if reply[0] == "ok":
             return reply[1]
         _, kind, text = reply
@@ -205,6 +219,26 @@ class WorkerClient:
                 line = next((ln for ln in log.splitlines() if m.group(0) in ln), m.group(0))
                 return f"{message} ({line.strip()[-300:]})"
         return None
+
+    def begin_load(self, backend: str, kwargs: dict[str, Any]) -> None:
+        """Send the load request from a thread and return at once: engines started together import
+        and load side by side; `wait_loaded` collects the answer."""
+
+        def run() -> None:
+            try:
+                self.load(backend, kwargs)
+            except BaseException as exc:  # handed to whoever waits for this engine
+                self._load_error = exc
+
+        self._load_error: BaseException | None = None
+        self._loader = threading.Thread(target=run, name=f"load {self.label}", daemon=True)
+        self._loader.start()
+
+    def wait_loaded(self) -> dict[str, Any]:
+        self._loader.join()
+        if self._load_error is not None:
+            raise self._load_error
+        return self.info  # type: ignore[return-value]
 
     def load(self, backend: str, kwargs: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         timeout = timeout if timeout is not None else float(os.environ.get(LOAD_TIMEOUT_ENV, "900"))

@@ -19,14 +19,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests need CUDA; skip them (with the reason) elsewhere."""
+    """GPU tests need CUDA, multi-GPU tests two GPUs; skip them (with the reason) elsewhere."""
     from core.env import cuda_present
+    from core.memory import gpus
 
-    if not cuda_present():
-        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA); CI has none")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    cuda = cuda_present()
+    many = cuda and len(gpus()) >= 2
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA); CI has none"))
+        elif "multigpu" in item.keywords and not many:
+            item.add_marker(pytest.mark.skip(reason="needs two or more NVIDIA GPUs"))
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +49,17 @@ def demo_model() -> Path:
     from core.demo import build_demo_model
 
     return build_demo_model(MODELS_HOME / "models" / "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gpu_model() -> str:
+    """The demo model for GPU runs: the GPU machine's converted copy (LPP_GPU_MODEL), else built here."""
+    path = os.environ.get("LPP_GPU_MODEL", "/tmp/models/smollm2-135m")
+    if not Path(path, "config.json").is_file():
+        from core.demo import build_demo_model
+
+        return str(build_demo_model())
+    return path
 
 
 @pytest.fixture()

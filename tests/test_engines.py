@@ -85,3 +85,72 @@ def test_hf_row_chunking_changes_no_value(tiny_bos):
     parts = hf.score([ids], 4, [gather])[0]
     for f in ("logprob", "rank", "topk_ids", "topk_logprobs", "gathered_logprobs"):
         np.testing.assert_array_equal(getattr(whole, f), getattr(parts, f))
+
+
+def test_hf_batches_keep_order_and_values(tiny_bos):
+    """hf_batch_size > 1 sorts by length, pads, and puts every result back in its place; on this CPU
+    float32 values move by at most batch noise, and blocks of rows across a batch are bit-identical."""
+    from core.backends.hf import HFBackend
+    from core.spec import EngineSettings
+
+    seqs = [[0] + list(range(5, 5 + n)) for n in (40, 7, 23, 40, 1)]
+    gathers = [np.tile(np.arange(3), (len(s), 1)) for s in seqs]
+    one = HFBackend(str(tiny_bos), "float32", "cpu", EngineSettings(), 128).score(seqs, 3, gathers)
+    hf = HFBackend(str(tiny_bos), "float32", "cpu", EngineSettings(hf_batch_size=4), 128)
+    batched = hf.score(seqs, 3, gathers)
+    hf.ROW_CHUNK = 5
+    blocked = hf.score(seqs, 3, gathers)
+    for s, a, b, c in zip(seqs, one, batched, blocked):
+        np.testing.assert_array_equal(b.token_ids, s)
+        np.testing.assert_allclose(b.logprob[1:], a.logprob[1:], atol=1e-5)
+        np.testing.assert_allclose(b.gathered_logprobs[1:], a.gathered_logprobs[1:], atol=1e-5)
+        for f in ("logprob", "rank", "topk_ids", "topk_logprobs", "gathered_logprobs"):
+            np.testing.assert_array_equal(getattr(b, f), getattr(c, f))
+        assert np.isnan(b.logprob[0]) and np.all(np.isnan(b.gathered_logprobs[0]))
+
+
+def _idle_hf(tiny_bos, monkeypatch, **settings):
+    from core.compare import load_kwargs
+    from core.models import resolve_model
+    from core.spec import EngineSettings
+
+    load = load_kwargs(resolve_model(str(tiny_bos)), "float32", "cpu", EngineSettings(**settings), 256)
+    worker = engines.worker_for("hf", load)
+    monkeypatch.setattr(engines, "IDLE_BEFORE_EVICT_S", 0.0)
+    worker.last_used -= 5.0
+    return worker, load
+
+
+def test_idle_engines_stop_after_the_timeout(tiny_bos, monkeypatch):
+    worker, _ = _idle_hf(tiny_bos, monkeypatch)
+    monkeypatch.setenv(engines.IDLE_TIMEOUT_ENV, "60")
+    assert engines.reap_idle() == 0 and worker.alive()
+    monkeypatch.setenv(engines.IDLE_TIMEOUT_ENV, "2")
+    assert engines.reap_idle() >= 1
+    assert not worker.alive() and worker not in engines.running()
+    assert engines._reaper is not None and engines._reaper.is_alive()
+
+
+def test_a_new_engine_that_does_not_fit_stops_idle_ones(tiny_bos, monkeypatch):
+    """Memory-aware eviction: when free memory is short, idle warm engines go, least recently used first."""
+    from core import memory
+
+    old, _ = _idle_hf(tiny_bos, monkeypatch, attn_implementation="eager")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 0)
+    new, _ = _idle_hf(tiny_bos, monkeypatch, attn_implementation="sdpa")
+    assert not old.alive() and new.alive()
+
+
+def test_fits_together_counts_cold_engines_and_reclaimable_ones(tiny_bos, monkeypatch):
+    from core import memory
+    from core.compare import load_kwargs
+    from core.models import resolve_model
+    from core.spec import EngineSettings
+
+    model = resolve_model(str(tiny_bos))
+    plan = [(b, load_kwargs(model, d, "cpu", EngineSettings(hf_batch_size=2), 256)) for d in ("float32", "bfloat16") for b in ("hf", "vllm")]
+    need = sum(engines.engine_bytes(b, lk) for b, lk in plan)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need)
+    assert engines.fits_together(plan)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    assert not engines.fits_together(plan)

@@ -22,16 +22,6 @@ ROWS: list[str] = []
 
 
 @pytest.fixture(scope="module")
-def gpu_model():
-    path = os.environ.get("LPP_GPU_MODEL", "/tmp/models/smollm2-135m")
-    if not Path(path, "config.json").is_file():
-        from core.demo import build_demo_model
-
-        return str(build_demo_model())
-    return path
-
-
-@pytest.fixture(scope="module")
 def store(tmp_path_factory):
     return Store(tmp_path_factory.mktemp("gpu-store"))
 

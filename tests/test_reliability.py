@@ -189,7 +189,10 @@ def test_too_long_prompt_can_be_truncated(home, tiny_bos):
 
     model = resolve_model(str(tiny_bos))
     tok = tokenize(load_tokenizer(str(tiny_bos)), "lawyer guitar hiking family " * 60, "auto")
-    with pytest.raises(UserError, match="has 128 positions; shorten it, or truncate"):
+    with pytest.raises(UserError, match=r"has 128 positions \(vLLM keeps one for the token it generates\); shorten it, or truncate"):
         check_lengths([tok], model, 5)
     (cut,) = check_lengths([tok], model, 5, truncate=True)
-    assert len(cut.token_ids) == 128 and cut.token_ids == tok.token_ids[:128] and tok.text.startswith(cut.text)
+    assert len(cut.token_ids) == 127 and cut.token_ids == tok.token_ids[:127] and tok.text.startswith(cut.text)
+    # and both engines score the longest prompt the model allows
+    (run,) = compare(RunSpec(texts=(tok.text,), model=str(tiny_bos), dtypes=("float32",), truncate=True), store=Store(home))
+    assert len(run.sequences[0].token_ids) == 127 and run.summary["n_tokens"] == 126

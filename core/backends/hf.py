@@ -1,7 +1,8 @@
-"""Hugging Face transformers: one teacher-forced forward pass per sequence, log_softmax in float32."""
+"""Hugging Face transformers: teacher-forced forward passes (one sequence each by default), log_softmax in float32."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -16,14 +17,24 @@ from core.spec import EngineSettings
 
 class HFBackend(Backend):
     name = "hf"
-    ROW_CHUNK = 256  # positions per float32 log_softmax block
+    # Rows (positions) per float32 log_softmax block: [rows, vocab] float32 is never held whole.
+    ROW_CHUNK = 256
+    CUDA_BLOCK_BYTES = 1 << 30  # on a GPU, blocks of up to 1 GiB of float32: fewer, larger kernels
 
     def __init__(self, model_path: str, dtype: str, device: str, settings: EngineSettings, max_model_len: int):
         super().__init__(model_path, dtype, device, settings, max_model_len)
         kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "trust_remote_code": settings.trust_remote_code}
         if settings.attn_implementation:
             kwargs["attn_implementation"] = settings.attn_implementation
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device).eval()
+        if settings.hf_device_map:  # accelerate spreads the layers over every visible GPU
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, device_map=settings.hf_device_map, **kwargs).eval()
+            self.device = str(self.model.get_input_embeddings().weight.device)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device).eval()
+        self.batch_size = settings.hf_batch_size
+        if self.device.startswith("cuda"):
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self.ROW_CHUNK = max(self.ROW_CHUNK, self.CUDA_BLOCK_BYTES // (4 * vocab))
 
     @torch.inference_mode()
     def score(
@@ -34,16 +45,19 @@ class HFBackend(Backend):
         batch_size: int | None = None,
         padding_side: str = "right",
     ) -> list[TokenScores]:
-        """Default: one sequence per forward pass, so no padding can change a value. A batch_size > 1
-        pads (on `padding_side`) with correct position ids: the noise-floor diagnostics use it."""
-        bs = batch_size or 1
-        out: list[TokenScores] = []
-        for start in range(0, len(sequences), bs):
-            chunk = sequences[start : start + bs]
-            for j, logits in enumerate(self._forward(chunk, padding_side)):
-                i = start + j
-                out.append(self._from_logits(sequences[i], logits, top_k, None if gather_ids is None else gather_ids[i]))
-        return out
+        """Sequences in forward passes of `batch_size` (default: the hf_batch_size setting, 1 = one
+        sequence a pass, so no padding and no batch shape can change a value). Batches group sequences
+        of similar length and pad on `padding_side` with correct position ids."""
+        bs = batch_size or self.batch_size
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
+        out: list[TokenScores | None] = [None] * len(sequences)
+        for start in range(0, len(order), bs):
+            idx = order[start : start + bs]
+            chunk = [sequences[i] for i in idx]
+            gathers = None if gather_ids is None else [np.asarray(gather_ids[i]) for i in idx]
+            for i, res in zip(idx, self._from_rows(chunk, self._forward(chunk, padding_side), top_k, gathers)):
+                out[i] = res
+        return out  # type: ignore[return-value]
 
     def _forward(self, chunk: list[list[int]], padding_side: str) -> list[torch.Tensor]:
         """Each sequence's logits rows (row t-1 predicts token t)."""
@@ -58,7 +72,10 @@ class HFBackend(Backend):
             x[b, sl] = torch.tensor(ids, device=self.device)
             mask[b, sl] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        if bool(mask.all()):  # equal lengths: no mask, so the kernels are those of an unpadded batch
+            logits = self.model(input_ids=x, position_ids=pos, use_cache=False).logits
+        else:
+            logits = self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits
         rows = []
         for b, ids in enumerate(chunk):
             lo = 0 if padding_side == "right" else width - len(ids)
@@ -76,34 +93,53 @@ class HFBackend(Backend):
             out.append(y[0, len(ids) :].tolist())
         return out
 
-    def _from_logits(self, ids: list[int], logits: torch.Tensor, k: int, gather: np.ndarray | None) -> TokenScores:
-        """Row chunks of ROW_CHUNK positions: the float32 [rows, vocab] log_softmax of a long sequence
-        is never held whole. log_softmax is row-wise, so chunking changes no value."""
-        out = TokenScores.empty(ids, k)
-        full = None if gather is None else np.full(np.asarray(gather).shape, np.nan)
-        target = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
-        g_all = None if gather is None else torch.as_tensor(np.asarray(gather)[1:], dtype=torch.long, device=logits.device)
-        for lo in range(0, logits.shape[0], self.ROW_CHUNK):
-            hi = min(lo + self.ROW_CHUNK, logits.shape[0])
-            rows = logits[lo:hi]
+    def _from_rows(self, chunk: list[list[int]], rows: list[torch.Tensor], k: int,
+                   gathers: list[np.ndarray] | None) -> list[TokenScores]:
+        """The batch's rows, stacked, in blocks of ROW_CHUNK: float32 log_softmax is row-wise, so
+        blocking changes no value, and the float32 [positions, vocab] array is never held whole."""
+        logits = rows[0] if len(rows) == 1 else torch.cat(rows)
+        dev = logits.device
+        target = torch.tensor([t for ids in chunk for t in ids[1:]], dtype=torch.long, device=dev)
+        g_all = None if gathers is None else torch.as_tensor(np.concatenate([g[1:] for g in gathers]), dtype=torch.long, device=dev)
+        n = logits.shape[0]
+        lp_t = torch.empty(n, dtype=torch.float64, device=dev)
+        rank = torch.empty(n, dtype=torch.long, device=dev)
+        top_lp = torch.empty((n, k), dtype=torch.float64, device=dev)
+        top_ids = torch.empty((n, k), dtype=torch.long, device=dev)
+        full = None if g_all is None else torch.empty(g_all.shape, dtype=torch.float64, device=dev)
+        for lo in range(0, n, self.ROW_CHUNK):
+            hi = min(lo + self.ROW_CHUNK, n)
+            block = logits[lo:hi]
             # float32 log_softmax, as vLLM does; a float64 reference model keeps float64
-            lp = torch.log_softmax(rows if rows.dtype == torch.float64 else rows.float(), dim=-1)
-            target_lp = lp.gather(1, target[lo:hi, None])[:, 0]
+            lp = torch.log_softmax(block if block.dtype == torch.float64 else block.float(), dim=-1)
+            t_lp = lp.gather(1, target[lo:hi, None])[:, 0]
+            lp_t[lo:hi] = t_lp
             # vLLM's rule: rank = number of vocabulary entries >= the target's logprob.
-            rank = (lp >= target_lp[:, None]).sum(dim=-1)
-            top_lp, top_ids = lp.topk(k, dim=-1)
-            out.logprob[1 + lo : 1 + hi] = target_lp.double().cpu().numpy()
-            out.rank[1 + lo : 1 + hi] = rank.cpu().numpy()
-            out.topk_ids[1 + lo : 1 + hi] = top_ids.cpu().numpy()
-            out.topk_logprobs[1 + lo : 1 + hi] = top_lp.double().cpu().numpy()
+            rank[lo:hi] = (lp >= t_lp[:, None]).sum(dim=-1)
+            # top-k ids from the model-dtype logits (half the bytes to select over; log_softmax is
+            # monotone, so the same values), values read from the float32 log_softmax
+            i = block.topk(k, dim=-1).indices
+            top_ids[lo:hi], top_lp[lo:hi] = i, lp.gather(1, i)
             if full is not None:
                 g = g_all[lo:hi]
                 vals = lp.gather(1, g.clamp(min=0)).double()
                 vals[g < 0] = float("nan")
-                full[1 + lo : 1 + hi] = vals.cpu().numpy()
-        if full is None:
-            return out
-        return TokenScores(out.token_ids, out.logprob, out.rank, out.topk_ids, out.topk_logprobs, gathered_logprobs=full)
+                full[lo:hi] = vals
+        arrays = [a.cpu().numpy() for a in (lp_t, rank, top_lp, top_ids)]
+        full_np = None if full is None else full.cpu().numpy()
+        out, at = [], 0
+        for ids in chunk:
+            m = len(ids) - 1
+            res = TokenScores.empty(ids, k)
+            sl = slice(at, at + m)
+            res.logprob[1:], res.rank[1:], res.topk_logprobs[1:], res.topk_ids[1:] = (a[sl] for a in arrays)
+            if full_np is not None:
+                g = np.full((len(ids), full_np.shape[1]), np.nan)
+                g[1:] = full_np[sl]
+                res = dataclasses.replace(res, gathered_logprobs=g)
+            out.append(res)
+            at += m
+        return out
 
     def info(self) -> dict[str, Any]:
         dev = torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else "cpu"

@@ -11,30 +11,9 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from core.backends.base import Backend
+from core.memory import engine_share, kv_cache_bytes
 from core.scores import TokenScores
 from core.spec import MAX_TOP_K, EngineSettings
-
-_ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-# Default share of GPU memory one vLLM engine takes on CUDA: three warm engines (one per dtype) and
-# the HF models fit on one card (core.engines keeps at most LPP_MAX_GPU_ENGINES vLLM engines warm).
-CUDA_MEMORY_SHARE = 0.12
-
-
-def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, trust_remote_code: bool) -> int:
-    """On CPU vLLM sizes its KV cache from RAM; an explicit size skips that guess and its warm-up pass.
-
-    Enough for four sequences of max_model_len (at least 4096 tokens), between 64 MiB and 4 GiB.
-    """
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    cfg = getattr(cfg, "text_config", None) or cfg
-    heads = getattr(cfg, "num_attention_heads", 1)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * _ELEM_BYTES[dtype]
-    want = per_token * max(4 * max_model_len, 4096)
-    return int(min(max(want, 64 << 20), 4 << 30))
 
 
 class VLLMBackend(Backend):
@@ -62,15 +41,17 @@ class VLLMBackend(Backend):
             kwargs["max_num_seqs"] = settings.max_num_seqs
         if settings.attention_backend:
             kwargs["attention_backend"] = settings.attention_backend
-        if device == "cpu":
-            if settings.gpu_memory_utilization is not None:
-                kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
-            else:
-                kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-                    model_path, dtype, max_model_len, settings.trust_remote_code
-                )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"):
+            if getattr(settings, name):
+                kwargs[name] = getattr(settings, name)
+        if settings.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         else:
-            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization or CUDA_MEMORY_SHARE
+            # Sized from the model, not from free memory: engines that start side by side cannot
+            # misread each other's allocations, and the size does not depend on what else runs.
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, dtype, max_model_len, device, settings.trust_remote_code)
+            if device != "cpu":  # vLLM still checks that this share of the card is free at start
+                kwargs["gpu_memory_utilization"] = engine_share(model_path, dtype, max_model_len, settings)
         self.engine_kwargs = kwargs
         self.llm = LLM(**kwargs)
 
@@ -84,7 +65,7 @@ class VLLMBackend(Backend):
     ) -> list[TokenScores]:
         """Default: every sequence in one generate call (vLLM batches them); batch_size=1 scores
         each alone, which the noise-floor diagnostics compare against."""
-        params = SamplingParams(prompt_logprobs=top_k, max_tokens=1, temperature=0.0, detokenize=False)
+        params = SamplingParams(prompt_logprobs=top_k, max_tokens=1, temperature=0.0, detokenize=False, flat_logprobs=True)
         bs = batch_size or max(1, len(sequences))
         results: list[TokenScores] = []
         for start in range(0, len(sequences), bs):
@@ -100,20 +81,25 @@ class VLLMBackend(Backend):
 
     @staticmethod
     def _parse(ids: list[int], out: Any, k: int) -> TokenScores:
+        """FlatLogprobs: per position, the target first (with vLLM's own rank), then the top-k in rank order."""
         if list(out.prompt_token_ids) != ids:
             raise AssertionError(f"vLLM scored other ids than it was given: {list(out.prompt_token_ids)} != {ids}")
+        flat = out.prompt_logprobs
         res = TokenScores.empty(ids, k)
-        for t in range(1, len(ids)):
-            entries = out.prompt_logprobs[t]
-            target = entries[ids[t]]
-            res.logprob[t] = target.logprob
-            res.rank[t] = target.rank
-            # vLLM returns the top-k plus the target; the target is the extra entry when it is not in the top-k.
-            items = [(tid, lp) for tid, lp in entries.items() if len(entries) <= k or tid != ids[t]]
-            items.sort(key=lambda e: (e[1].rank, -e[1].logprob))
-            for j, (tid, lp) in enumerate(items[:k]):
-                res.topk_ids[t, j] = tid
-                res.topk_logprobs[t, j] = lp.logprob
+        n = len(ids) - 1
+        if n == 0:
+            return res
+        width = k + 1
+        if len(flat.logprobs) != n * width:
+            raise AssertionError(f"vLLM returned {len(flat.logprobs)} prompt logprobs for {n} positions x {width}")
+        tid = np.asarray(flat.token_ids, dtype=np.int64).reshape(n, width)
+        if not np.array_equal(tid[:, 0], ids[1:]):
+            raise AssertionError("vLLM's prompt logprobs are not for the ids it was given")
+        lp = np.asarray(flat.logprobs, dtype=np.float64).reshape(n, width)
+        res.logprob[1:] = lp[:, 0]
+        res.rank[1:] = np.asarray(flat.ranks, dtype=np.int64).reshape(n, width)[:, 0]
+        res.topk_ids[1:] = tid[:, 1:]
+        res.topk_logprobs[1:] = lp[:, 1:]
         return res
 
     def info(self) -> dict[str, Any]:
@@ -138,6 +124,4 @@ class VLLMBackend(Backend):
         }
 
     def close(self) -> None:
-        shutdown = getattr(self.llm.llm_engine, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        self.llm.llm_engine.engine_core.shutdown()

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import streamlit as st
 
+from core.prompts import SEED_TEXT
 from core.spec import BOS_POLICIES, DTYPES, MAX_TOP_K, EngineSettings, RunSpec
 from dashboard.state import dtype_reasons, engines_available
 
-SEED_TEXT = (
-    "Dave lives in Palm Coast, FL and is a lawyer. His personal interests include playing guitar, "
-    "hiking, and spending time with his family."
-)
 ATTENTION_BACKENDS = ["default", "FLEX_ATTENTION", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "CPU_ATTN"]
 PRESETS = {
     "demo: SmolLM2-135M-Instruct (embedded, offline)": "demo",
@@ -54,6 +51,16 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
                                   help="FLEX_ATTENTION matched HF to 3e-5 in float32 on an H200; the CPU build has CPU_ATTN only")
             attn_i = e2.selectbox("HF attn_implementation", ["default", "sdpa", "eager"], key=f"{key}-attni")
             trust = e3.checkbox("trust_remote_code", False, key=f"{key}-trust", help="runs the model's own Python code")
+            p1, p2, p3, p4, p5 = st.columns(5)
+            tp = p1.number_input("vLLM tensor_parallel_size (0 = auto)", 0, 8, 0, key=f"{key}-tp",
+                                 help="auto: the fewest GPUs that hold the model")
+            pp = p2.number_input("vLLM pipeline_parallel_size (0 = 1)", 0, 8, 0, key=f"{key}-pp")
+            hf_bs = p3.number_input("HF batch size", 1, 256, 1, key=f"{key}-hfbs",
+                                    help="1: one sequence a forward pass, no padding; more is faster and adds batch effects")
+            dmap = p4.selectbox("HF device_map", ["default", "auto"], key=f"{key}-dmap",
+                                help="auto: accelerate spreads the model over the GPUs (default when it does not fit one)")
+            dexec = p5.selectbox("vLLM executor", ["default", "mp", "ray"], key=f"{key}-dexec",
+                                 help="ray: run across a Ray cluster's GPUs (README: Past one box)")
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     if blocked:
         st.info(blocked)
@@ -75,6 +82,11 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
         attention_backend=None if attn_b == "default" else attn_b,
         attn_implementation=None if attn_i == "default" else attn_i,
         trust_remote_code=trust,
+        tensor_parallel_size=int(tp) or None,
+        pipeline_parallel_size=int(pp) or None,
+        hf_batch_size=int(hf_bs),
+        hf_device_map=None if dmap == "default" else dmap,
+        distributed_executor_backend=None if dexec == "default" else dexec,
     )
     spec = RunSpec(
         texts=(text,) if with_text else (),
