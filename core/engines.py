@@ -61,7 +61,7 @@ def start_engine(backend: str, load_kwargs: dict[str, Any]) -> tuple[WorkerClien
     key = engine_key(backend, load_kwargs)
     with _lock:
         worker = _workers.get(key)
-        if worker is not None and worker.alive() and worker.info is not None:
+        if _warm(worker):
             worker.last_used = time.monotonic()  # claimed: not evicted while this request runs
             return worker, True
         if worker is not None and not worker.alive():
@@ -103,18 +103,24 @@ def fits_together(needs: list[tuple[str, dict[str, Any]]]) -> bool:
     return sum(engine_bytes(b, lk) for b, lk in cold) <= memory.free_bytes(device) + reclaimable
 
 
+def _warm(worker: WorkerClient | None) -> bool:
+    """Running and loaded: it can score now."""
+    return worker is not None and worker.alive() and worker.info is not None
+
+
 def _is_warm(key: str) -> bool:
     with _lock:
-        w = _workers.get(key)
-        return w is not None and w.alive() and w.info is not None
+        return _warm(_workers.get(key))
 
 
-def _idle_locked(device: str | None = None) -> list[WorkerClient]:
-    """Loaded hosts unused for a while, least recently used first."""
+def _idle_locked(device: str | None = None, longer_than: float | None = None) -> list[WorkerClient]:
+    """Loaded hosts with no request in flight, unused for `longer_than` seconds (default
+    IDLE_BEFORE_EVICT_S), least recently used first."""
+    longer_than = IDLE_BEFORE_EVICT_S if longer_than is None else longer_than
     now = time.monotonic()
     return sorted(
         (w for w in _workers.values()
-         if w.info is not None and not w.busy and now - w.last_used > IDLE_BEFORE_EVICT_S
+         if w.info is not None and not w.busy and now - w.last_used > longer_than
          and (device is None or w.device == device)),
         key=lambda w: w.last_used,
     )
@@ -135,10 +141,14 @@ def _make_room_locked(device: str, need: int) -> None:
         _stop_locked(idle.pop(0))
 
 
-def _stop_locked(worker: WorkerClient) -> None:
+def _forget_locked(worker: WorkerClient) -> None:
     for key, w in list(_workers.items()):
         if w is worker:
             _workers.pop(key)
+
+
+def _stop_locked(worker: WorkerClient) -> None:
+    _forget_locked(worker)
     worker.stop(grace=10.0)
 
 
@@ -147,9 +157,8 @@ def reap_idle() -> int:
     timeout = float(os.environ.get(IDLE_TIMEOUT_ENV, "1800"))
     if timeout <= 0:
         return 0
-    now = time.monotonic()
     with _lock:
-        old = [w for w in _workers.values() if w.info is not None and not w.busy and now - w.last_used > timeout]
+        old = _idle_locked(longer_than=timeout)
         for w in old:
             _stop_locked(w)
     return len(old)
@@ -171,9 +180,7 @@ def _start_reaper_locked() -> None:
 def discard(worker: WorkerClient) -> None:
     """Stop a host and forget it; the next request for its key starts a fresh one."""
     with _lock:
-        for key, w in list(_workers.items()):
-            if w is worker:
-                _workers.pop(key)
+        _forget_locked(worker)
     worker.stop(grace=2.0)
 
 
