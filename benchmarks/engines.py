@@ -159,12 +159,12 @@ def main() -> None:
             rates[bs] = n_tok / took
 
         @torch.inference_mode()
-        def forward_only() -> None:
+        def forward_only(backend) -> None:
             for i in range(0, len(seqs), a.hf_batch):
-                hf._forward(seqs[i : i + a.hf_batch], "right")
+                backend._forward(seqs[i : i + a.hf_batch], "right")
             sync(torch, device)
 
-        _, fwd = timed(forward_only)
+        _, fwd = timed(forward_only, hf)
         ids = seqs[0]
         n_loop = a.loop_tokens or (len(ids) - 1 if device == "cuda" else 32)
         t = time.perf_counter()
@@ -184,13 +184,23 @@ def main() -> None:
         table.add("c. our HF scoring / floor", f"{rates[1] / floor:.1%} (batch 1), {rates[a.hf_batch] / floor:.1%} (batch {a.hf_batch})")
         table.add("c. HF forward pass alone / floor", f"{n_tok / fwd / floor:.1%} (batch {a.hf_batch}: {n_tok / fwd:,.0f} tokens/s)")
         del hf
+        # the same with hf_compile: inductor-fused forward and logprob blocks, compiled on the first call
+        hfc = HFBackend(model.path, a.dtype, device, EngineSettings(hf_compile=True), mml)
+        _, compile_s = timed(lambda: (hfc.score(seqs[: a.hf_batch], 5, batch_size=a.hf_batch), sync(torch, device)))
+        _, took = timed(lambda: (hfc.score(seqs, 5, batch_size=a.hf_batch), sync(torch, device)))
+        _, fwd_c = timed(forward_only, hfc)
+        table.add(f"c. our HF scoring, hf_compile, batch {a.hf_batch} / floor",
+                  f"{n_tok / took / floor:.1%} ({n_tok / took:,.0f} tokens/s; first call with compiling {compile_s:.1f} s)")
+        table.add("c. HF compiled forward pass alone / floor", f"{n_tok / fwd_c / floor:.1%} ({n_tok / fwd_c:,.0f} tokens/s)")
+        del hfc
         if device == "cuda":
             torch.cuda.empty_cache()
 
     # b: one cold vLLM engine (the yardstick for d), our path on it, then a bare LLM.generate in this process
-    load = load_kwargs(model, a.dtype, device, EngineSettings(tensor_parallel_size=1, pipeline_parallel_size=1), mml)
-    worker, start_s = timed(engines.worker_for, "vllm", load)
-    table.add("b. one vLLM engine start (cold, own process, eager)", f"{start_s:.1f} s")
+    if parts & {"vllm", "forum"}:
+        load = load_kwargs(model, a.dtype, device, EngineSettings(tensor_parallel_size=1, pipeline_parallel_size=1), mml)
+        worker, start_s = timed(engines.worker_for, "vllm", load)
+        table.add("b. one vLLM engine start (cold, own process, eager)", f"{start_s:.1f} s")
     if "vllm" in parts:
         worker.score(seqs[:2], 5)
         _, ours_v = timed(worker.score, seqs, 5)

@@ -69,6 +69,7 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         pipeline_parallel_size=args.pipeline_parallel_size,
         hf_batch_size=args.hf_batch_size,
         hf_device_map=args.hf_device_map,
+        hf_compile=args.hf_compile,
         distributed_executor_backend=args.distributed_executor_backend,
     )
 
@@ -261,6 +262,8 @@ def _add_spec_args(c: argparse.ArgumentParser) -> None:
                    help="HF sequences per forward pass (default 1: no padding, no batch effects)")
     e.add_argument("--hf-device-map", choices=["auto"], default=None,
                    help="spread the HF model over the GPUs with accelerate (default: when it does not fit one)")
+    e.add_argument("--hf-compile", action="store_true",
+                   help="torch.compile HF's forward and logprob blocks: faster on many prompts, the first call compiles, bfloat16 numerics move")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,7 @@ class EngineSettings:
     attn_implementation: str | None = None
     hf_batch_size: int = 1  # sequences per forward pass; 1 means no padding and no batch effects
     hf_device_map: str | None = None  # "auto": accelerate spreads the model over the GPUs
+    hf_compile: bool = False  # torch.compile the forward and the logprob blocks: faster bulk scoring, slower first call
     # both
     trust_remote_code: bool = False
 
@@ -64,7 +65,7 @@ class EngineSettings:
         return {name: d[name] for name in (*HF_ONLY, "trust_remote_code")}
 
 
-HF_ONLY = ("attn_implementation", "hf_batch_size", "hf_device_map")
+HF_ONLY = ("attn_implementation", "hf_batch_size", "hf_device_map", "hf_compile")
 
 
 @dataclass(frozen=True)

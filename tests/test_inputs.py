@@ -40,6 +40,20 @@ def test_settings_roundtrip_and_hash_is_canonical():
     assert content_hash({"a": 1.0}) != content_hash({"a": 1.0000001})
 
 
+def test_hf_compile_is_an_hf_setting_from_the_cli():
+    """--hf-compile reaches HF's part of the settings (so HF's engine key and the run id) and not vLLM's;
+    settings stored before the knob existed still load, with it off."""
+    from core.cli import _settings, build_parser
+
+    args = build_parser().parse_args(["compare", "--prompt", "x", "--dtype", "float32", "--hf-compile"])
+    on, off = _settings(args), EngineSettings()
+    assert on.hf_compile and on.hf_part()["hf_compile"] and "hf_compile" not in on.vllm_part()
+    assert on.vllm_part() == off.vllm_part() and on.hf_part() != off.hf_part()
+    assert content_hash(on.to_dict()) != content_hash(off.to_dict())
+    old = {k: v for k, v in off.to_dict().items() if k != "hf_compile"}
+    assert EngineSettings.from_dict(old) == off
+
+
 def test_txt_jsonl_csv():
     assert parse_prompts(b"one\n\n two \n", "p.txt").texts == ("one", " two ")
     data = "\n".join([json.dumps({"text": "a b"}), "{broken", json.dumps({"x": 1}), json.dumps({"text": "c"})])

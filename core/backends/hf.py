@@ -32,6 +32,11 @@ class HFBackend(Backend):
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device).eval()
         self.batch_size = settings.hf_batch_size
+        # hf_compile: inductor fuses the forward's norms, rotary and activations, and the block's
+        # float32 log_softmax, gathers and rank count into a few kernels (no float32 [rows, vocab]
+        # array); dynamic shapes so new lengths do not recompile. Compiles on the first call.
+        self._forward_model = torch.compile(self.model, dynamic=True) if settings.hf_compile else self.model
+        self._block_stats = torch.compile(_block_stats, dynamic=True) if settings.hf_compile else _block_stats
         if self.device.startswith("cuda"):
             vocab = self.model.get_output_embeddings().weight.shape[0]
             self.ROW_CHUNK = max(self.ROW_CHUNK, self.CUDA_BLOCK_BYTES // (4 * vocab))
@@ -63,7 +68,7 @@ class HFBackend(Backend):
         """Each sequence's logits rows (row t-1 predicts token t)."""
         if len(chunk) == 1:
             x = torch.tensor(chunk, dtype=torch.long, device=self.device)
-            return [self.model(input_ids=x, use_cache=False).logits[0, :-1]]
+            return [self._forward_model(input_ids=x, use_cache=False).logits[0, :-1]]
         width = max(map(len, chunk))
         x = torch.zeros((len(chunk), width), dtype=torch.long, device=self.device)
         mask = torch.zeros_like(x)
@@ -73,9 +78,9 @@ class HFBackend(Backend):
             mask[b, sl] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         if bool(mask.all()):  # equal lengths: no mask, so the kernels are those of an unpadded batch
-            logits = self.model(input_ids=x, position_ids=pos, use_cache=False).logits
+            logits = self._forward_model(input_ids=x, position_ids=pos, use_cache=False).logits
         else:
-            logits = self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            logits = self._forward_model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits
         rows = []
         for b, ids in enumerate(chunk):
             lo = 0 if padding_side == "right" else width - len(ids)
@@ -110,19 +115,17 @@ class HFBackend(Backend):
         for lo in range(0, n, self.ROW_CHUNK):
             hi = min(lo + self.ROW_CHUNK, n)
             block = logits[lo:hi]
-            # float32 log_softmax, as vLLM does; a float64 reference model keeps float64
-            lp = torch.log_softmax(block if block.dtype == torch.float64 else block.float(), dim=-1)
-            t_lp = lp.gather(1, target[lo:hi, None])[:, 0]
-            lp_t[lo:hi] = t_lp
-            # vLLM's rule: rank = number of vocabulary entries >= the target's logprob.
-            rank[lo:hi] = (lp >= t_lp[:, None]).sum(dim=-1)
             # top-k ids from the model-dtype logits (half the bytes to select over; log_softmax is
             # monotone, so the same values), values read from the float32 log_softmax
-            i = block.topk(k, dim=-1).indices
-            top_ids[lo:hi], top_lp[lo:hi] = i, lp.gather(1, i)
+            cols = block.topk(k, dim=-1).indices
+            top_ids[lo:hi] = cols
             if full is not None:
                 g = g_all[lo:hi]
-                vals = lp.gather(1, g.clamp(min=0)).double()
+                cols = torch.cat([cols, g.clamp(min=0)], dim=1)
+            lp_t[lo:hi], rank[lo:hi], vals = self._block_stats(block, target[lo:hi], cols)
+            top_lp[lo:hi] = vals[:, :k]
+            if full is not None:
+                vals = vals[:, k:].double()
                 vals[g < 0] = float("nan")
                 full[lo:hi] = vals
         arrays = [a.cpu().numpy() for a in (lp_t, rank, top_lp, top_ids)]
@@ -151,3 +154,12 @@ class HFBackend(Backend):
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
         }
+
+
+def _block_stats(block: torch.Tensor, target: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A block of logits rows -> the target's logprob, its rank and the logprobs at `cols`, from a
+    float32 log_softmax as vLLM computes it (a float64 reference model keeps float64)."""
+    lp = torch.log_softmax(block if block.dtype == torch.float64 else block.float(), dim=-1)
+    t_lp = lp.gather(1, target[:, None])[:, 0]
+    # vLLM's rule: rank = number of vocabulary entries >= the target's logprob.
+    return t_lp, (lp >= t_lp[:, None]).sum(dim=-1), lp.gather(1, cols)

@@ -50,6 +50,8 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
             attn_b = e1.selectbox("vLLM attention_backend", ATTENTION_BACKENDS, key=f"{key}-attnb",
                                   help="FLEX_ATTENTION matched HF to 3e-5 in float32 on an H200; the CPU build has CPU_ATTN only")
             attn_i = e2.selectbox("HF attn_implementation", ["default", "sdpa", "eager"], key=f"{key}-attni")
+            hf_comp = e2.checkbox("HF torch.compile", False, key=f"{key}-hfcomp",
+                                  help="fuses HF's kernels: 63.5% vs 45.5% of the FLOP floor on an H200, the first run compiles (~1-2 min); moves bfloat16 HF by up to 0.6 nats")
             trust = e3.checkbox("trust_remote_code", False, key=f"{key}-trust", help="runs the model's own Python code")
             p1, p2, p3, p4, p5 = st.columns(5)
             tp = p1.number_input("vLLM tensor_parallel_size (0 = auto)", 0, 8, 0, key=f"{key}-tp",
@@ -86,6 +88,7 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
         pipeline_parallel_size=int(pp) or None,
         hf_batch_size=int(hf_bs),
         hf_device_map=None if dmap == "default" else dmap,
+        hf_compile=hf_comp,
         distributed_executor_backend=None if dexec == "default" else dexec,
     )
     spec = RunSpec(
