@@ -144,7 +144,9 @@ def _idle_hf(tiny_bos, monkeypatch, **settings):
 
 def test_idle_engines_stop_after_the_timeout(tiny_bos, monkeypatch):
     worker, _ = _idle_hf(tiny_bos, monkeypatch)
-    monkeypatch.setenv(engines.IDLE_TIMEOUT_ENV, "60")
+    # an hour: longer than any engine of this session has been idle (a shorter limit would also stop
+    # engines earlier tests left warm, and the count would depend on test order and speed)
+    monkeypatch.setenv(engines.IDLE_TIMEOUT_ENV, "3600")
     assert engines.reap_idle() == 0 and worker.alive()
     monkeypatch.setenv(engines.IDLE_TIMEOUT_ENV, "2")
     assert engines.reap_idle() >= 1
