@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,8 +36,8 @@ class HFBackend(Backend):
         # hf_compile: inductor fuses the forward's norms, rotary and activations, and the block's
         # float32 log_softmax, gathers and rank count into a few kernels (no float32 [rows, vocab]
         # array); dynamic shapes so new lengths do not recompile. Compiles on the first call.
-        self._forward_model = torch.compile(self.model, dynamic=True) if settings.hf_compile else self.model
-        self._block_stats = torch.compile(_block_stats, dynamic=True) if settings.hf_compile else _block_stats
+        fuse = partial(torch.compile, dynamic=True) if settings.hf_compile else (lambda f: f)
+        self._forward_model, self._block_stats = fuse(self.model), fuse(_block_stats)
         if self.device.startswith("cuda"):
             vocab = self.model.get_output_embeddings().weight.shape[0]
             self.ROW_CHUNK = max(self.ROW_CHUNK, self.CUDA_BLOCK_BYTES // (4 * vocab))
