@@ -118,13 +118,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from core import engines
-    from core.backends.hf import HFBackend
-    from core.compare import compare, load_kwargs, model_max_len
+    from core.engines.backends.hf import HFBackend
+    from core.analysis.compare import compare, load_kwargs, model_max_len
     from core.env import device_name, resolve_device, versions
-    from core.models import resolve_model
-    from core.prompts import SEED_TEXT
-    from core.spec import DTYPES, EngineSettings, RunSpec
-    from core.store import Store
+    from core.inputs.models import resolve_model
+    from core.inputs.prompts import SEED_TEXT
+    from core.inputs.spec import DTYPES, EngineSettings, RunSpec
+    from core.results.store import Store
 
     device = resolve_device("auto")
     work = Path(tempfile.mkdtemp(prefix="lpp-bench-"))
@@ -229,9 +229,9 @@ def main() -> None:
         table.add("d. forum sentence x 3 dtypes, cold engines", f"{first1:.1f} s = {first1 / start_s:.2f}x one engine start")
         for run in runs1:
             for b in ("vllm", "hf"):
-                t = run.meta["env"][f"{b}_engine"]["load_timing"]
+                t = getattr(run.meta.env, f"{b}_engine")["load_timing"]
                 table.add(f"d. ... {b} {run.dtype} engine", f"imports {t['import_s']} s, load {t['init_s']} s, "
-                          f"waited {run.meta['timing'][f'{b}_load_s']} s")
+                          f"waited {run.meta.timing[f'{b}_load_s']} s")
         _, warm1 = timed(compare, forum, store=store, use_cache=False)
         table.add("d. the same again, warm engines, recomputed", f"{warm1:.3f} s")
         engines.shutdown_all()

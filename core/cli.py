@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from core.errors import EngineError, UserError
-from core.spec import BOS_POLICIES, DEVICES, EngineSettings, RunSpec
+from core.inputs.settings import SETTINGS, EngineSettings, Setting, settings_class
+from core.inputs.spec import BOS_POLICIES, DEVICES, RunSpec
 
 SUMMARY_ROWS = (
     ("n_tokens", "d"),
@@ -53,29 +53,27 @@ def summary_table(runs: list[Any]) -> str:
     return "\n".join(lines)
 
 
-def _settings(args: argparse.Namespace) -> EngineSettings:
-    return EngineSettings(
-        enforce_eager=not args.no_enforce_eager,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        attn_implementation=args.attn_implementation,
-        trust_remote_code=args.trust_remote_code,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        hf_batch_size=args.hf_batch_size,
-        hf_device_map=args.hf_device_map,
-        hf_compile=args.hf_compile,
-        distributed_executor_backend=args.distributed_executor_backend,
-    )
+def _settings(args: argparse.Namespace, registry: tuple[Setting, ...] = SETTINGS) -> Any:
+    """EngineSettings from the flags that `add_setting_flags` made from the same registry."""
+    cls = EngineSettings if registry is SETTINGS else settings_class(registry)
+    return cls(**{s.name: getattr(args, s.name) for s in registry})
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS) -> None:
+    """One flag per registered engine setting: booleans as --name/--no-name, numbers and strings typed."""
+    group = parser.add_argument_group("engine settings (recorded in the run id)")
+    for s in registry:
+        where = {"vllm": "vLLM", "hf": "HF", "both": "both engines"}[s.backend]
+        default = "engine default" if s.default is None else s.default
+        help_text = f"{s.help} [{where}; default: {default}]".replace("%", "%%")
+        if s.kind is bool:
+            group.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=s.default, help=help_text)
+        else:
+            group.add_argument(s.flag, dest=s.name, type=s.kind, default=s.default, choices=s.choices, help=help_text)
 
 
 def _spec_from_args(args: argparse.Namespace) -> RunSpec:
-    from core.prompts import read_prompt_file
+    from core.inputs.prompts import read_prompt_file
 
     if (args.prompt is None) == (args.prompts is None):
         raise UserError("give exactly one of --prompt TEXT or --prompts FILE")
@@ -107,7 +105,7 @@ def _spec_from_args(args: argparse.Namespace) -> RunSpec:
 def cmd_compare(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from core.compare import compare
+    from core.analysis.compare import compare
 
     spec = _spec_from_args(args)
     dtypes = spec.dtypes
@@ -135,7 +133,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from core.diagnostics import PARTS, diagnose, diagnostics_text
+    from core.analysis.diagnostics import PARTS, diagnose, diagnostics_text
 
     spec = _spec_from_args(args)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip()) if args.parts != "all" else PARTS
@@ -148,7 +146,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     result = diagnose(spec, parts=parts, gen_tokens=args.gen_tokens, slow_knobs=args.slow_knobs, on_event=on_event)
     print(diagnostics_text(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, allow_nan=False))
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False))
         print(f"wrote {args.json}")
     return 0
 
@@ -164,27 +162,33 @@ def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from core.store import Store
+    from core.results.store import Store
 
-    df = Store().list_runs()
+    store = Store()
+    df = store.list_runs()
     if df.empty:
         print("no stored runs")
-        return 0
-    df["created"] = df["created"].dt.strftime("%Y-%m-%d %H:%M")
-    print(df.to_string(index=False, formatters={"max_abs_delta": "{:.3e}".format, "mean_abs_delta": "{:.3e}".format}))
+    else:
+        df["created"] = df["created"].dt.strftime("%Y-%m-%d %H:%M")
+        print(df.to_string(index=False, formatters={"max_abs_delta": "{:.3e}".format, "mean_abs_delta": "{:.3e}".format}))
+    diags = store.list_diagnostics()
+    if not diags.empty:
+        diags["created"] = diags["created"].dt.strftime("%Y-%m-%d %H:%M")
+        print("\ndiagnostics:")
+        print(diags.drop(columns=["run_ids"]).to_string(index=False))
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from core.store import Store
+    from core.results.store import Store
 
     run = Store().load(args.run_id)
     if args.json:
         print(json.dumps(run.to_json_dict(), indent=1, allow_nan=False))
         return 0
     m = run.meta
-    print(f"run {run.run_id}  model {m['model']}  dtype {m['dtype']}  device {m['env']['device']}")
-    print(f"torch {m['env']['torch']}  transformers {m['env']['transformers']}  vllm {m['env']['vllm']}  created {m['created']}")
+    print(f"run {run.run_id}  model {m.model}  dtype {m.dtype}  device {m.env.device}")
+    print(f"torch {m.env.torch}  transformers {m.env.transformers}  vllm {m.env.vllm}  created {m.created}")
     print(summary_table([run]))
     df = run.to_frame()
     worst = df[df["scored"]].nlargest(10, "abs_delta")[["seq", "index", "token_id", "token", "hf_logprob", "vllm_logprob", "delta"]]
@@ -194,7 +198,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from core.store import Store
+    from core.results.store import Store
 
     store = Store()
     run = store.load(args.run_id)
@@ -202,10 +206,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if out.suffix.lower() == ".json":
         write_json(out, [run])
     elif out.suffix.lower() in (".html", ".htm"):
-        from core.diagnostics import diagnostics_for_run
-        from core.report import write_html_report
+        from core.present.report import write_html_report
 
-        write_html_report(run, out, diagnostics_for_run(store, run.run_id))
+        write_html_report(run, out, store.diagnostics_for_run(run.run_id))
     else:
         raise UserError(f"report output must end in .html or .json (got {out.name})")
     print(f"wrote {out}")
@@ -213,7 +216,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
-    from core.demo import build_demo_model
+    from core.inputs.demo import build_demo_model
 
     path = build_demo_model(args.out_dir, force=args.force)
     print(path)
@@ -221,14 +224,20 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
+    """Become the Streamlit process (exec, not a child): SIGTERM and SIGINT reach Streamlit itself,
+    whose shutdown stops every engine host (core.engines.pool), so nothing outlives the command."""
     app = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.address, "--server.port", str(args.port)]
     if args.headless:
         cmd += ["--server.headless", "true"]
-    return subprocess.call(cmd, cwd=str(app.parent.parent))
+    os.chdir(app.parent.parent)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
 
 
-def _add_spec_args(c: argparse.ArgumentParser) -> None:
+def _add_spec_args(c: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS) -> None:
     c.add_argument("--model", default=None, help="hub id or local folder (default: the embedded demo model)")
     c.add_argument("--revision", default=None)
     c.add_argument("--dtype", default="float32", help="float16, bfloat16, float32, comma-separated")
@@ -242,40 +251,20 @@ def _add_spec_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--no-cache", action="store_true", help="recompute even if the store has this run")
     c.add_argument("--truncate", action="store_true", help="keep the first positions of prompts longer than the model allows")
     c.add_argument("--quiet", action="store_true", help="no progress output")
-    e = c.add_argument_group("engine settings (recorded in the run id)")
-    e.add_argument("--no-enforce-eager", action="store_true", help="let vLLM compile/capture graphs")
-    e.add_argument("--enable-prefix-caching", action="store_true")
-    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=None)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--attention-backend", default=None, help="vLLM attention backend")
-    e.add_argument("--attn-implementation", default=None, help="HF attn_implementation (sdpa, eager, ...)")
-    e.add_argument("--trust-remote-code", action="store_true", help="run the model's own code (off by default)")
-    e.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="vLLM tensor parallel GPUs (default: the fewest that hold the model)")
-    e.add_argument("--pipeline-parallel-size", type=int, default=None, help="vLLM pipeline stages (default 1)")
-    e.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
-                   help="vLLM's executor: ray runs across a Ray cluster's GPUs (default: vLLM's choice)")
-    e.add_argument("--hf-batch-size", type=int, default=1,
-                   help="HF sequences per forward pass (default 1: no padding, no batch effects)")
-    e.add_argument("--hf-device-map", choices=["auto"], default=None,
-                   help="spread the HF model over the GPUs with accelerate (default: when it does not fit one)")
-    e.add_argument("--hf-compile", action="store_true",
-                   help="torch.compile HF's forward and logprob blocks: faster on many prompts, the first call compiles, bfloat16 numerics move")
+    add_setting_flags(c, registry)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentParser:
+    """registry: the engine settings to make flags for (tests pass an extended one)."""
     p = argparse.ArgumentParser(prog="logprob-parity", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compare", help="score text with HF and vLLM and compare token by token")
-    _add_spec_args(c)
+    _add_spec_args(c, registry)
     c.set_defaults(func=cmd_compare)
 
     g = sub.add_parser("diagnose", help="noise floor, knob ablation, float64 reference, downstream impact, verdict")
-    _add_spec_args(g)
+    _add_spec_args(g, registry)
     g.add_argument("--parts", default="noise,reference,downstream", help="noise,reference,downstream,ablation or 'all'")
     g.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens to generate for the downstream check")
     g.add_argument("--slow-knobs", action="store_true", help="also ablate knobs that are slow here (torch.compile on CPU)")

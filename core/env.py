@@ -8,6 +8,8 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
+from typing import Any
 from importlib import metadata
 from pathlib import Path
 
@@ -82,3 +84,20 @@ def dtype_support(dtype: str, device: str) -> str | None:
         except ValueError:
             return None
     return None
+
+
+_IMPORT_LOCK = threading.RLock()
+
+
+def from_transformers(*names: str) -> Any:
+    """`from transformers import names`, one thread at a time.
+
+    Why: transformers resolves its top-level names lazily, and the first resolution from several
+    threads at once (three dashboard sessions pressing Run on a fresh server) raises
+    `ImportError: cannot import name 'AutoTokenizer'`. After the first import this lock costs nothing
+    that matters. Returns one object for one name, else a tuple."""
+    with _IMPORT_LOCK:
+        import transformers
+
+        got = tuple(getattr(transformers, n) for n in names)
+    return got[0] if len(got) == 1 else got

@@ -1,4 +1,5 @@
-"""Errors a user can fix: the CLI prints them as one line, the dashboard as a message box."""
+"""Errors a user can fix or must be told about: the CLI prints them as one line (exit 2 for a
+UserError, 3 for an EngineError), the dashboard as a message box that is visible at once."""
 
 
 class UserError(Exception):
@@ -6,4 +7,12 @@ class UserError(Exception):
 
 
 class EngineError(RuntimeError):
-    """A backend worker failed or died while loading or scoring."""
+    """A backend host failed or died while loading or scoring."""
+
+
+class ProtocolError(EngineError):
+    """A host answered out of turn: a request before its engine loaded, or an unknown request."""
+
+
+class TokenMismatchError(EngineError):
+    """A backend scored other token ids than the run's: its numbers cannot be compared."""

@@ -7,12 +7,13 @@ from typing import Any
 
 import streamlit as st
 
+from core.analysis.request import Context
 from core.env import dtype_support, resolve_device
 from core.errors import UserError
-from core.models import model_roots_from_env
-from core.render import SCALES
-from core.run import Run
-from core.store import Store
+from core.inputs.models import model_roots_from_env
+from core.present.render import SCALES
+from core.results.run import Run
+from core.results.store import Store
 
 
 @st.cache_resource
@@ -43,6 +44,11 @@ def model_roots() -> list[str] | None:
     if roots is None and address and address not in LOCAL_ADDRESSES:
         return []
     return roots
+
+
+def request_context(on_event=None) -> Context:
+    """The context every page runs engines with: this server's store and its model-root rules."""
+    return Context.of(store=get_store(), on_event=on_event, model_roots=model_roots())
 
 
 def dtype_reasons(device: str = "auto") -> dict[str, str | None]:

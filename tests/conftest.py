@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_collection_modifyitems(config, items):
     """GPU tests need CUDA, multi-GPU tests two GPUs; skip them (with the reason) elsewhere."""
     from core.env import cuda_present
-    from core.memory import gpus
+    from core.engines.memory import gpus
 
     cuda = cuda_present()
     many = cuda and len(gpus()) >= 2
@@ -46,7 +46,7 @@ def tiny_nobos() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
-    from core.demo import build_demo_model
+    from core.inputs.demo import build_demo_model
 
     return build_demo_model(MODELS_HOME / "models" / "smollm2-135m-instruct")
 
@@ -56,7 +56,7 @@ def gpu_model() -> str:
     """The demo model for GPU runs: the GPU machine's converted copy (LPP_GPU_MODEL), else built here."""
     path = os.environ.get("LPP_GPU_MODEL", "/tmp/models/smollm2-135m")
     if not Path(path, "config.json").is_file():
-        from core.demo import build_demo_model
+        from core.inputs.demo import build_demo_model
 
         return str(build_demo_model())
     return path

@@ -132,8 +132,8 @@ def test_hostile_text_never_executes(server, home, tmp_path):
     """53 hostile strings as tokens, in the dashboard (a shared link) and in the HTML report."""
     from playwright.sync_api import sync_playwright
 
-    from core.report import write_html_report
-    from core.store import Store
+    from core.present.report import write_html_report
+    from core.results.store import Store
 
     run = hostile_run()
     Store(home).save(run)

@@ -7,7 +7,7 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from core.store import Store
+from core.results.store import Store
 from test_store import make_run
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")

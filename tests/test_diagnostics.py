@@ -4,9 +4,9 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from core.diagnostics import biggest_knob, diagnose, diagnostics_for_run, diagnostics_text, load_diagnostics
-from core.spec import RunSpec
-from core.store import Store
+from core.analysis.diagnostics import biggest_knob, diagnose, diagnostics_text
+from core.inputs.spec import RunSpec
+from core.results.store import Store
 from test_dashboard import APP
 
 pytestmark = pytest.mark.engine
@@ -25,46 +25,48 @@ def demo_diag(demo_model, tmp_path_factory):
 
 def test_noise_floor(demo_diag):
     _, r = demo_diag
-    f32, bf16 = r["dtypes"]["float32"], r["dtypes"]["bfloat16"]
+    f32, bf16 = r.dtypes["float32"], r.dtypes["bfloat16"]
     for out in (f32, bf16):
-        assert set(out["noise"]) == {"hf_batched_right_padding", "hf_batched_left_padding", "vllm_alone_vs_batched", "vllm_repeat", "hf_attn_eager"}
-        assert all(v["n"] == 29 for v in out["noise"].values())
-        assert out["floor"]["hf"] >= 0 and out["floor"]["vllm"] >= 0
-    assert f32["floor"]["hf"] < 1e-3  # float32 noise is tiny
-    assert bf16["gap"]["mean"] > 10 * f32["gap"]["mean"]
-    print({d: (o["gap"]["mean"], o["floor"], o["ratio_to_hf_noise"]) for d, o in r["dtypes"].items()})
+        assert set(out.noise) == {"hf_batched_right_padding", "hf_batched_left_padding", "vllm_alone_vs_batched", "vllm_repeat", "hf_attn_eager"}
+        assert all(v["n"] == 29 for v in out.noise.values())
+        assert out.floor["hf"] >= 0 and out.floor["vllm"] >= 0
+    assert f32.floor["hf"] < 1e-3  # float32 noise is tiny
+    assert bf16.gap["mean"] > 10 * f32.gap["mean"]
+    print({d: (o.gap["mean"], o.floor, o.ratio_to_hf_noise) for d, o in r.dtypes.items()})
 
 
 def test_reference(demo_diag):
     _, r = demo_diag
-    f32, bf16 = r["dtypes"]["float32"]["reference"], r["dtypes"]["bfloat16"]["reference"]
+    f32, bf16 = r.dtypes["float32"].reference, r.dtypes["bfloat16"].reference
     assert f32["vllm_vs_ref"]["max"] < 1e-3 and f32["hf_vs_ref"]["max"] < 1e-3
     assert bf16["vllm_vs_ref"]["mean"] > 1e-3 and bf16["hf_vs_ref"]["mean"] > 1e-3
     for ref in (f32, bf16):
         assert ref["closer_overall"] in ("vLLM", "HF", "tie")
         assert ref["frac_tokens_vllm_closer"] is None or 0 <= ref["frac_tokens_vllm_closer"] <= 1
-    print({d: o["reference"] for d, o in r["dtypes"].items()})
+    print({d: o.reference for d, o in r.dtypes.items()})
 
 
 def test_downstream(demo_diag):
     _, r = demo_diag
-    for d, out in r["dtypes"].items():
-        g, m = out["greedy"], out["mcq"]
+    for d, out in r.dtypes.items():
+        g, m = out.greedy, out.mcq
         assert g["n_tokens"] == 16 and g["hf_text"] and g["vllm_text"]
         assert g["first_difference"] is None or (0 <= g["first_difference"] < 16 and g["hf_token"] != g["vllm_token"])
         assert m["n_questions"] == 16 and 0 <= m["flips_between_engines"] <= 16
         assert 0 <= m["hf_accuracy"] <= 1 and 0 <= m["vllm_accuracy"] <= 1
-    assert set(r["mcq_dtype_flips"]) == {"hf bfloat16 vs float32", "vllm bfloat16 vs float32"}
-    print({d: (o["greedy"]["first_difference"], o["mcq"]) for d, o in r["dtypes"].items()}, r["mcq_dtype_flips"])
+    assert set(r.mcq_dtype_flips) == {"hf bfloat16 vs float32", "vllm bfloat16 vs float32"}
+    print({d: (o.greedy["first_difference"], o.mcq) for d, o in r.dtypes.items()}, r.mcq_dtype_flips)
 
 
 def test_verdict_and_storage(demo_diag):
     store, r = demo_diag
-    assert r["dtypes"]["float32"]["verdict"]["level"] == "match"
-    assert r["dtypes"]["bfloat16"]["verdict"]["level"] in ("close", "differs")
-    assert any("HF's own noise" in x for x in r["dtypes"]["bfloat16"]["verdict"]["reasons"])
-    assert load_diagnostics(store, r["diagnostics_id"]) == r
-    assert diagnostics_for_run(store, r["run_ids"]["bfloat16"])["diagnostics_id"] == r["diagnostics_id"]
+    assert r.dtypes["float32"].verdict["level"] == "match"
+    assert r.dtypes["bfloat16"].verdict["level"] in ("close", "differs")
+    assert any("HF's own noise" in x for x in r.dtypes["bfloat16"].verdict["reasons"])
+    assert store.load_diagnostics(r.diagnostics_id) == r
+    assert store.diagnostics_for_run(r.run_ids["bfloat16"]).diagnostics_id == r.diagnostics_id
+    listed = store.list_diagnostics()
+    assert r.diagnostics_id in set(listed["diagnostics_id"])
     text = diagnostics_text(r)
     assert "== noise ==" in text and "== reference ==" in text and "== downstream ==" in text
 
@@ -76,14 +78,14 @@ def test_dashboard_shows_diagnostics(demo_diag, monkeypatch):
     at = AppTest.from_file(APP, default_timeout=60)
     at.run()
     at.switch_page("views/diagnostics.py")
-    at.query_params["diag"] = r["diagnostics_id"]
+    at.query_params["diag"] = r.diagnostics_id
     at.run()
     assert not at.exception
     assert at.success and at.success[0].value.startswith("float32: vLLM and HF agree")
     assert len(at.dataframe) >= 3
     # the comparison view now draws the noise floor and states the ratio
     at2 = AppTest.from_file(APP, default_timeout=60)
-    at2.query_params["runs"] = ",".join(r["run_ids"].values())
+    at2.query_params["runs"] = ",".join(r.run_ids.values())
     at2.run()
     assert not at2.exception
     assert any("HF's own noise (batching, padding, attention)" in c.value for c in at2.caption)
@@ -93,7 +95,7 @@ def test_dashboard_shows_diagnostics(demo_diag, monkeypatch):
 def test_knob_ablation(home, tiny_bos):
     spec = RunSpec(texts=("Shall I compare thee to a summer's day?",), model=str(tiny_bos), dtypes=("float32",), top_k=3)
     r = diagnose(spec, store=Store(home), parts=("ablation",))
-    rows = r["ablation"]
+    rows = list(r.ablation)
     assert rows[0]["knob"] == "baseline" and rows[0]["change"] == 0.0
     tried = [x for x in rows[1:] if x["mean_abs_delta"] is not None]
     skipped = [x for x in rows[1:] if x["mean_abs_delta"] is None]
@@ -105,10 +107,10 @@ def test_knob_ablation(home, tiny_bos):
 
 
 def test_report_carries_the_diagnostics(demo_diag, tmp_path):
-    from core.report import report_html
+    from core.present.report import report_html
 
     store, r = demo_diag
-    runs = [store.load(rid) for rid in r["run_ids"].values()]
+    runs = [store.load(rid) for rid in r.run_ids.values()]
     page = report_html(runs, r)
     assert "Noise floor" in page and "High-precision reference" in page and "Downstream impact" in page
     assert "HF&#x27;s own noise" in page or "HF's own noise" in page

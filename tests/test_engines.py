@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from core import engines
-from core.compare import compare
-from core.spec import RunSpec
-from core.store import Store
+from core.engines import pool
+from core.analysis.compare import compare
+from core.inputs.spec import RunSpec
+from core.results.store import Store
 
 pytestmark = pytest.mark.engine
 
@@ -16,7 +16,7 @@ TEXTS = ("Dave lives in Palm Coast, FL and is a lawyer.", "Caf\u00e9 na\u00efve 
 @pytest.mark.parametrize("model_fixture, tokenizer_adds_bos", [("tiny_bos", True), ("tiny_nobos", False)])
 @pytest.mark.parametrize("bos", ["auto", "none"])
 def test_same_ids_both_backends(request, home, model_fixture, tokenizer_adds_bos, bos):
-    from core.tokens import load_tokenizer, tokenizer_adds_bos as adds
+    from core.inputs.tokens import load_tokenizer, tokenizer_adds_bos as adds
 
     model = request.getfixturevalue(model_fixture)
     assert adds(load_tokenizer(str(model))) is tokenizer_adds_bos
@@ -45,7 +45,7 @@ def test_engines_are_reused_and_cache_skips_them(home, tiny_bos):
     store = Store(home)
     spec = RunSpec(texts=("Shall I compare thee to a summer's day?",), model=str(tiny_bos), dtypes=("float32",), top_k=3)
     (first,) = compare(spec, store=store)
-    pids = sorted(w.pid for w in engines.running())
+    pids = sorted(w.pid for w in pool.running())
     events = []
     (again,) = compare(spec, store=store, on_event=lambda *e: events.append(e))
     assert again.from_store and again.run_id == first.run_id
@@ -53,8 +53,8 @@ def test_engines_are_reused_and_cache_skips_them(home, tiny_bos):
     # a new text on the same model and dtype reuses the warm workers: no new process
     (other,) = compare(RunSpec(texts=("Thou art more lovely.",), model=str(tiny_bos), dtypes=("float32",), top_k=3), store=store)
     assert not other.from_store and other.run_id != first.run_id
-    assert sorted(w.pid for w in engines.running()) == pids
-    assert other.meta["timing"]["vllm_load_s"] < 1.0
+    assert sorted(w.pid for w in pool.running()) == pids
+    assert other.meta.timing["vllm_load_s"] < 1.0
     # --no-cache recomputes, on the same warm engines, to the same numbers
     (recomputed,) = compare(spec, store=store, use_cache=False)
     np.testing.assert_array_equal(recomputed.sequences[0].metrics.delta, first.sequences[0].metrics.delta)
@@ -74,8 +74,8 @@ def test_hf_topk_and_gathered_values_are_consistent(home, tiny_bos):
 
 def test_hf_row_chunking_changes_no_value(tiny_bos):
     """The HF backend in-process (plumbing of its own arithmetic): chunked rows == one block, bit for bit."""
-    from core.backends.hf import HFBackend
-    from core.spec import EngineSettings
+    from core.engines.backends.hf import HFBackend
+    from core.inputs.spec import EngineSettings
 
     hf = HFBackend(str(tiny_bos), "float32", "cpu", EngineSettings(), 128)
     ids = [0] + list(range(5, 105))
@@ -90,8 +90,8 @@ def test_hf_row_chunking_changes_no_value(tiny_bos):
 def test_hf_batches_keep_order_and_values(tiny_bos):
     """hf_batch_size > 1 sorts by length, pads, and puts every result back in its place; on this CPU
     float32 values move by at most batch noise, and blocks of rows across a batch are bit-identical."""
-    from core.backends.hf import HFBackend
-    from core.spec import EngineSettings
+    from core.engines.backends.hf import HFBackend
+    from core.inputs.spec import EngineSettings
 
     seqs = [[0] + list(range(5, 5 + n)) for n in (40, 7, 23, 40, 1)]
     gathers = [np.tile(np.arange(3), (len(s), 1)) for s in seqs]
@@ -113,8 +113,8 @@ def test_hf_compile_scores_the_same_positions(tiny_bos):
     """hf_compile runs the forward and the logprob blocks through torch.compile (inductor): on this
     CPU in float32 the values stay within float32 fusion noise of eager and the ranks and top-k
     ids are the same, in input order, across a padded batch and an unpadded one."""
-    from core.backends.hf import HFBackend
-    from core.spec import EngineSettings
+    from core.engines.backends.hf import HFBackend
+    from core.inputs.spec import EngineSettings
 
     seqs = [[0] + list(range(5, 5 + n)) for n in (40, 7, 23, 40)]
     gathers = [np.tile(np.arange(3), (len(s), 1)) for s in seqs]
@@ -130,50 +130,49 @@ def test_hf_compile_scores_the_same_positions(tiny_bos):
         np.testing.assert_array_equal(b.topk_ids[1:], a.topk_ids[1:])
 
 
-def _idle_hf(tiny_bos, monkeypatch, **settings):
-    from core.compare import load_kwargs
-    from core.models import resolve_model
-    from core.spec import EngineSettings
+def _idle_hf(tiny_bos, **settings):
+    """A loaded HF host that no request holds, last used 5 s ago."""
+    from core.engines.records import LoadRequest
+    from core.inputs.spec import EngineSettings
 
-    load = load_kwargs(resolve_model(str(tiny_bos)), "float32", "cpu", EngineSettings(**settings), 256)
-    worker = engines.worker_for("hf", load)
-    monkeypatch.setattr(engines, "IDLE_BEFORE_EVICT_S", 0.0)
+    load = LoadRequest("hf", str(tiny_bos), "float32", "cpu", EngineSettings(**settings), 256)
+    with pool.lease([load]) as lease:
+        worker = lease.host(load)
     worker.last_used -= 5.0
     return worker, load
 
 
 def test_idle_engines_stop_after_the_timeout(tiny_bos, monkeypatch):
-    worker, _ = _idle_hf(tiny_bos, monkeypatch)
+    worker, _ = _idle_hf(tiny_bos)
     # an hour: longer than any engine of this session has been idle (a shorter limit would also stop
     # engines earlier tests left warm, and the count would depend on test order and speed)
-    monkeypatch.setenv(engines.IDLE_TIMEOUT_ENV, "3600")
-    assert engines.reap_idle() == 0 and worker.alive()
-    monkeypatch.setenv(engines.IDLE_TIMEOUT_ENV, "2")
-    assert engines.reap_idle() >= 1
-    assert not worker.alive() and worker not in engines.running()
-    assert engines._reaper is not None and engines._reaper.is_alive()
+    monkeypatch.setenv(pool.IDLE_TIMEOUT_ENV, "3600")
+    assert pool.reap_idle() == 0 and worker.alive()
+    monkeypatch.setenv(pool.IDLE_TIMEOUT_ENV, "2")
+    assert pool.reap_idle() >= 1
+    assert not worker.alive() and worker not in pool.running()
+    assert pool.POOL._reaper is not None and pool.POOL._reaper.is_alive()
 
 
 def test_a_new_engine_that_does_not_fit_stops_idle_ones(tiny_bos, monkeypatch):
     """Memory-aware eviction: when free memory is short, idle warm engines go, least recently used first."""
-    from core import memory
+    from core.engines import memory
 
-    old, _ = _idle_hf(tiny_bos, monkeypatch, attn_implementation="eager")
+    old, _ = _idle_hf(tiny_bos, attn_implementation="eager")
     monkeypatch.setattr(memory, "free_bytes", lambda device: 0)
-    new, _ = _idle_hf(tiny_bos, monkeypatch, attn_implementation="sdpa")
+    new, _ = _idle_hf(tiny_bos, attn_implementation="sdpa")
     assert not old.alive() and new.alive()
 
 
 def test_fits_together_counts_cold_engines_and_reclaimable_ones(tiny_bos, monkeypatch):
-    from core import memory
-    from core.compare import load_kwargs
-    from core.models import resolve_model
-    from core.spec import EngineSettings
+    from core.engines import memory
+    from core.engines.records import LoadRequest
+    from core.inputs.spec import EngineSettings
 
-    model = resolve_model(str(tiny_bos))
-    plan = [(b, load_kwargs(model, d, "cpu", EngineSettings(hf_batch_size=2), 256)) for d in ("float32", "bfloat16") for b in ("hf", "vllm")]
-    need = sum(engines.engine_bytes(b, lk) for b, lk in plan)
+    plan = [LoadRequest(b, str(tiny_bos), d, "cpu", EngineSettings(hf_batch_size=2), 256)
+            for d in ("float32", "bfloat16") for b in ("hf", "vllm")]
+    need = sum(pool.engine_bytes(r) for r in plan)
     monkeypatch.setattr(memory, "free_bytes", lambda device: need)
-    assert engines.fits_together(plan)
+    assert pool.fits_together(plan)
     monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
-    assert not engines.fits_together(plan)
+    assert not pool.fits_together(plan)

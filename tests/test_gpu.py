@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from core.compare import compare
+from core.analysis.compare import compare
 from core.env import dtype_support
-from core.spec import DTYPES, EngineSettings, RunSpec
-from core.store import Store
+from core.inputs.spec import DTYPES, EngineSettings, RunSpec
+from core.results.store import Store
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
@@ -28,10 +28,10 @@ def store(tmp_path_factory):
 
 def _row(label, run):
     s = run.summary
-    env = run.meta["env"]
+    env = run.meta.to_dict()["env"]
     ROWS.append(
         f"| {label} | {run.dtype} | {env['vllm_engine'].get('dtype')} | {s['n_tokens']} | {s['max_abs_delta']:.3e} | "
-        f"{s['mean_abs_delta']:.3e} | {s['argmax_agreement']:.4f} | {run.meta['timing']['vllm_load_s']:.1f} |"
+        f"{s['mean_abs_delta']:.3e} | {s['argmax_agreement']:.4f} | {run.meta.timing['vllm_load_s']:.1f} |"
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     head = [
@@ -56,7 +56,7 @@ def test_the_card_runs_every_dtype():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_both_engines_on_cuda(gpu_model, store, dtype):
     (run,) = compare(RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=(dtype,), device="cuda"), store=store)
-    assert run.meta["env"]["hf_engine"]["device"] != "cpu" and run.meta["env"]["vllm_engine"]["device"] != "cpu"
+    assert run.meta.env.hf_engine["device"] != "cpu" and run.meta.env.vllm_engine["device"] != "cpu"
     assert run.summary["n_tokens"] > 150
     _row("default", run)
     if dtype == "float32":

@@ -5,10 +5,10 @@ from html.parser import HTMLParser
 
 import pytest
 
-from core.prompts import parse_prompts
-from core.render import token_view_html
-from core.report import report_html
-from core.tokens import load_tokenizer, tokenize
+from core.inputs.prompts import parse_prompts
+from core.present.render import token_view_html
+from core.present.report import report_html
+from core.inputs.tokens import load_tokenizer, tokenize
 from hostile import HOSTILE
 from test_store import make_run
 

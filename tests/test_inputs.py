@@ -5,8 +5,8 @@ import json
 import pytest
 
 from core.errors import UserError
-from core.prompts import parse_prompts
-from core.spec import MAX_TOP_K, EngineSettings, RunSpec, content_hash
+from core.inputs.prompts import parse_prompts
+from core.inputs.spec import MAX_TOP_K, EngineSettings, RunSpec, content_hash
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,10 @@ import dataclasses
 
 import pytest
 
-from core import memory, parallel
+from core.engines import memory
+from core.engines import parallel
 from core.errors import UserError
-from core.spec import EngineSettings
+from core.inputs.spec import EngineSettings
 
 H200 = memory.GPU(0, "NVIDIA H200", 141 * memory.GIB, 140 * memory.GIB)
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.compare import compare
-from core.memory import gpus
-from core.spec import EngineSettings, RunSpec
-from core.store import Store
+from core.analysis.compare import compare
+from core.engines.memory import gpus
+from core.inputs.spec import EngineSettings, RunSpec
+from core.results.store import Store
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.gpu, pytest.mark.engine]
 
@@ -29,7 +29,7 @@ def test_tensor_parallel_two_against_one(gpu_model, tmp_path, dtype):
         settings = EngineSettings(tensor_parallel_size=tp)
         (runs[tp],) = compare(RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=(dtype,), device="cuda", settings=settings),
                               store=store)
-        assert runs[tp].meta["settings"]["tensor_parallel_size"] == tp
+        assert runs[tp].meta.settings["tensor_parallel_size"] == tp
     assert runs[1].run_id != runs[2].run_id  # TP is in the run id
     one, two = (np.concatenate([s.vllm.logprob[1:] for s in runs[tp].sequences]) for tp in (1, 2))
     hf_one, hf_two = (np.concatenate([s.hf.logprob[1:] for s in runs[tp].sequences]) for tp in (1, 2))
@@ -53,5 +53,5 @@ def test_hf_device_map_auto_spreads_the_model(gpu_model, tmp_path):
     settings = EngineSettings(hf_device_map="auto")
     (run,) = compare(RunSpec(texts=tuple(SENTENCES[:2]), model=gpu_model, dtypes=("float32",), device="cuda", settings=settings),
                      store=Store(tmp_path))
-    assert run.meta["settings"]["hf_device_map"] == "auto"
+    assert run.meta.settings["hf_device_map"] == "auto"
     assert run.summary["argmax_agreement"] == 1.0

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from core import engines
-from core.compare import compare
+from core.engines import pool
+from core.analysis.compare import compare
 from core.errors import EngineError, UserError
-from core.spec import EngineSettings, RunSpec
-from core.store import Store
+from core.inputs.spec import EngineSettings, RunSpec
+from core.results.store import Store
 from conftest import run_files
 
 engine = pytest.mark.engine
@@ -23,7 +23,7 @@ def _spec(model, text="Shall I compare thee to a summer's day?", seed=0, **kw):
 
 
 def _workers(backend):
-    return [w for w in engines.running() if w.label.startswith(backend)]
+    return [w for w in pool.running() if w.label.startswith(backend)]
 
 
 def _wait_for_worker(backend, exclude, timeout=120):
@@ -43,7 +43,7 @@ def test_kill_9_a_worker_mid_run(home, tiny_nobos, backend):
     store = Store(home)
     # settings no other test uses: cold workers for both engines, so the kill lands mid-start
     spec = _spec(tiny_nobos, seed=1000 + len(backend), attn_implementation="eager" if backend == "hf" else None)
-    before = {w.pid for w in engines.running()}
+    before = {w.pid for w in pool.running()}
     errors = []
     t = threading.Thread(target=lambda: _run_catching(errors, spec, store))
     t.start()
@@ -56,7 +56,7 @@ def test_kill_9_a_worker_mid_run(home, tiny_nobos, backend):
     assert store.list_runs().empty and run_files(home) == []
     (run,) = compare(spec, store=store)
     assert run.summary["n_tokens"] > 5 and store.has(run.run_id)
-    assert victim.pid not in {w.pid for w in engines.running()}
+    assert victim.pid not in {w.pid for w in pool.running()}
 
 
 @engine
@@ -67,7 +67,7 @@ def test_a_warm_worker_that_died_is_replaced(home, tiny_bos):
     os.kill(hf.pid, signal.SIGKILL)
     time.sleep(0.5)
     (run,) = compare(_spec(tiny_bos, text="A new text after the crash."), store=store)
-    assert store.has(run.run_id) and all(w.pid != hf.pid for w in engines.running())
+    assert store.has(run.run_id) and all(w.pid != hf.pid for w in pool.running())
 
 
 def _run_catching(errors, spec, store):
@@ -100,7 +100,7 @@ def test_eight_concurrent_clients(home, tiny_bos):
     assert computed == 1, [[e[0] for e in ev] for ev in events[:4]]
     assert len({r[0].run_id for r in results}) == 5 and len(store.list_runs()) == 5
     keys = {}
-    for w in engines.running():
+    for w in pool.running():
         keys[w.label] = keys.get(w.label, 0) + 1
     assert len(_workers("vllm (float32)")) == len({w.address for w in _workers("vllm (float32)")})
     print("workers by label:", keys)
@@ -111,7 +111,7 @@ def test_engine_start_timeout(home, tiny_bos, monkeypatch):
     monkeypatch.setenv("LPP_ENGINE_START_TIMEOUT", "3")
     with pytest.raises(EngineError, match="within 3 s|longer than 3 s"):
         compare(_spec(tiny_bos, seed=2001), store=Store(home))
-    assert not [w for w in engines.running() if w.info is None]
+    assert not [w for w in pool.running() if w.info is None]
     assert run_files(home) == []
 
 
@@ -183,9 +183,9 @@ def test_model_roots_limit_local_folders(home, tiny_bos, tmp_path):
 
 
 def test_too_long_prompt_can_be_truncated(home, tiny_bos):
-    from core.compare import check_lengths
-    from core.models import resolve_model
-    from core.tokens import load_tokenizer, tokenize
+    from core.analysis.request import check_lengths
+    from core.inputs.models import resolve_model
+    from core.inputs.tokens import load_tokenizer, tokenize
 
     model = resolve_model(str(tiny_bos))
     tok = tokenize(load_tokenizer(str(tiny_bos)), "lawyer guitar hiking family " * 60, "auto")

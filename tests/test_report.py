@@ -3,8 +3,8 @@
 import html
 import re
 
-from core.report import write_html_report
-from core.render import token_view_html
+from core.present.report import write_html_report
+from core.present.render import token_view_html
 from test_store import make_run
 
 HOSTILE = "<script>alert(1)</script> <img src=x onerror=alert(1)> \" onmouseover=\"alert(1)"

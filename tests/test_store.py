@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from core.metrics import concat, summarize
-from core.run import Run, SequenceResult
-from core.scores import TokenScores
-from core.store import Store
-from core.tokens import TokenizedText
+from core.analysis.metrics import concat, summarize
+from core.results.records import RunMeta
+from core.results.run import Run, SequenceResult
+from core.results.scores import TokenScores
+from core.results.store import Store
+from core.inputs.tokens import TokenizedText
 
 
 def _scores(ids, shift, k=2, gather=False):
@@ -44,7 +45,7 @@ def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None):
         "top_k": 2, "bos": "auto", "device": "cpu", "env": {"device": "cpu", "torch": "t", "transformers": "tf", "vllm": "v"}, "summary": summary,
         "sequences": [{"text": s.text, "bos_added": True, "n_positions": 4, "summary": s.summary} for s in seqs],
     }
-    return Run(meta=meta, sequences=tuple(seqs))
+    return Run(meta=RunMeta.from_dict(meta), sequences=tuple(seqs))
 
 
 def test_roundtrip_is_exact(tmp_path):
@@ -118,8 +119,12 @@ def test_unwritable_root(tmp_path):
         Store(blocker / "sub")
 
 
-def test_mismatched_ids_are_refused():
+def test_mismatched_ids_are_refused_with_a_typed_engine_error():
+    """A typed EngineError (the CLI's exit 3, the page's error box), not a bare AssertionError."""
+    from core.errors import EngineError, TokenMismatchError
+
     ids = [1, 2, 3]
     tok = TokenizedText("t", tuple(ids), ("a", "b", "c"), ("a", "b", "c"), False)
-    with pytest.raises(AssertionError, match="scored ids"):
+    assert issubclass(TokenMismatchError, EngineError)
+    with pytest.raises(TokenMismatchError, match="hf scored ids \\[1, 2, 4\\] but the run has \\[1, 2, 3\\]"):
         SequenceResult.build(tok, _scores([1, 2, 4], 0.0), _scores(ids, 0.0))

@@ -9,11 +9,11 @@ from urllib.parse import urlencode
 import pandas as pd
 import streamlit as st
 
-from core.charts import CHARTS, chart_frame, worst_tokens
-from core.render import SCALES, token_view_html
-from core.report import report_html
-from core.run import Run
-from core.verdict import verdict
+from core.present.charts import CHARTS, chart_frame, worst_tokens
+from core.present.render import SCALES, token_view_html
+from core.present.report import report_html
+from core.results.run import Run
+from core.analysis.verdict import run_verdicts
 from dashboard.state import query_float, query_int, query_metric, set_query
 
 METRIC_LABELS = {k: s.label for k, s in SCALES.items()}
@@ -54,25 +54,24 @@ def verdict_cards(verdicts: list[dict]) -> None:
 
 def noise_floors(runs: list[Run]) -> dict | None:
     """HF's own noise per dtype, from diagnostics stored for these runs (if any were run)."""
-    from core.diagnostics import diagnostics_for_run
     from dashboard.state import get_store
 
-    found = diagnostics_for_run(get_store(), runs[0].run_id)
+    found = get_store().diagnostics_for_run(runs[0].run_id)
     if not found:
         return None
-    outs = {d: o for d, o in found["dtypes"].items() if o["run_id"] in {r.run_id for r in runs} and "floor" in o}
+    outs = {d: o for d, o in found.dtypes.items() if o.run_id in {r.run_id for r in runs} and o.floor is not None}
     if not outs:
         return None
-    return {"hf": {d: o["floor"]["hf"] for d, o in outs.items()}, "ratios": {d: o["ratio_to_hf_noise"] for d, o in outs.items()}}
+    return {"hf": {d: o.floor["hf"] for d, o in outs.items()}, "ratios": {d: o.ratio_to_hf_noise for d, o in outs.items()}}
 
 
 def _header(runs: list[Run]) -> None:
     m = runs[0].meta
-    env = m["env"]
-    st.subheader(f"{m['model']}")
+    env = m.env
+    st.subheader(f"{m.model}")
     st.caption(
-        f"device {env.get('device')} · torch {env.get('torch')} · transformers {env.get('transformers')} · vLLM {env.get('vllm')} · "
-        f"top-k {m['top_k']} · BOS {m['bos']} · "
+        f"device {env.device} · torch {env.torch} · transformers {env.transformers} · vLLM {env.vllm} · "
+        f"top-k {m.top_k} · BOS {m.bos} · "
         + " · ".join(f"{r.dtype}: run `{r.run_id}`{' (stored)' if r.from_store else ''}" for r in runs)
     )
 
@@ -87,7 +86,9 @@ def _share(runs: list[Run], seq: int, metric: str, thr: float | None, page: str)
 
 def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = None) -> None:
     _header(runs)
-    verdict_cards([verdict(r.summary, r.dtype).to_dict() for r in runs])
+    from dashboard.state import get_store
+
+    verdict_cards([v.to_dict() for v in run_verdicts(runs, get_store().diagnostics_for_run(runs[0].run_id))])
     metric_cards(runs)
     n_seq = min(len(r.sequences) for r in runs)
     c1, c2, c3, c4 = st.columns([2, 2, 2, 3])
@@ -133,10 +134,9 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
 
 @st.cache_data(max_entries=16, show_spinner=False)
 def _report_bytes(run_ids: tuple[str, ...], diag_id: str | None) -> bytes:
-    from core.diagnostics import load_diagnostics
     from dashboard.state import get_store, load_run
 
-    diag = load_diagnostics(get_store(), diag_id) if diag_id else None
+    diag = get_store().load_diagnostics(diag_id) if diag_id else None
     return report_html([load_run(r) for r in run_ids], diag).encode("utf-8")
 
 
@@ -144,11 +144,10 @@ def _downloads(runs: list[Run], page: str) -> None:
     ids = tuple(r.run_id for r in runs)
     stem = f"logprob-parity-{'-'.join(i[:8] for i in ids)}"
     c1, c2, c3 = st.columns(3)
-    from core.diagnostics import diagnostics_for_run
     from dashboard.state import get_store
 
-    diag = diagnostics_for_run(get_store(), ids[0])
-    c1.download_button("HTML report", _report_bytes(ids, diag["diagnostics_id"] if diag else None), f"{stem}.html", "text/html",
+    diag = get_store().diagnostics_for_run(ids[0])
+    c1.download_button("HTML report", _report_bytes(ids, diag.diagnostics_id if diag else None), f"{stem}.html", "text/html",
                        key=f"{page}-dl-html")
     data = [r.to_json_dict() for r in runs]
     c2.download_button("JSON", json.dumps(data if len(data) > 1 else data[0], allow_nan=False), f"{stem}.json",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from core.compare import compare
+from core.analysis.compare import compare
 from core.errors import EngineError, UserError
-from core.run import Run
-from dashboard.state import get_store, model_roots
+from core.results.run import Run
+from dashboard.state import request_context, set_query
 
 
 def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
@@ -25,21 +25,29 @@ def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
             if bar is not None:
                 bar.progress(min(done / steps, 1.0), text=label)
 
+        failed: Exception | None = None
         try:
-            runs = compare(spec, store=get_store(), on_event=on_event, model_roots=model_roots())
+            runs = compare(spec, request_context(on_event))
+            status.update(label="Done", state="complete", expanded=False)
         except UserError as exc:
             status.update(label="Could not run", state="error", expanded=False)
-            st.error(str(exc))
-            return None
+            failed = exc
         except EngineError as exc:
             status.update(label="An engine failed", state="error", expanded=False)
-            first, _, rest = str(exc).partition("\n")
-            st.error(f"{first} The next run starts a fresh engine.")
-            if rest:
-                with st.expander("engine log"):
-                    st.code(rest)
-            return None
-        status.update(label="Done", state="complete", expanded=False)
+            failed = exc
+    # outside the collapsed status box, so the message is visible without a click
+    if isinstance(failed, UserError):
+        st.error(str(failed), icon=":material/error:")
+        set_query(runs=None)  # the previous result must not stay below as if it were this one
+        return None
+    if failed is not None:
+        first, _, rest = str(failed).partition("\n")
+        st.error(f"{first} The next run starts a fresh engine.", icon=":material/error:")
+        if rest:
+            with st.expander("engine log"):
+                st.code(rest)
+        set_query(runs=None)
+        return None
     if bar is not None:
         bar.progress(1.0, text="done")
     return runs

@@ -7,11 +7,11 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from core.diagnostics import PARTS, biggest_knob, diagnose, diagnostics_tables, load_diagnostics
+from core.analysis.diagnostics import PARTS, biggest_knob, diagnose, diagnostics_tables
 from core.errors import EngineError, UserError
 from dashboard.components.run_view import verdict_cards
 from dashboard.components.spec_form import spec_form
-from dashboard.state import get_store, set_query
+from dashboard.state import get_store, request_context, set_query
 
 def sci(df: pd.DataFrame) -> dict:
     """Small numbers in scientific notation: 4e-06, not 0.000004."""
@@ -28,26 +28,30 @@ parts = st.multiselect("Diagnostics", PARTS, default=["noise", "reference", "dow
                        help="ablation starts one vLLM engine per knob and dtype (about 40 s each on a CPU)")
 spec, submitted = spec_form("diag", with_text=True)
 if submitted and spec is not None:
+    failed = None
     with st.status("Diagnosing…", expanded=True) as status:
         try:
-            result = diagnose(spec, store=get_store(), parts=tuple(parts),
-                              on_event=lambda stage, d, detail: status.update(label=f"{stage}{f' [{d}]' if d else ''}: {detail}"))
+            events = request_context(lambda stage, d, detail: status.update(label=f"{stage}{f' [{d}]' if d else ''}: {detail}"))
+            result = diagnose(spec, events, parts=tuple(parts))
             status.update(label="Done", state="complete", expanded=False)
-            set_query(diag=result["diagnostics_id"])
+            set_query(diag=result.diagnostics_id)
         except (UserError, EngineError) as exc:
             status.update(label="Could not run", state="error", expanded=False)
-            st.error(str(exc).splitlines()[0])
+            failed = exc
+    if failed is not None:  # outside the collapsed status box: visible at once
+        st.error(str(failed).splitlines()[0], icon=":material/error:")
+        set_query(diag=None)  # an older result must not stay below as if it were this one
 
 diag_id = st.query_params.get("diag")
 result = None
 if diag_id:
     try:
-        result = load_diagnostics(get_store(), diag_id)
+        result = get_store().load_diagnostics(diag_id)
     except UserError as exc:
         st.warning(str(exc))
 if result:
-    st.subheader(f"{result['model']} · {result['device']}")
-    verdict_cards([out["verdict"] for out in result["dtypes"].values()])
+    st.subheader(f"{result.model} · {result.device}")
+    verdict_cards([out.verdict for out in result.dtypes.values()])
     tables = diagnostics_tables(result)
     if tables["noise"]:
         st.markdown("**Noise floor**: the vLLM–HF gap beside each engine's disagreement with itself (mean |Δ logp|)")
@@ -69,10 +73,10 @@ if result:
     if tables["downstream"]:
         st.markdown("**Downstream impact**: greedy generation and multiple-choice answers (sum of option logprobs)")
         st.dataframe(pd.DataFrame(tables["downstream"]), hide_index=True, width="stretch")
-        if result.get("mcq_dtype_flips"):
-            st.caption("Answer flips between dtypes: " + ", ".join(f"{k}: {v}" for k, v in result["mcq_dtype_flips"].items()))
-        for d, out in result["dtypes"].items():
-            g = out.get("greedy")
+        if result.mcq_dtype_flips:
+            st.caption("Answer flips between dtypes: " + ", ".join(f"{k}: {v}" for k, v in result.mcq_dtype_flips.items()))
+        for d, out in result.dtypes.items():
+            g = out.greedy
             if g:
                 with st.expander(f"Greedy continuations, {d}"):
                     st.text(f"HF:   {g['hf_text']!r}\nvLLM: {g['vllm_text']!r}")
@@ -89,5 +93,5 @@ if result:
                                                color="dtype:N", yOffset="dtype:N"),
             width="stretch",
         )
-    st.download_button("Diagnostics JSON", json.dumps(result, indent=1, allow_nan=False), f"diagnostics-{result['diagnostics_id']}.json",
+    st.download_button("Diagnostics JSON", json.dumps(result.to_dict(), indent=1, allow_nan=False), f"diagnostics-{result.diagnostics_id}.json",
                        "application/json")

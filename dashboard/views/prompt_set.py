@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from core.errors import UserError
-from core.prompts import MAX_UPLOAD_BYTES, parse_prompts
+from core.inputs.prompts import MAX_UPLOAD_BYTES, parse_prompts
 from dashboard.components.run_view import show_runs
 from dashboard.components.runner import run_with_status
 from dashboard.components.spec_form import spec_form

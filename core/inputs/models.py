@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.demo import DEMO_NAME, build_demo_model, is_demo
+from core.inputs.demo import DEMO_NAME, build_demo_model, is_demo
 from core.errors import UserError
 from core.paths import store_root
 

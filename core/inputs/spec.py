@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import UserError
+from core.inputs.settings import EngineSettings
 
 DTYPES = ("float16", "bfloat16", "float32")
 BOS_POLICIES = ("auto", "add", "none")
@@ -16,56 +16,6 @@ BACKENDS = ("hf", "vllm")
 DEVICES = ("auto", "cpu", "cuda")
 # vLLM computes and ships k logprobs for every prompt position; past this the cost grows with no use.
 MAX_TOP_K = 100
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """Engine knobs that can move a logprob. None means "the engine's default for this device"."""
-
-    # vLLM
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    gpu_memory_utilization: float | None = None
-    seed: int = 0
-    attention_backend: str | None = None
-    # vLLM parallelism; None: chosen from the model's size and the GPUs present (core.parallel)
-    tensor_parallel_size: int | None = None
-    pipeline_parallel_size: int | None = None
-    distributed_executor_backend: str | None = None  # "ray": a Ray cluster's GPUs; None: vLLM's choice
-    # HF
-    attn_implementation: str | None = None
-    hf_batch_size: int = 1  # sequences per forward pass; 1 means no padding and no batch effects
-    hf_device_map: str | None = None  # "auto": accelerate spreads the model over the GPUs
-    hf_compile: bool = False  # torch.compile the forward and the logprob blocks: faster bulk scoring, slower first call
-    # both
-    trust_remote_code: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "EngineSettings":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise UserError(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
-
-    def vllm_part(self) -> dict[str, Any]:
-        d = self.to_dict()
-        for name in HF_ONLY:
-            d.pop(name)
-        return d
-
-    def hf_part(self) -> dict[str, Any]:
-        d = self.to_dict()
-        return {name: d[name] for name in (*HF_ONLY, "trust_remote_code")}
-
-
-HF_ONLY = ("attn_implementation", "hf_batch_size", "hf_device_map", "hf_compile")
 
 
 @dataclass(frozen=True)
@@ -106,8 +56,7 @@ class RunSpec:
             raise UserError(
                 f"top-k {self.top_k} is above the maximum of {MAX_TOP_K} prompt logprobs this tool asks vLLM for"
             )
-        if not isinstance(self.settings.hf_batch_size, int) or self.settings.hf_batch_size < 1:
-            raise UserError(f"hf_batch_size must be a positive integer (got {self.settings.hf_batch_size})")
+        self.settings.validate()
         if self.device not in DEVICES:
             raise UserError(f"unknown device {self.device!r}; choose from {', '.join(DEVICES)}")
         if self.bos not in BOS_POLICIES:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 import numpy as np
 
-from core.run import Run, SequenceResult
+from core.results.run import Run, SequenceResult
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ _LEVEL_COLOURS = {"match": ("#ecfdf5", "#065f46"), "close": ("#fffbeb", "#92400e
 
 
 def verdict_html(verdicts: list[dict]) -> str:
-    """Verdict cards (from core.verdict) for reports."""
+    """Verdict cards (from core.analysis.verdict) for reports."""
     cards = []
     for v in verdicts:
         bg, fg = _LEVEL_COLOURS.get(v["level"], ("#f3f4f6", "#111827"))

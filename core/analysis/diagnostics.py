@@ -6,31 +6,29 @@ Everything runs on the same token ids as the comparison, on the warm engines whe
 
 from __future__ import annotations
 
+import datetime as dt
 import json
-import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from importlib import resources
 from typing import Any
 
 import numpy as np
 
-from core import engines
-from core.compare import check_lengths, compare, load_kwargs, model_max_len
-from core.env import device_name, resolve_device, versions
-from core.models import resolve_model
-from core.run import Run
-from core.spec import RunSpec, content_hash
-from core.store import Store
-from core.tokens import load_tokenizer, tokenize
-from core.verdict import verdict
+from core.analysis.compare import compare
+from core.analysis.request import Context, EventFn, prepare
+from core.analysis.verdict import verdict
+from core.env import device_name, versions
+from core.errors import UserError
+from core.inputs.spec import RunSpec, content_hash
+from core.inputs.tokens import tokenize
+from core.results.records import DiagnosticsResult, DtypeDiagnosis
+from core.results.run import Run
+from core.results.store import Store
 
 PARTS = ("noise", "reference", "downstream", "ablation")
 FILLER_PROMPTS = 6  # other prompts batched beside the user's, for batch-composition noise
 REFERENCE_DTYPE = "float64"
-
-EventFn = Callable[[str, "str | None", str], None]
 
 
 def _data_lines(name: str) -> list[str]:
@@ -82,99 +80,103 @@ def ablation_knobs(device: str, slow: bool) -> list[tuple[str, dict[str, Any] | 
 
 def diagnose(
     spec: RunSpec,
-    store: Store | None = None,
+    ctx: Context | None = None,
     parts: tuple[str, ...] = ("noise", "reference", "downstream"),
     gen_tokens: int = 16,
     slow_knobs: bool = False,
+    *,
+    store: Store | None = None,
     on_event: EventFn | None = None,
-) -> dict[str, Any]:
-    """Run the chosen diagnostics for every dtype of the spec; the result is plain JSON data."""
-    emit = on_event or (lambda *a: None)
+    model_roots: list[str] | None = None,
+) -> DiagnosticsResult:
+    """Run the chosen diagnostics for every dtype of the spec, store the result and return it.
+
+    It goes through the same request path as `compare` (ctx: the store, the allowed model roots,
+    the progress callback), so a page that offers diagnostics applies the server's model-root rules.
+    """
+    ctx = ctx or Context.of(store=store, on_event=on_event, model_roots=model_roots)
     unknown = set(parts) - set(PARTS)
     if unknown:
-        from core.errors import UserError
-
         raise UserError(f"unknown diagnostic(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    store = store or Store()
-    base_runs = compare(spec, store=store, on_event=on_event)
-    device = resolve_device(spec.device)
-    model = resolve_model(spec.model, spec.revision, spec.settings.trust_remote_code)
-    tokenizer = load_tokenizer(model.path, spec.settings.trust_remote_code)
-    toks = check_lengths([tokenize(tokenizer, t, spec.bos) for t in spec.texts], model, spec.top_k, spec.truncate)
-    seqs = [list(t.token_ids) for t in toks]
-    filler = [list(tokenize(tokenizer, t, spec.bos).token_ids) for t in _data_lines("sentences.txt")[:FILLER_PROMPTS]]
-    mcq = _mcq_items(tokenizer, spec.bos) if "downstream" in parts else []
+    p = prepare(spec, ctx)  # refuses a model outside the allowed roots before anything runs
+    base_runs = compare(spec, ctx)
+    tokenizer, seqs, bos = p.tokenizer, p.seqs, p.spec.bos
+    filler = [list(tokenize(tokenizer, t, bos).token_ids) for t in _data_lines("sentences.txt")[:FILLER_PROMPTS]]
+    mcq = _mcq_items(tokenizer, bos) if "downstream" in parts else []
     # the comparison's own max_model_len, so the warm engines of the comparison serve the diagnostics
-    longest = max(len(s) for s in seqs)
-    mml = model_max_len(longest, model.max_positions)
-    ctx = seqs + [f for f in filler if len(f) < mml]
+    mml = p.max_model_len
+    ctx_seqs = seqs + [f for f in filler if len(f) < mml]
     mcq = [m for m in mcq if len(m["ids"]) < mml]
     gen = min(gen_tokens, mml - len(seqs[0]) - 1)
+    emit = ctx.emit
 
-    result: dict[str, Any] = {
-        "model": model.name,
-        "device": device_name(device),
-        "versions": {k: v for k, v in versions().items() if k != "vllm_dist"},
-        "texts": list(spec.texts),
-        "parts": list(parts),
-        "run_ids": {r.dtype: r.run_id for r in base_runs},
-        "dtypes": {},
-        "ablation": [],
-    }
+    dtypes: dict[str, DtypeDiagnosis] = {}
     picks: dict[str, dict[str, list[int]]] = {}
     for run in base_runs:
         d = run.dtype
         out: dict[str, Any] = {"run_id": run.run_id, "gap": {"mean": run.summary["mean_abs_delta"], "max": run.summary["max_abs_delta"]}}
-        load = load_kwargs(model, d, device, spec.settings, mml)
-        emit("load", d, "engines for diagnostics")
-        hf, vl = engines.worker_for("hf", load), engines.worker_for("vllm", load)
+        hf_r, v_r = p.load("hf", d), p.load("vllm", d)
+        other = "eager" if (p.spec.settings.attn_implementation or "sdpa") != "eager" else "sdpa"
+        other_r = p.load("hf", d, replace(p.spec.settings, attn_implementation=other))
+        ref_r = p.load("hf", REFERENCE_DTYPE, device="cpu")
+        needed = [hf_r, v_r] + ([other_r] if "noise" in parts else []) + ([ref_r] if "reference" in parts else [])
+        emit("load", d, f"{len(needed)} engines for diagnostics (cold ones take about 20-60 s each on a CPU)")
         base_hf = [s.hf.logprob for s in run.sequences]
         base_v = [s.vllm.logprob for s in run.sequences]
         n = len(seqs)
-        if "noise" in parts:
-            emit("noise", d, "HF batched/padded, other attention; vLLM alone/batched/repeated")
-            with engines.device_lock:
-                noise = {
-                    "hf_batched_right_padding": gap(base_hf, _lp(hf.score(ctx, 1, None, len(ctx), "right")[:n])),
-                    "hf_batched_left_padding": gap(base_hf, _lp(hf.score(ctx, 1, None, len(ctx), "left")[:n])),
-                    "vllm_alone_vs_batched": gap(_lp(vl.score(seqs, 1, None, 1)), _lp(vl.score(ctx, 1)[:n])),
-                    "vllm_repeat": gap(base_v, _lp(vl.score(seqs, 1))),
-                }
-            other = "eager" if (spec.settings.attn_implementation or "sdpa") != "eager" else "sdpa"
-            hf_other = engines.worker_for("hf", load_kwargs(model, d, device, replace(spec.settings, attn_implementation=other), mml))
-            with engines.device_lock:
-                noise[f"hf_attn_{other}"] = gap(base_hf, _lp(hf_other.score(seqs, 1)))
-            hf_floor = max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("hf_"))
-            v_floor = max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("vllm_"))
-            out["noise"] = noise
-            out["floor"] = {"hf": hf_floor, "vllm": v_floor}
-            out["ratio_to_hf_noise"] = _ratio(out["gap"]["mean"], hf_floor)
-            out["ratio_to_vllm_noise"] = _ratio(out["gap"]["mean"], v_floor)
-        if "reference" in parts:
-            emit("reference", d, f"HF in {REFERENCE_DTYPE} on the CPU")
-            ref_w = engines.worker_for("hf", load_kwargs(model, REFERENCE_DTYPE, "cpu", spec.settings, mml))
-            with engines.device_lock:
-                ref = _lp(ref_w.score(seqs, 1))
-            out["reference"] = _reference(base_v, base_hf, ref)
-        if "downstream" in parts:
-            emit("downstream", d, f"greedy {gen} tokens; {len(mcq)} multiple-choice options")
-            with engines.device_lock:
-                g_hf = hf.generate([seqs[0]], gen)[0] if gen > 0 else []
-                g_v = vl.generate([seqs[0]], gen)[0] if gen > 0 else []
-                mc_hf = hf.score([m["ids"] for m in mcq], 1) if mcq else []
-                mc_v = vl.score([m["ids"] for m in mcq], 1) if mcq else []
-            out["greedy"] = _greedy(tokenizer, g_hf, g_v)
-            picks[d] = {"hf": _mcq_picks(mcq, mc_hf), "vllm": _mcq_picks(mcq, mc_v)}
-            out["mcq"] = _mcq_summary(mcq, picks[d])
+        turn = partial(ctx.pool.device_turn, ctx.waiter(d))
+        with ctx.pool.lease(needed, on_wait=ctx.waiter(d)) as lease:
+            hf, vl = lease.host(hf_r), lease.host(v_r)
+            if "noise" in parts:
+                emit("noise", d, "HF batched/padded, other attention; vLLM alone/batched/repeated")
+                with turn(what="the noise floor"):
+                    noise = {
+                        "hf_batched_right_padding": gap(base_hf, _lp(hf.score(ctx_seqs, 1, None, len(ctx_seqs), "right")[:n])),
+                        "hf_batched_left_padding": gap(base_hf, _lp(hf.score(ctx_seqs, 1, None, len(ctx_seqs), "left")[:n])),
+                        "vllm_alone_vs_batched": gap(_lp(vl.score(seqs, 1, None, 1)), _lp(vl.score(ctx_seqs, 1)[:n])),
+                        "vllm_repeat": gap(base_v, _lp(vl.score(seqs, 1))),
+                    }
+                hf_other = lease.host(other_r)
+                with turn(what="the noise floor"):
+                    noise[f"hf_attn_{other}"] = gap(base_hf, _lp(hf_other.score(seqs, 1)))
+                hf_floor = max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("hf_"))
+                v_floor = max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("vllm_"))
+                out["noise"] = noise
+                out["floor"] = {"hf": hf_floor, "vllm": v_floor}
+                out["ratio_to_hf_noise"] = _ratio(out["gap"]["mean"], hf_floor)
+                out["ratio_to_vllm_noise"] = _ratio(out["gap"]["mean"], v_floor)
+            if "reference" in parts:
+                emit("reference", d, f"HF in {REFERENCE_DTYPE} on the CPU")
+                ref_w = lease.host(ref_r)
+                with turn(what="the float64 reference"):
+                    ref = _lp(ref_w.score(seqs, 1))
+                out["reference"] = _reference(base_v, base_hf, ref)
+            if "downstream" in parts:
+                emit("downstream", d, f"greedy {gen} tokens; {len(mcq)} multiple-choice options")
+                with turn(what="downstream checks"):
+                    g_hf = hf.generate([seqs[0]], gen)[0] if gen > 0 else []
+                    g_v = vl.generate([seqs[0]], gen)[0] if gen > 0 else []
+                    mc_hf = hf.score([m["ids"] for m in mcq], 1) if mcq else []
+                    mc_v = vl.score([m["ids"] for m in mcq], 1) if mcq else []
+                out["greedy"] = _greedy(tokenizer, g_hf, g_v)
+                picks[d] = {"hf": _mcq_picks(mcq, mc_hf), "vllm": _mcq_picks(mcq, mc_v)}
+                out["mcq"] = _mcq_summary(mcq, picks[d])
         out["verdict"] = verdict(run.summary, d, out.get("ratio_to_hf_noise")).to_dict()
-        result["dtypes"][d] = out
-    if picks:
-        result["mcq_dtype_flips"] = _dtype_flips(picks)
-    if "ablation" in parts:
-        result["ablation"] = _ablation(spec, store, base_runs, device, slow_knobs, emit)
-    result["diagnostics_id"] = content_hash({k: result[k] for k in ("model", "device", "versions", "texts", "parts", "run_ids")} | {"gen": gen_tokens})
-    result = json.loads(json.dumps(result, allow_nan=False))  # exactly what the store gives back
-    save_diagnostics(store, result)
+        dtypes[d] = DtypeDiagnosis.from_dict(out)
+    ablation = _ablation(spec, ctx, base_runs, p.device, slow_knobs) if "ablation" in parts else []
+    identity = {"model": p.model.name, "device": device_name(p.device), "versions": {k: v for k, v in versions().items() if k != "vllm_dist"},
+                "texts": list(spec.texts), "parts": list(parts), "run_ids": {r.dtype: r.run_id for r in base_runs}}
+    now = dt.datetime.now(dt.timezone.utc)
+    result = DiagnosticsResult(
+        diagnostics_id=content_hash(identity | {"gen": gen_tokens}),
+        model=identity["model"], device=identity["device"], versions=identity["versions"], texts=tuple(spec.texts),
+        parts=tuple(parts), run_ids=identity["run_ids"], dtypes=dtypes, ablation=tuple(ablation),
+        mcq_dtype_flips=_dtype_flips(picks) if picks else None,
+        created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(),
+    )
+    # exactly what the store gives back (JSON round trip: no numpy scalars, no NaN)
+    result = DiagnosticsResult.from_dict(json.loads(json.dumps(result.to_dict(), allow_nan=False)))
+    ctx.store.save_diagnostics(result)
     return result
 
 
@@ -252,7 +254,8 @@ def _dtype_flips(picks: dict[str, dict[str, list[int]]]) -> dict[str, Any]:
     }
 
 
-def _ablation(spec: RunSpec, store: Store, base_runs: list[Run], device: str, slow: bool, emit: EventFn) -> list[dict[str, Any]]:
+def _ablation(spec: RunSpec, ctx: Context, base_runs: list[Run], device: str, slow: bool) -> list[dict[str, Any]]:
+    emit = ctx.emit
     rows = []
     for run in base_runs:
         base = run.summary["mean_abs_delta"]
@@ -264,7 +267,7 @@ def _ablation(spec: RunSpec, store: Store, base_runs: list[Run], device: str, sl
                 continue
             emit("ablation", run.dtype, name)
             try:
-                (r,) = compare(replace(spec, dtypes=(run.dtype,), settings=replace(spec.settings, **change)), store=store)
+                (r,) = compare(replace(spec, dtypes=(run.dtype,), settings=replace(spec.settings, **change)), ctx)
             except Exception as exc:  # noqa: BLE001 - a knob this engine refuses is a finding, not a crash
                 rows.append({"dtype": run.dtype, "knob": name, "mean_abs_delta": None, "max_abs_delta": None, "change": None,
                              "run_id": None, "note": f"failed: {str(exc).splitlines()[0][:200]}"})
@@ -280,85 +283,46 @@ def biggest_knob(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(tried, key=lambda r: abs(r["change"])) if tried else None
 
 
-def save_diagnostics(store: Store, result: dict[str, Any]) -> None:
-    folder = store.root / "diagnostics"
-    folder.mkdir(exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, allow_nan=False)
-    os.replace(tmp, folder / f"{result['diagnostics_id']}.json")
-
-
-def load_diagnostics(store: Store, diag_id: str) -> dict[str, Any]:
-    from core.errors import UserError
-
-    if not diag_id or not all(c in "0123456789abcdef" for c in diag_id):
-        raise UserError(f"{diag_id!r} is not a diagnostics id")
-    path = store.root / "diagnostics" / f"{diag_id}.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"no stored diagnostics with id {diag_id!r}") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"stored diagnostics {diag_id} are unreadable: {exc}") from exc
-
-
-def diagnostics_for_run(store: Store, run_id: str) -> dict[str, Any] | None:
-    """The newest diagnostics that include this run, if any (JSON only, never pickle)."""
-    folder = store.root / "diagnostics"
-    if not folder.is_dir():
-        return None
-    found = []
-    for path in folder.glob("*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if run_id in data.get("run_ids", {}).values():
-            found.append((path.stat().st_mtime, data))
-    return max(found, key=lambda x: x[0])[1] if found else None
-
-
 def _f(v: Any) -> str:
     return "-" if v is None else (f"{v:.3e}" if isinstance(v, float) else str(v))
 
 
-def diagnostics_tables(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, Any]]]:
     """The result as flat tables (rows of dicts) for the CLI, the dashboard and the report."""
     noise, ref, down = [], [], []
-    for d, out in result["dtypes"].items():
-        if "noise" in out:
-            noise.append({"dtype": d, "source": "vLLM vs HF (the gap)", "mean_abs": out["gap"]["mean"], "max_abs": out["gap"]["max"]})
-            noise.extend({"dtype": d, "source": k, "mean_abs": v["mean"], "max_abs": v["max"]} for k, v in out["noise"].items())
-            noise.append({"dtype": d, "source": "gap / HF's own noise", "mean_abs": out["ratio_to_hf_noise"], "max_abs": None})
-        if "reference" in out:
-            r = out["reference"]
+    for d, out in result.dtypes.items():
+        if out.noise is not None:
+            noise.append({"dtype": d, "source": "vLLM vs HF (the gap)", "mean_abs": out.gap["mean"], "max_abs": out.gap["max"]})
+            noise.extend({"dtype": d, "source": k, "mean_abs": v["mean"], "max_abs": v["max"]} for k, v in out.noise.items())
+            noise.append({"dtype": d, "source": "gap / HF's own noise", "mean_abs": out.ratio_to_hf_noise, "max_abs": None})
+        if out.reference is not None:
+            r = out.reference
             ref.append({"dtype": d, "mean |vLLM - ref|": r["vllm_vs_ref"]["mean"], "mean |HF - ref|": r["hf_vs_ref"]["mean"],
                         "max |vLLM - ref|": r["vllm_vs_ref"]["max"], "max |HF - ref|": r["hf_vs_ref"]["max"],
                         "tokens where vLLM is closer": r["frac_tokens_vllm_closer"], "closer overall": r["closer_overall"]})
-        if "greedy" in out:
-            g, m = out["greedy"], out["mcq"]
+        if out.greedy is not None and out.mcq is not None:
+            g, m = out.greedy, out.mcq
             down.append({"dtype": d, "greedy first difference": g["first_difference"],
                          "HF token there": g.get("hf_token"), "vLLM token there": g.get("vllm_token"),
                          "MCQ flips HF vs vLLM": f"{m['flips_between_engines']}/{m['n_questions']}",
                          "MCQ accuracy HF": m["hf_accuracy"], "MCQ accuracy vLLM": m["vllm_accuracy"]})
-    return {"noise": noise, "reference": ref, "downstream": down, "ablation": result.get("ablation", [])}
+    return {"noise": noise, "reference": ref, "downstream": down, "ablation": list(result.ablation)}
 
 
-def diagnostics_text(result: dict[str, Any]) -> str:
+def diagnostics_text(result: DiagnosticsResult) -> str:
     import pandas as pd
 
-    lines = [f"diagnostics {result['diagnostics_id']}  model {result['model']}  device {result['device']}"]
-    for d, out in result["dtypes"].items():
-        v = out["verdict"]
+    lines = [f"diagnostics {result.diagnostics_id}  model {result.model}  device {result.device}"]
+    for d, out in result.dtypes.items():
+        v = out.verdict
         lines += ["", f"[{v['level'].upper()}] {v['headline']}"] + [f"  - {r}" for r in v["reasons"]]
     for name, rows in diagnostics_tables(result).items():
         if rows:
             lines += ["", f"== {name} =="]
             lines.append(pd.DataFrame(rows).drop(columns=["note", "run_id"], errors="ignore").to_string(index=False, float_format=_f))
-    knob = biggest_knob(result.get("ablation", []))
+    knob = biggest_knob(list(result.ablation))
     if knob:
         lines += ["", f"The knob that moves the gap most: {knob['knob']} ({knob['dtype']}: mean |Δ| change {knob['change']:+.3e})"]
-    if result.get("mcq_dtype_flips"):
-        lines += ["", "MCQ answer flips between dtypes: " + ", ".join(f"{k}: {v}" for k, v in result["mcq_dtype_flips"].items())]
+    if result.mcq_dtype_flips:
+        lines += ["", "MCQ answer flips between dtypes: " + ", ".join(f"{k}: {v}" for k, v in result.mcq_dtype_flips.items())]
     return "\n".join(lines)

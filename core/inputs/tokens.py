@@ -21,7 +21,9 @@ class TokenizedText:
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
+    from core.env import from_transformers
+
+    AutoTokenizer = from_transformers("AutoTokenizer")
 
     try:
         return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)

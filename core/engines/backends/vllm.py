@@ -10,10 +10,10 @@ import vllm
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from core.backends.base import Backend
-from core.memory import engine_share, kv_cache_bytes
-from core.scores import TokenScores
-from core.spec import MAX_TOP_K, EngineSettings
+from core.engines.backends.base import Backend
+from core.engines.memory import engine_share, kv_cache_bytes
+from core.results.scores import TokenScores
+from core.inputs.spec import MAX_TOP_K, EngineSettings
 
 
 class VLLMBackend(Backend):
@@ -28,22 +28,9 @@ class VLLMBackend(Backend):
             "max_model_len": max_model_len,
             "max_logprobs": MAX_TOP_K,
             "logprobs_mode": "raw_logprobs",
-            "enforce_eager": settings.enforce_eager,
-            "enable_prefix_caching": settings.enable_prefix_caching,
-            "seed": settings.seed,
-            "trust_remote_code": settings.trust_remote_code,
+            # every registered vLLM setting that is set, under its own name (core.inputs.settings)
+            **settings.passthrough("vllm"),
         }
-        if settings.enable_chunked_prefill is not None:
-            kwargs["enable_chunked_prefill"] = settings.enable_chunked_prefill
-        if settings.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
-        if settings.max_num_seqs is not None:
-            kwargs["max_num_seqs"] = settings.max_num_seqs
-        if settings.attention_backend:
-            kwargs["attention_backend"] = settings.attention_backend
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"):
-            if getattr(settings, name):
-                kwargs[name] = getattr(settings, name)
         if settings.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         else:

@@ -21,7 +21,8 @@ import pandas as pd
 
 from core.errors import UserError
 from core.paths import store_root
-from core.run import SCHEMA_VERSION, Run, SequenceResult, table_columns
+from core.results.records import DiagnosticsResult, RunMeta
+from core.results.run import SCHEMA_VERSION, Run, SequenceResult, table_columns
 
 META_KEY = b"logprob_parity_meta"
 REQUIRED_COLUMNS = {
@@ -44,6 +45,16 @@ CREATE TABLE IF NOT EXISTS runs (
     sha256 TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS requests (request_key TEXT PRIMARY KEY, run_id TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS diagnostics (
+    diagnostics_id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    model TEXT NOT NULL,
+    dtypes TEXT NOT NULL,
+    parts TEXT NOT NULL,
+    run_ids TEXT NOT NULL,
+    first_text TEXT NOT NULL,
+    sha256 TEXT NOT NULL
+);
 """
 
 
@@ -72,7 +83,7 @@ class Store:
         import pyarrow.parquet as pq
 
         table = pa.Table.from_pandas(run.to_frame(), preserve_index=False)
-        meta = dict(run.meta, schema_version=SCHEMA_VERSION)
+        meta = dict(run.meta.to_dict(), schema_version=SCHEMA_VERSION)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: json.dumps(meta)})
         fd, tmp = tempfile.mkstemp(prefix=f".{run.run_id}-", suffix=".tmp", dir=self.runs_dir)
         try:
@@ -153,10 +164,10 @@ class Store:
             if _sha256(path) != expected:
                 raise UserError(f"stored run {run_id} failed its integrity check (file changed since it was written)")
             table = pq.read_table(path)
-            meta = json.loads(table.schema.metadata[META_KEY])
+            raw = json.loads(table.schema.metadata[META_KEY])
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise UserError(f"stored run {run_id} is unreadable ({type(exc).__name__}: {exc})") from exc
-        if meta.get("run_id") != run_id or meta.get("schema_version") != SCHEMA_VERSION:
+        if raw.get("run_id") != run_id or raw.get("schema_version") != SCHEMA_VERSION:
             raise UserError(f"stored run {run_id} does not match its index entry (schema or id); delete and re-run it")
         missing = REQUIRED_COLUMNS - set(table.column_names)
         if missing:
@@ -165,11 +176,110 @@ class Store:
             cols = table_columns(table)
         except ValueError as exc:
             raise UserError(f"stored run {run_id} is unreadable ({exc}); delete and re-run it") from exc
-        bounds = np.searchsorted(cols["seq"], np.arange(len(meta["sequences"]) + 1))  # rows are stored in seq order
+        meta = RunMeta.from_dict(raw)
+        bounds = np.searchsorted(cols["seq"], np.arange(len(meta.sequences) + 1))  # rows are stored in seq order
         seqs = tuple(
-            SequenceResult.from_columns(cols, slice(bounds[i], bounds[i + 1]), info) for i, info in enumerate(meta["sequences"])
+            SequenceResult.from_columns(cols, slice(bounds[i], bounds[i + 1]), info) for i, info in enumerate(meta.sequences)
         )
         return Run(meta=meta, sequences=seqs, from_store=True)
+
+    # -- diagnostics -----------------------------------------------------------------------------
+    @property
+    def diagnostics_dir(self) -> Path:
+        return self.root / "diagnostics"
+
+    def save_diagnostics(self, result: DiagnosticsResult) -> None:
+        """JSON (never pickle), written like a run: temp file, fsync, rename, then the index row
+        with the file's checksum."""
+        folder = self.diagnostics_dir
+        folder.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{result.diagnostics_id}-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(result.to_dict(), f, allow_nan=False)
+                f.flush()
+                os.fsync(f.fileno())
+            digest = _sha256(Path(tmp))
+            os.replace(tmp, folder / f"{result.diagnostics_id}.json")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self._index_diagnostics(result, digest)
+
+    def _index_diagnostics(self, result: DiagnosticsResult, digest: str) -> None:
+        with closing(self._db()) as db, db:
+            db.execute(
+                "INSERT OR REPLACE INTO diagnostics VALUES (?,?,?,?,?,?,?,?)",
+                (result.diagnostics_id, result.created_ts or time.time(), result.model, ",".join(result.dtypes),
+                 ",".join(result.parts), json.dumps(result.run_ids), (result.texts[0] if result.texts else "")[:80], digest),
+            )
+
+    def _index_legacy_diagnostics(self) -> None:
+        """Diagnostics written by earlier versions sit in the folder without an index row: index them."""
+        folder = self.diagnostics_dir
+        if not folder.is_dir():
+            return
+        with closing(self._db()) as db:
+            known = {r[0] for r in db.execute("SELECT diagnostics_id FROM diagnostics")}
+        for path in folder.glob("*.json"):
+            if path.stem in known:
+                continue
+            try:
+                result = DiagnosticsResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            if result.diagnostics_id == path.stem:
+                if not result.created_ts:
+                    import dataclasses
+
+                    result = dataclasses.replace(result, created_ts=path.stat().st_mtime)
+                self._index_diagnostics(result, _sha256(path))
+
+    def load_diagnostics(self, diag_id: str) -> DiagnosticsResult:
+        if not diag_id or not all(c in "0123456789abcdef" for c in diag_id):
+            raise UserError(f"{diag_id!r} is not a diagnostics id (hex digits)")
+        self._index_legacy_diagnostics()
+        with closing(self._db()) as db:
+            rows = db.execute("SELECT diagnostics_id, sha256 FROM diagnostics WHERE diagnostics_id LIKE ?", (diag_id + "%",)).fetchall()
+        if not rows:
+            raise UserError(f"no stored diagnostics with id {diag_id!r} (see `logprob-parity runs`)")
+        if len(rows) > 1:
+            raise UserError(f"diagnostics id prefix {diag_id!r} is ambiguous ({len(rows)} results)")
+        full, expected = rows[0]
+        path = self.diagnostics_dir / f"{full}.json"
+        try:
+            if _sha256(path) != expected:
+                raise UserError(f"stored diagnostics {full} failed their integrity check (file changed since it was written)")
+            return DiagnosticsResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise UserError(f"no stored diagnostics {full}: its file is missing from {self.diagnostics_dir}") from None
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"stored diagnostics {full} are unreadable ({type(exc).__name__}: {exc})") from exc
+
+    def list_diagnostics(self) -> pd.DataFrame:
+        self._index_legacy_diagnostics()
+        with closing(self._db()) as db:
+            rows = db.execute(
+                "SELECT diagnostics_id, created, model, dtypes, parts, first_text, run_ids FROM diagnostics ORDER BY created DESC"
+            ).fetchall()
+        df = pd.DataFrame(rows, columns=["diagnostics_id", "created", "model", "dtypes", "parts", "first_text", "run_ids"])
+        df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
+        return df
+
+    def diagnostics_for_run(self, run_id: str) -> DiagnosticsResult | None:
+        """The newest diagnostics built on this run, if any."""
+        for row in self.list_diagnostics().itertuples():
+            if run_id in json.loads(row.run_ids).values():
+                try:
+                    return self.load_diagnostics(row.diagnostics_id)
+                except UserError:
+                    continue
+        return None
+
+    def delete_diagnostics(self, diag_id: str) -> None:
+        with closing(self._db()) as db, db:
+            db.execute("DELETE FROM diagnostics WHERE diagnostics_id=?", (diag_id,))
+        (self.diagnostics_dir / f"{diag_id}.json").unlink(missing_ok=True)
 
     def list_runs(self) -> pd.DataFrame:
         with closing(self._db()) as db:

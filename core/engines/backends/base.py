@@ -7,17 +7,19 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from core.errors import UserError
-from core.scores import TokenScores
-from core.spec import EngineSettings
+from core.results.scores import TokenScores
+from core.inputs.spec import EngineSettings
 
 BACKEND_REGISTRY: dict[str, str] = {
-    "hf": "core.backends.hf:HFBackend",
-    "vllm": "core.backends.vllm:VLLMBackend",
+    "hf": "core.engines.backends.hf:HFBackend",
+    "vllm": "core.engines.backends.vllm:VLLMBackend",
+    "fake": "core.engines.backends.fake:FakeBackend",  # tests of the plumbing only (see its module)
 }
 
 INSTALL_HINTS: dict[str, str] = {
     "hf": "pip install 'logprob-parity' (needs torch and transformers)",
     "vllm": "pip install 'logprob-parity[gpu]' on a CUDA machine, or 'logprob-parity[cpu]' for vLLM's CPU build",
+    "fake": "it ships with logprob-parity",
 }
 
 
@@ -65,8 +67,17 @@ class Backend(ABC):
         """Free the engine; the worker process exits right after."""
 
 
-def load_backend_class(name: str) -> type[Backend]:
-    """Import a backend on first use, with an install hint when its engine is missing."""
+def load_backend_class(name: str) -> Any:
+    """Import a backend on first use, with an install hint when its engine is missing. With
+    LPP_FAKE_ENGINES=1 in the host's environment, the fake backend plays every role."""
+    import os
+
+    if os.environ.get("LPP_FAKE_ENGINES") == "1" and name in ("hf", "vllm"):
+        from functools import partial
+
+        from core.engines.backends.fake import FakeBackend
+
+        return partial(FakeBackend, role=name)
     try:
         target = BACKEND_REGISTRY[name]
     except KeyError:

@@ -11,9 +11,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from core.backends.base import Backend
-from core.scores import TokenScores
-from core.spec import EngineSettings
+from core.engines.backends.base import Backend
+from core.results.scores import TokenScores
+from core.inputs.spec import EngineSettings
 
 
 class HFBackend(Backend):
@@ -24,9 +24,8 @@ class HFBackend(Backend):
 
     def __init__(self, model_path: str, dtype: str, device: str, settings: EngineSettings, max_model_len: int):
         super().__init__(model_path, dtype, device, settings, max_model_len)
-        kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "trust_remote_code": settings.trust_remote_code}
-        if settings.attn_implementation:
-            kwargs["attn_implementation"] = settings.attn_implementation
+        # every registered HF setting that is set, under its own name (core.inputs.settings)
+        kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), **settings.passthrough("hf")}
         if settings.hf_device_map:  # accelerate spreads the layers over every visible GPU
             self.model = AutoModelForCausalLM.from_pretrained(model_path, device_map=settings.hf_device_map, **kwargs).eval()
             self.device = str(self.model.get_input_embeddings().weight.device)

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from core.errors import UserError
@@ -40,13 +41,24 @@ def gguf_path() -> Path:
     return path
 
 
+_BUILD_LOCK = threading.Lock()
+
+
 def build_demo_model(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
-    """Write the demo model as an HF folder (config, safetensors, tokenizer) and return its path."""
+    """Write the demo model as an HF folder (config, safetensors, tokenizer) and return its path.
+    One build at a time in a process: sessions that ask together wait for the first build."""
+    with _BUILD_LOCK:
+        return _build(out_dir, force)
+
+
+def _build(out_dir: str | os.PathLike | None, force: bool) -> Path:
     out = Path(out_dir) if out_dir is not None else demo_dir()
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
         return out
     src = gguf_path()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from core.env import from_transformers
+
+    AutoModelForCausalLM, AutoTokenizer = from_transformers("AutoModelForCausalLM", "AutoTokenizer")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))

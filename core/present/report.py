@@ -7,10 +7,11 @@ import json
 import os
 from pathlib import Path
 
-from core.charts import CHARTS, chart_frame, worst_tokens
-from core.render import token_view_html, verdict_html
-from core.verdict import verdict
-from core.run import Run
+from core.present.charts import CHARTS, chart_frame, worst_tokens
+from core.present.render import token_view_html, verdict_html
+from core.analysis.verdict import run_verdicts
+from core.results.records import DiagnosticsResult
+from core.results.run import Run
 
 MAX_SEQUENCES = 50
 CARD_KEYS = ("n_tokens", "max_abs_delta", "mean_abs_delta", "p95_abs_delta", "argmax_agreement", "mean_kl_topk")
@@ -56,7 +57,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def diagnostics_section(diag: dict) -> str:
-    from core.diagnostics import biggest_knob, diagnostics_tables
+    from core.analysis.diagnostics import biggest_knob, diagnostics_tables
 
     tables = diagnostics_tables(diag)
     titles = {
@@ -65,34 +66,33 @@ def diagnostics_section(diag: dict) -> str:
         "downstream": "Downstream impact: greedy generation and multiple-choice answers",
         "ablation": "Knob attribution: the gap with one setting changed",
     }
-    parts = [f"<h2>Diagnostics</h2><p>diagnostics {_e(diag['diagnostics_id'])}</p>"]
+    parts = [f"<h2>Diagnostics</h2><p>diagnostics {_e(diag.diagnostics_id)}</p>"]
     for key, title in titles.items():
         if tables[key]:
             parts.append(f"<h3>{_e(title)}</h3>{_table(tables[key])}")
-    knob = biggest_knob(diag.get("ablation", []))
+    knob = biggest_knob(list(diag.ablation))
     if knob:
         parts.append(f"<p>The knob that moves the gap most: {_e(knob['knob'])} ({_e(knob['dtype'])}, {knob['change']:+.3e})</p>")
     return "".join(parts)
 
 
-def report_html(runs: list[Run], diagnostics: dict | None = None) -> str:
+def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -> str:
     first = runs[0]
     m = first.meta
-    title = f"logprob-parity: {m['model']} · {', '.join(r.dtype for r in runs)}"
+    title = f"logprob-parity: {m.model} · {', '.join(r.dtype for r in runs)}"
     meta_rows = [
-        ("model", m["model"]),
-        ("revision", m.get("revision") or "local folder (weights hashed)"),
-        ("device", m["env"]["device"]),
-        ("torch / transformers / vLLM", f"{m['env']['torch']} / {m['env']['transformers']} / {m['env']['vllm']}"),
-        ("top-k / BOS policy", f"{m['top_k']} / {m['bos']}"),
-        ("engine settings", json.dumps(m["settings"], sort_keys=True)),
-    ] + [(f"run id ({r.dtype})", f"{r.run_id}  created {r.meta.get('created')}") for r in runs]
+        ("model", m.model),
+        ("revision", m.revision or "local folder (weights hashed)"),
+        ("device", m.env.device),
+        ("torch / transformers / vLLM", f"{m.env.torch} / {m.env.transformers} / {m.env.vllm}"),
+        ("top-k / BOS policy", f"{m.top_k} / {m.bos}"),
+        ("engine settings", json.dumps(m.settings, sort_keys=True)),
+    ] + [(f"run id ({r.dtype})", f"{r.run_id}  created {r.meta.created}") for r in runs]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_PAGE_CSS}</style></head><body>"]
     parts.append(f"<h1>{_e(title)}</h1>")
     parts.append("<table class='meta'>" + "".join(f"<tr><th class='l'>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in meta_rows) + "</table>")
 
-    ratios = {d: o.get("ratio_to_hf_noise") for d, o in (diagnostics or {}).get("dtypes", {}).items() if o.get("run_id") in {r.run_id for r in runs}}
-    parts.append("<h2>Verdict</h2>" + verdict_html([verdict(r.summary, r.dtype, ratios.get(r.dtype)).to_dict() for r in runs]))
+    parts.append("<h2>Verdict</h2>" + verdict_html([v.to_dict() for v in run_verdicts(runs, diagnostics)]))
     parts.append("<h2>Summary</h2><table><tr><th class='l'>metric</th>" + "".join(f"<th>{_e(r.dtype)}</th>" for r in runs) + "</tr>")
     for key in first.summary:
         parts.append(f"<tr><td class='l'>{_e(key)}</td>" + "".join(f"<td>{_num(r.summary.get(key))}</td>" for r in runs) + "</tr>")
@@ -124,7 +124,7 @@ def report_html(runs: list[Run], diagnostics: dict | None = None) -> str:
     return "".join(parts)
 
 
-def write_html_report(runs: Run | list[Run], path: str | os.PathLike, diagnostics: dict | None = None) -> None:
+def write_html_report(runs: Run | list[Run], path: str | os.PathLike, diagnostics: DiagnosticsResult | None = None) -> None:
     runs = [runs] if isinstance(runs, Run) else runs
     out = Path(path)
     tmp = out.with_name(f".{out.name}.tmp")

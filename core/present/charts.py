@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from core.run import Run
+from core.results.run import Run
 
 FLOOR = 1e-10  # |Δ| of exactly 0 drawn here on log axes
 

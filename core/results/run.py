@@ -10,8 +10,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from core.metrics import TokenMetrics, summarize, token_metrics
-from core.scores import TokenScores
+from core.errors import TokenMismatchError
+from core.results.records import RunMeta
+from core.analysis.metrics import TokenMetrics, summarize, token_metrics
+from core.results.scores import TokenScores
 
 SCHEMA_VERSION = 1
 SIDES = ("hf", "vllm")
@@ -64,7 +66,8 @@ class SequenceResult:
         ids = np.asarray(tok.token_ids, dtype=np.int64)
         for side, sc in (("hf", hf), ("vllm", vllm)):
             if not np.array_equal(sc.token_ids, ids):
-                raise AssertionError(f"{side} scored ids {sc.token_ids.tolist()} but the run has {ids.tolist()}")
+                raise TokenMismatchError(f"{side} scored ids {sc.token_ids.tolist()} but the run has {ids.tolist()}: "
+                                         "the engines did not score the same tokens, so nothing is compared")
         gathered = hf.gathered_logprobs
         if gathered is None:
             gathered = np.full(vllm.topk_logprobs.shape, np.nan)
@@ -112,7 +115,7 @@ class SequenceResult:
         )
 
     @classmethod
-    def from_columns(cls, cols: dict[str, Any], rows: slice, info: dict[str, Any]) -> "SequenceResult":
+    def from_columns(cls, cols: dict[str, Any], rows: slice, info: Any) -> "SequenceResult":
         """One sequence's rows of a stored run, from whole-table columns (see `table_columns`):
         numpy slices, no per-row Python work, so reopening a large run stays fast."""
         ids = cols["token_id"][rows]
@@ -130,15 +133,15 @@ class SequenceResult:
         metrics = TokenMetrics(**{f: cols[f][rows] for f in TokenMetrics.__dataclass_fields__})
         text = {side: cols[f"{side}_topk_text"][rows] for side in SIDES}
         return cls(
-            text=info["text"],
+            text=info.text,
             token_ids=tuple(ids.tolist()),
             tokens=tuple(cols["token"][rows]),
             pieces=tuple(cols["piece"][rows]),
-            bos_added=bool(info["bos_added"]),
+            bos_added=bool(info.bos_added),
             hf=side("hf", cols["hf_at_vllm_topk"][rows]),
             vllm=side("vllm", None),
             metrics=metrics,
-            summary=info["summary"],
+            summary=info.summary,
             topk_text=text if all(t.shape[1] for t in text.values()) else None,
         )
 
@@ -179,21 +182,21 @@ def _topk(sc: TokenScores, t: int) -> list[list[Any]]:
 class Run:
     """One model × one dtype × a list of texts. `meta` holds everything but per-position data."""
 
-    meta: dict[str, Any]
+    meta: RunMeta
     sequences: tuple[SequenceResult, ...]
     from_store: bool = field(default=False, compare=False)
 
     @property
     def run_id(self) -> str:
-        return self.meta["run_id"]
+        return self.meta.run_id
 
     @property
     def dtype(self) -> str:
-        return self.meta["dtype"]
+        return self.meta.dtype
 
     @property
     def summary(self) -> dict[str, Any]:
-        return self.meta["summary"]
+        return self.meta.summary
 
     def to_frame(self) -> pd.DataFrame:
         """One row per position of every sequence, with a `seq` column."""
@@ -202,19 +205,20 @@ class Run:
         return df[["seq"] + [c for c in df.columns if c != "seq"]]
 
     def to_json_dict(self) -> dict[str, Any]:
+        """The `--json` object of DESIGN.md."""
         m = self.meta
         return {
-            "run_id": m["run_id"],
-            "model": m["model"],
-            "revision": m["revision"],
-            "dtype": m["dtype"],
-            "backends": m["backends"],
-            "settings": m["settings"],
-            "env": m["env"],
-            "summary": m["summary"],
-            "created": m.get("created"),
-            "top_k": m["top_k"],
-            "bos": m["bos"],
+            "run_id": m.run_id,
+            "model": m.model,
+            "revision": m.revision,
+            "dtype": m.dtype,
+            "backends": list(m.backends),
+            "settings": m.settings,
+            "env": m.to_dict()["env"],
+            "summary": m.summary,
+            "created": m.created or None,
+            "top_k": m.top_k,
+            "bos": m.bos,
             "sequences": [
                 {
                     "text": s.text,

@@ -1,4 +1,4 @@
-"""Engine hosts: each backend runs in its own process, started with `python -m core.worker`.
+"""Engine hosts: each backend runs in its own process, started with `python -m core.engines.host`.
 
 Why a subprocess and not multiprocessing: vLLM spawns its own engine process, and multiprocessing's
 spawn re-runs a Streamlit script in the child. The host listens on a Unix socket in a private
@@ -22,10 +22,12 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from core.errors import EngineError, UserError
+from core.engines.records import HostReply, HostRequest, LoadRequest
+from core.errors import EngineError, ProtocolError, UserError
 
 ADDRESS_ENV = "LPP_WORKER_ADDRESS"
 AUTHKEY_ENV = "LPP_WORKER_AUTHKEY"
+PARENT_ENV = "LPP_HOST_PARENT"  # the pid that started the host; it exits when re-parented
 LOG_TAIL_CHARS = 2000
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
@@ -56,45 +58,58 @@ def _describe_error(exc: BaseException) -> tuple[str, str]:
     return "engine", text
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A host must not outlive the process that started it (a killed dashboard, a crashed test):
+    when it is re-parented, it ends its whole process group, vLLM's own children included."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="lpp-parent-watch", daemon=True).start()
+
+
 def serve() -> None:
-    """Host loop: load the backend named in the first message, then answer score requests."""
+    """Host loop: load the backend named in the first request, then answer score/generate requests."""
     address = os.environ[ADDRESS_ENV]
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    parent = int(os.environ.get(PARENT_ENV, "0"))
+    if parent and parent == os.getppid():
+        _exit_with_parent(parent)
     with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
         conn = listener.accept()
     backend = None
     try:
         while True:
             try:
-                msg = conn.recv()
+                msg: HostRequest = conn.recv()
             except EOFError:
                 return
-            op = msg[0]
+            op = msg.op
             if op == "close":
                 return
             try:
-                if op == "load":
-                    from core.backends.base import load_backend_class
+                if op == "load" and msg.load is not None:
+                    from core.engines.backends.base import load_backend_class
 
-                    name, kwargs = msg[1], msg[2]
-                    from core.spec import EngineSettings
-
-                    kwargs = dict(kwargs, settings=EngineSettings(**kwargs["settings"]))
                     t0 = time.monotonic()
-                    cls = load_backend_class(name)
+                    cls = load_backend_class(msg.load.backend)
                     t1 = time.monotonic()
-                    backend = cls(**kwargs)
+                    backend = cls(**msg.load.backend_kwargs())
                     timing = {"import_s": round(t1 - t0, 2), "init_s": round(time.monotonic() - t1, 2)}
-                    conn.send(("ok", {**backend.info(), "load_timing": timing}))
+                    conn.send(HostReply(True, {**backend.info(), "load_timing": timing}))
+                elif op in ("score", "generate") and backend is not None:
+                    conn.send(HostReply(True, getattr(backend, op)(*msg.args)))
                 elif op in ("score", "generate"):
-                    assert backend is not None, f"{op} before load"
-                    conn.send(("ok", getattr(backend, op)(*msg[1:])))
+                    conn.send(HostReply(False, kind="protocol", text=f"{op} request before the engine loaded"))
                 else:
-                    conn.send(("error", "engine", f"unknown request {op!r}"))
+                    conn.send(HostReply(False, kind="protocol", text=f"unknown request {op!r}"))
             except BaseException as exc:  # report everything; the client decides
                 kind, text = _describe_error(exc)
                 traceback.print_exc()
-                conn.send(("error", kind, text))
+                conn.send(HostReply(False, kind=kind, text=text))
                 if op == "load":
                     return
     finally:
@@ -103,29 +118,35 @@ def serve() -> None:
         conn.close()
 
 
-class WorkerClient:
-    """One engine host process. `start()` returns at once; `load()` waits for the model."""
+class HostClient:
+    """One engine host process, seen from the pool. `start()` returns at once; `load()` waits for the model.
+
+    `leases` counts the requests that hold or were promised this host: the pool never stops a host
+    whose count is above zero."""
 
     def __init__(self, label: str, extra_env: dict[str, str] | None = None, device: str = "cpu", need_bytes: int = 0) -> None:
         self.label = label
         self.extra_env = extra_env or {}
         self.device = device
-        self.need_bytes = need_bytes  # what core.engines expects it to take on its device
-        self.busy = False  # a request is in flight: never reaped or evicted
+        self.need_bytes = need_bytes  # what the pool expects it to take on its device
+        self.busy = False  # a request is in flight
+        self.leases = 0  # requests holding or promised this host (core.engines.pool)
+        self.owners: dict[int, int] = {}  # thread id -> leases it holds
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.info: dict[str, Any] | None = None
-        self._dir = Path(tempfile.mkdtemp(prefix="lpp-worker-"))
+        self._dir = Path(tempfile.mkdtemp(prefix="lpp-host-"))
         os.chmod(self._dir, 0o700)
         self.address = str(self._dir / "sock")
-        self.log_path = self._dir / "worker.log"
+        self.log_path = self._dir / "host.log"
         self._authkey = secrets.token_bytes(32)
         self.last_used = time.monotonic()
 
-    def start(self) -> "WorkerClient":
+    def start(self) -> "HostClient":
         env = dict(os.environ, **self.extra_env)
         env[ADDRESS_ENV] = self.address
         env[AUTHKEY_ENV] = self._authkey.hex()
+        env[PARENT_ENV] = str(os.getpid())
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         # vLLM's engine core in this host process, not a second one: one import of torch and vLLM
         # instead of two, which halves the start and the CPU that engines starting side by side share.
@@ -134,7 +155,7 @@ class WorkerClient:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "core.worker"],
+                [sys.executable, "-m", "core.engines.host"],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -164,7 +185,7 @@ class WorkerClient:
             except subprocess.TimeoutExpired:
                 pass
         how = f"exit code {code}" if code is not None and code >= 0 else f"signal {-code}" if code else "no answer"
-        return EngineError(f"{self.label} worker died while {doing} ({how}). Last log lines:\n{self.log_tail()}")
+        return EngineError(f"{self.label} engine host died while {doing} ({how}). Last log lines:\n{self.log_tail()}")
 
     def _connect(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -182,8 +203,9 @@ class WorkerClient:
                 raise EngineError(f"{self.label} engine did not start within {timeout:.0f} s ({LOAD_TIMEOUT_ENV}); stopped it")
             time.sleep(0.05)
 
-    def _request(self, msg: tuple, doing: str, timeout: float) -> Any:
-        assert self.conn is not None
+    def _request(self, msg: HostRequest, doing: str, timeout: float) -> Any:
+        if self.conn is None:
+            raise ProtocolError(f"{self.label} host is not connected (stopped, or never started) while {doing}")
         self.busy = True
         try:
             self.conn.send(msg)
@@ -193,16 +215,18 @@ class WorkerClient:
                     raise self._died(doing)
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise EngineError(f"{self.label} worker took longer than {timeout:.0f} s {doing}; stopped it")
+                    raise EngineError(f"{self.label} engine host took longer than {timeout:.0f} s {doing}; stopped it")
             reply = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError) as exc:
             raise self._died(doing) from exc
         finally:
             self.busy = False
             self.last_used = time.monotonic()
-        if reply[0] == "ok":
-            return reply[1]
-        _, kind, text = reply
+        if reply.ok:
+            return reply.value
+        kind, text = reply.kind, reply.text
+        if kind == "protocol":
+            raise ProtocolError(f"{self.label}: {text}")
         if kind == "user":
             raise UserError(f"{self.label}: {text}")
         cause = self.root_cause()
@@ -211,7 +235,7 @@ class WorkerClient:
         raise EngineError(f"{self.label}: {text}\n{self.log_tail()}")
 
     def root_cause(self) -> str | None:
-        """A cause the user can act on, found in the worker's log (vLLM logs its engine core's errors)."""
+        """A cause the user can act on, found in the host's log (vLLM logs its engine core's errors)."""
         log = self.log_tail(200_000)
         for pattern, message in _LOG_CAUSES:
             m = pattern.search(log)
@@ -220,13 +244,13 @@ class WorkerClient:
                 return f"{message} ({line.strip()[-300:]})"
         return None
 
-    def begin_load(self, backend: str, kwargs: dict[str, Any]) -> None:
+    def begin_load(self, request: LoadRequest) -> None:
         """Send the load request from a thread and return at once: engines started together import
         and load side by side; `wait_loaded` collects the answer."""
 
         def run() -> None:
             try:
-                self.load(backend, kwargs)
+                self.load(request)
             except BaseException as exc:  # handed to whoever waits for this engine
                 self._load_error = exc
 
@@ -240,26 +264,26 @@ class WorkerClient:
             raise self._load_error
         return self.info  # type: ignore[return-value]
 
-    def load(self, backend: str, kwargs: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    def load(self, request: LoadRequest, timeout: float | None = None) -> dict[str, Any]:
         timeout = timeout if timeout is not None else float(os.environ.get(LOAD_TIMEOUT_ENV, "900"))
         start = time.monotonic()
         self._connect(timeout=timeout)
         left = max(timeout - (time.monotonic() - start), 1.0)
-        self.info = self._request(("load", backend, kwargs), "loading the model", left)
+        self.info = self._request(HostRequest("load", load=request), "loading the model", left)
         return self.info
 
     def score(self, sequences: list[list[int]], top_k: int, gather_ids: Any = None, batch_size: int | None = None,
               padding_side: str = "right", timeout: float = 3600.0) -> Any:
-        return self._request(("score", sequences, top_k, gather_ids, batch_size, padding_side), "scoring", timeout)
+        return self._request(HostRequest("score", (sequences, top_k, gather_ids, batch_size, padding_side)), "scoring", timeout)
 
     def generate(self, sequences: list[list[int]], max_new_tokens: int, timeout: float = 3600.0) -> list[list[int]]:
-        return self._request(("generate", sequences, max_new_tokens), "generating", timeout)
+        return self._request(HostRequest("generate", (sequences, max_new_tokens)), "generating", timeout)
 
     def stop(self, grace: float = 20.0) -> None:
         """Ask the host to exit, then make sure it and its engine processes are gone."""
         if self.conn is not None:
             try:
-                self.conn.send(("close",))
+                self.conn.send(HostRequest("close"))
             except (OSError, BrokenPipeError):
                 pass
         if self.proc is not None and self.proc.poll() is None:

@@ -65,3 +65,13 @@ def verdict(summary: dict[str, Any], dtype: str, noise_ratio: float | None = Non
     else:
         level, head = "differs", f"{dtype}: the engines differ enough to change results (mean {mean:.2g}, max {mx:.2g} nats)."
     return Verdict(level, head, tuple(reasons))
+
+
+def run_verdicts(runs: list[Any], diagnostics: Any = None) -> list[Verdict]:
+    """The verdict of each run, using the stored diagnostics built on it when there are any.
+    The one place the Compare page, the CLI and the HTML report get their verdicts from."""
+    ids = {r.run_id for r in runs}
+    ratios = {}
+    if diagnostics is not None:
+        ratios = {d: o.ratio_to_hf_noise for d, o in diagnostics.dtypes.items() if o.run_id in ids}
+    return [verdict(r.summary, r.dtype, ratios.get(r.dtype)) for r in runs]

@@ -47,7 +47,9 @@ def param_count(model_path: str) -> int:
 @lru_cache(maxsize=64)
 def text_config(model_path: str, trust_remote_code: bool) -> Any:
     """The model's (text) config, parsed once per folder: every engine estimate reads it."""
-    from transformers import AutoConfig
+    from core.env import from_transformers
+
+    AutoConfig = from_transformers("AutoConfig")
 
     cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     return getattr(cfg, "text_config", None) or cfg

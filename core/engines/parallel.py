@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from core import memory
+from core.engines import memory
 from core.errors import UserError
-from core.spec import EngineSettings
+from core.inputs.spec import EngineSettings
 
 # Weights may take at most this share of one card; the rest is KV cache, activations and logits.
 WEIGHT_SHARE = 0.7

@@ -1,0 +1,65 @@
+"""Typed records that cross the process boundary between the pool and its hosts.
+
+A `LoadRequest` says which engine to load (it is also the engine's identity in the pool); a
+`HostRequest` is one message to a host, a `HostReply` its answer. They travel over an
+authenticated Unix socket to our own child process, never through the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from core.inputs.settings import EngineSettings
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One engine: a backend, a model folder, a dtype, a device, settings and the context length."""
+
+    backend: str
+    model_path: str
+    dtype: str
+    device: str
+    settings: Any = field(default_factory=EngineSettings)  # an EngineSettings
+    max_model_len: int = 256
+
+    def key(self) -> str:
+        """The pool's key: only the settings this backend reads split its engines (an HF knob never
+        restarts vLLM)."""
+        from core.inputs.spec import canonical_json
+
+        part = self.settings.hf_part() if self.backend == "hf" else self.settings.vllm_part()
+        return canonical_json({"backend": self.backend, "model_path": self.model_path, "dtype": self.dtype,
+                               "device": self.device, "max_model_len": self.max_model_len, "settings": part})
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} ({self.dtype})"
+
+    def for_backend(self, backend: str) -> "LoadRequest":
+        return replace(self, backend=backend)
+
+    def backend_kwargs(self) -> dict[str, Any]:
+        """The backend constructor's arguments."""
+        return {"model_path": self.model_path, "dtype": self.dtype, "device": self.device, "settings": self.settings,
+                "max_model_len": self.max_model_len}
+
+
+@dataclass(frozen=True)
+class HostRequest:
+    """op: load (with `load`), score, generate or close; args: the backend method's arguments."""
+
+    op: str
+    args: tuple[Any, ...] = ()
+    load: LoadRequest | None = None
+
+
+@dataclass(frozen=True)
+class HostReply:
+    """ok with a value, or an error of `kind` user (the user can act on it), engine or protocol."""
+
+    ok: bool
+    value: Any = None
+    kind: str = ""
+    text: str = ""

@@ -1,0 +1,153 @@
+"""Typed records of what a run and a diagnosis were: frozen dataclasses with `to_dict`/`from_dict`.
+
+Why: metadata was a string-keyed dict read by key in five modules, and readers drifted apart.
+The dict form (`to_dict`) is exactly what the store and `--json` have always written, so runs and
+diagnostics stored by earlier versions still open (`from_dict` fills keys they lacked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+def _pick(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    """Where the numbers came from: device name, library versions, and what each engine reported."""
+
+    device: str
+    torch: str | None
+    transformers: str | None
+    vllm: str | None
+    vllm_dist: str | None = None
+    hf_engine: dict[str, Any] = field(default_factory=dict)
+    vllm_engine: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunEnv":
+        return cls(**_pick(cls, {"device": "", "torch": None, "transformers": None, "vllm": None, **data}))
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """Per-sequence metadata kept beside the positions: the text, the BOS choice and its summary."""
+
+    text: str
+    bos_added: bool
+    n_positions: int
+    summary: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SequenceInfo":
+        return cls(**_pick(cls, {"n_positions": 0, "summary": {}, **data}))
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """Everything about one run but its per-position data."""
+
+    run_id: str
+    created: str
+    created_ts: float
+    model: str
+    model_path: str
+    revision: str | None
+    model_identity: dict[str, Any]
+    dtype: str
+    backends: tuple[str, ...]
+    settings: dict[str, Any]  # the engine settings as run, plus max_model_len
+    top_k: int
+    bos: str
+    device: str
+    env: RunEnv
+    timing: dict[str, Any]
+    summary: dict[str, Any]
+    sequences: tuple[SequenceInfo, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["backends"] = list(self.backends)
+        d["sequences"] = [asdict(s) for s in self.sequences]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunMeta":
+        d = _pick(cls, data)
+        d.setdefault("created", "")
+        d.setdefault("created_ts", 0.0)
+        d.setdefault("model_path", "")
+        d.setdefault("model_identity", {})
+        d.setdefault("device", "")
+        d.setdefault("timing", {})
+        d["backends"] = tuple(d.get("backends", ()))
+        d["env"] = RunEnv.from_dict(data.get("env", {}))
+        d["sequences"] = tuple(SequenceInfo.from_dict(s) for s in data.get("sequences", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class DtypeDiagnosis:
+    """The diagnostics of one dtype. Sub-objects are the documented JSON shapes (README: Diagnostics)."""
+
+    run_id: str
+    gap: dict[str, Any]  # {"mean", "max"} of |Δ logp| between the engines
+    verdict: dict[str, Any]
+    noise: dict[str, Any] | None = None  # source -> {"mean", "max", "n"}
+    floor: dict[str, Any] | None = None  # {"hf", "vllm"}: each engine's own largest mean noise
+    ratio_to_hf_noise: float | None = None
+    ratio_to_vllm_noise: float | None = None
+    reference: dict[str, Any] | None = None
+    greedy: dict[str, Any] | None = None
+    mcq: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the parts that ran, as earlier versions wrote them."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k in ("ratio_to_hf_noise", "ratio_to_vllm_noise") and self.noise is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DtypeDiagnosis":
+        return cls(**_pick(cls, data))
+
+
+@dataclass(frozen=True)
+class DiagnosticsResult:
+    """One diagnosis: noise floors, the float64 reference, downstream answers and the knob
+    ablation, for every dtype of one request, with the comparison runs it was built on."""
+
+    diagnostics_id: str
+    model: str
+    device: str
+    versions: dict[str, Any]
+    texts: tuple[str, ...]
+    parts: tuple[str, ...]
+    run_ids: dict[str, str]
+    dtypes: dict[str, DtypeDiagnosis]
+    ablation: tuple[dict[str, Any], ...] = ()
+    mcq_dtype_flips: dict[str, int] | None = None
+    created: str = ""
+    created_ts: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "diagnostics_id": self.diagnostics_id, "model": self.model, "device": self.device, "versions": self.versions,
+            "texts": list(self.texts), "parts": list(self.parts), "run_ids": self.run_ids,
+            "dtypes": {k: v.to_dict() for k, v in self.dtypes.items()}, "ablation": list(self.ablation),
+            "created": self.created, "created_ts": self.created_ts,
+        }
+        if self.mcq_dtype_flips is not None:
+            d["mcq_dtype_flips"] = self.mcq_dtype_flips
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DiagnosticsResult":
+        d = _pick(cls, data)
+        d["texts"] = tuple(d.get("texts", ()))
+        d["parts"] = tuple(d.get("parts", ()))
+        d["ablation"] = tuple(d.get("ablation", ()))
+        d["dtypes"] = {k: DtypeDiagnosis.from_dict(v) for k, v in data.get("dtypes", {}).items()}
+        return cls(**d)
