@@ -9,13 +9,13 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 import streamlit as st  # noqa: E402
 
-st.set_page_config(page_title="logprob-parity", page_icon="⚖️", layout="wide")
+st.set_page_config(page_title="logprob-parity", page_icon=":material/balance:", layout="wide")
 
 VIEWS = Path(__file__).resolve().parent / "views"
 pages = [
-    st.Page(VIEWS / "compare.py", title="Compare", icon="🔬", url_path="compare", default=True),
-    st.Page(VIEWS / "prompt_set.py", title="Prompt set", icon="📚", url_path="prompt-set"),
-    st.Page(VIEWS / "diagnostics.py", title="Diagnostics", icon="🩺", url_path="diagnostics"),
-    st.Page(VIEWS / "runs.py", title="Runs", icon="🗂️", url_path="runs"),
+    st.Page(VIEWS / "compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare", default=True),
+    st.Page(VIEWS / "prompt_set.py", title="Prompt set", icon=":material/library_books:", url_path="prompt-set"),
+    st.Page(VIEWS / "diagnostics.py", title="Diagnostics", icon=":material/stethoscope:", url_path="diagnostics"),
+    st.Page(VIEWS / "runs.py", title="Runs", icon=":material/folder_open:", url_path="runs"),
 ]
 st.navigation(pages).run()

@@ -61,6 +61,11 @@ def server(home):
     log.close()
 
 
+def settled(page, timeout_ms: int = 120_000) -> None:
+    """Wait until Streamlit has finished running the script for this page (a condition, not a sleep)."""
+    page.wait_for_selector('[data-testid="stApp"][data-test-script-state="notRunning"]', timeout=timeout_ms)
+
+
 def _tokens(page):
     spans = page.locator(".lpp-row").first.locator(".lpp-tok")
     return [(s.get_attribute("style") or "", s.get_attribute("title") or "") for s in spans.all()]
@@ -85,7 +90,7 @@ def test_compare_in_the_browser_and_share(server, tiny_bos):
         page.get_by_text("bfloat16", exact=True).click()  # float32 only: one engine pair
         page.get_by_role("button", name="Run").click()
         page.locator(".lpp-tok").first.wait_for(timeout=600_000)
-        page.wait_for_timeout(1500)
+        settled(page)
 
         toks = _tokens(page)
         scored = [(style, title) for style, title in toks if "background:rgb" in style]
@@ -103,7 +108,7 @@ def test_compare_in_the_browser_and_share(server, tiny_bos):
         other.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
         other.goto(share)
         other.locator(".lpp-tok").first.wait_for(timeout=60_000)
-        other.wait_for_timeout(1500)
+        settled(other)
         assert _tokens(other) == toks
         assert "(stored)" in other.get_by_test_id("stCaptionContainer").all_inner_texts().__str__()
         other.screenshot(path=str(ARTIFACTS / "browser-shared.png"), full_page=True)
@@ -148,7 +153,8 @@ def test_hostile_text_never_executes(server, home, tmp_path):
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             page.goto(url)
             page.locator(".lpp-tok").first.wait_for(timeout=60_000)
-            page.wait_for_timeout(1000)
+            if url.startswith("http"):
+                settled(page)
             _check_page(page, dialogs)
             page.close()
         browser.close()

@@ -81,6 +81,11 @@ def test_runs_page_lists_and_deletes(home):
     df = at.dataframe[0].value
     assert set(df["run_id"]) == {"abc111", "abc222"}
     assert [b.label for b in at.button] == ["Open selected", "Delete selected"]
+    at.multiselect[0].set_value(["abc111"]).run()
+    at.button[1].click().run()
+    assert not at.exception
+    assert not store.has("abc111") and store.has("abc222")
+    assert set(at.dataframe[0].value["run_id"]) == {"abc222"}
 
 
 def test_prompt_set_page_shows_aggregates(home):

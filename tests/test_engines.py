@@ -172,7 +172,8 @@ def test_fits_together_counts_cold_engines_and_reclaimable_ones(tiny_bos, monkey
     plan = [LoadRequest(b, str(tiny_bos), d, "cpu", EngineSettings(hf_batch_size=2), 256)
             for d in ("float32", "bfloat16") for b in ("hf", "vllm")]
     need = sum(pool.engine_bytes(r) for r in plan)
+    fresh = pool.EnginePool()  # no warm hosts: nothing reclaimable, whatever earlier tests left warm
     monkeypatch.setattr(memory, "free_bytes", lambda device: need)
-    assert pool.fits_together(plan)
+    assert fresh.fits_together(plan)
     monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
-    assert not pool.fits_together(plan)
+    assert not fresh.fits_together(plan)

@@ -38,8 +38,19 @@ def hostile_run(run_id="0badc0de"):
     return make_run(run_id, texts=("".join(HOSTILE),), pieces=[HOSTILE])
 
 
-def test_there_are_at_least_50():
+def test_every_hostile_string_survives_storage_and_json_unchanged(home):
+    """The product keeps each of the 50+ hostile strings exactly: stored, reopened and exported."""
+    import json
+
+    from core.results.store import Store
+
     assert len(HOSTILE) >= 50 and len(set(HOSTILE)) == len(HOSTILE)
+    run = hostile_run("beefbeef")
+    Store(home).save(run)
+    back = Store(home).load(run.run_id)
+    assert back.sequences[0].pieces[1:] == tuple(HOSTILE)
+    exported = json.loads(json.dumps(back.to_json_dict()))
+    assert exported["sequences"][0]["tokens"][1:] == list(HOSTILE)
 
 
 def test_token_view_and_tooltips_hold_only_our_markup():

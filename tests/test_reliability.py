@@ -82,6 +82,7 @@ def test_eight_concurrent_clients(home, tiny_bos):
     """4 identical requests and 4 different ones at once: all answered, the identical one computed once,
     one engine per backend, no errors."""
     store = Store(home)
+    before = {w.pid for w in pool.running()}
     texts = ["The same request from four users."] * 4 + [f"User {i} asks something else entirely." for i in range(4)]
     results, events = [None] * 8, [[] for _ in range(8)]
 
@@ -99,11 +100,10 @@ def test_eight_concurrent_clients(home, tiny_bos):
     computed = sum(any(e[0] == "store" for e in ev) for ev in events[:4])
     assert computed == 1, [[e[0] for e in ev] for ev in events[:4]]
     assert len({r[0].run_id for r in results}) == 5 and len(store.list_runs()) == 5
-    keys = {}
-    for w in pool.running():
-        keys[w.label] = keys.get(w.label, 0) + 1
-    assert len(_workers("vllm (float32)")) == len({w.address for w in _workers("vllm (float32)")})
-    print("workers by label:", keys)
+    # one engine per backend served all eight: at most one new host of each started during the test
+    started = [w for w in pool.running() if w.pid not in before]
+    assert sorted(w.label for w in started) in ([], ["hf (float32)"], ["vllm (float32)"], ["hf (float32)", "vllm (float32)"]), \
+        [w.label for w in started]
 
 
 @engine

@@ -1,0 +1,189 @@
+"""The foundations other features stand on: the settings registry, the one request path, the
+engine pool's counted leases (on the fake backend, in seconds), and thread-safe first imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from conftest import cli_env
+from core.analysis.compare import compare, run_id_for
+from core.analysis.diagnostics import diagnose
+from core.engines.pool import EnginePool
+from core.engines.records import LoadRequest
+from core.errors import UserError
+from core.inputs.settings import SETTINGS, Setting, settings_class
+from core.inputs.spec import RunSpec
+from core.results.store import Store
+
+NEW = Setting("demo_knob", int, 7, "vllm", "a setting that exists only in this test", label="vLLM demo_knob", minimum=1)
+
+
+def test_a_setting_added_to_the_registry_alone_reaches_help_form_and_run_id(tiny_bos):
+    from core.cli import _settings, build_parser
+    from core.inputs.models import resolve_model
+    from core.inputs.tokens import load_tokenizer, tokenize
+
+    registry = SETTINGS + (NEW,)
+    parser = build_parser(registry)
+    compare_help = parser._subparsers._group_actions[0].choices["compare"].format_help()
+    assert "--demo-knob" in compare_help and "a setting that exists only in this test" in compare_help
+    args = parser.parse_args(["compare", "--prompt", "x", "--demo-knob", "9"])
+    nine = _settings(args, registry)
+    assert nine.demo_knob == 9 and nine.vllm_part()["demo_knob"] == 9 and "demo_knob" not in nine.hf_part()
+
+    # the run id moves with the new setting's value
+    cls = settings_class(registry)
+    model = resolve_model(str(tiny_bos))
+    toks = [tokenize(load_tokenizer(str(tiny_bos)), "Shall I compare thee", "auto")]
+    ids = {v: run_id_for(RunSpec(texts=("Shall I compare thee",), settings=cls(demo_knob=v)), model, "float32", "cpu", toks, 256)
+           for v in (7, 9)}
+    assert ids[7] != ids[9]
+
+    # the Engine settings form draws it, and what is entered comes back under its name
+    def page():
+        import streamlit as st
+
+        from core.inputs.settings import SETTINGS, Setting
+        from dashboard.components.settings_form import settings_inputs
+
+        new = Setting("demo_knob", int, 7, "vllm", "a setting that exists only in this test", label="vLLM demo_knob", minimum=1)
+        st.session_state["values"] = settings_inputs("t", registry=SETTINGS + (new,))
+
+    at = AppTest.from_function(page, default_timeout=30).run()
+    field = next(n for n in at.number_input if n.label == "vLLM demo_knob")
+    assert field.value == 7
+    field.set_value(11).run()
+    assert at.session_state["values"]["demo_knob"] == 11 and at.session_state["values"]["enforce_eager"] is True
+
+
+def test_registry_types_are_checked_with_the_settings_name():
+    cls = settings_class(SETTINGS)
+    with pytest.raises(UserError, match="hf_batch_size must be at least 1"):
+        cls(hf_batch_size=0).validate()
+    with pytest.raises(UserError, match="attention_backend must be one of"):
+        cls(attention_backend="NOPE").validate()
+    with pytest.raises(UserError, match="enforce_eager must be bool"):
+        cls(enforce_eager="yes").validate()
+
+
+def test_vllm_gets_every_set_passthrough_setting_by_name():
+    cls = settings_class(SETTINGS)
+    s = cls(max_num_seqs=4, attention_backend="FLEX_ATTENTION", attn_implementation="eager")
+    vllm = s.passthrough("vllm")
+    assert vllm["max_num_seqs"] == 4 and vllm["attention_backend"] == "FLEX_ATTENTION" and vllm["enforce_eager"] is True
+    assert "attn_implementation" not in vllm and "max_num_batched_tokens" not in vllm  # HF's, and unset
+    assert s.passthrough("hf") == {"attn_implementation": "eager", "trust_remote_code": False}
+
+
+def test_diagnostics_refuse_a_folder_outside_the_allowed_roots(home, tiny_bos, tmp_path):
+    """The security hole: diagnostics now take the request path that applies the model roots."""
+    spec = RunSpec(texts=("Shall I compare thee to a summer's day?",), model=str(tiny_bos), dtypes=("float32",))
+    with pytest.raises(UserError, match="local model folders are limited on this server; allowed roots: none"):
+        diagnose(spec, store=Store(home), model_roots=[])
+    with pytest.raises(UserError, match="limited on this server"):
+        diagnose(spec, store=Store(home), model_roots=[str(tmp_path)])
+    assert Store(home).list_runs().empty and Store(home).list_diagnostics().empty
+
+
+def test_first_transformers_imports_from_three_threads_at_once(tiny_bos, home):
+    """Three sessions pressing Run on a fresh server: a bare `from transformers import AutoTokenizer`
+    from three threads raised ImportError; load_tokenizer must not."""
+    code = f"""
+import threading
+from core.inputs.tokens import load_tokenizer
+errors, done = [], []
+def go():
+    try:
+        done.append(len(load_tokenizer({str(tiny_bos)!r})("hello world")["input_ids"]))
+    except Exception as exc:
+        errors.append(repr(exc))
+ts = [threading.Thread(target=go) for _ in range(3)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print("errors", errors); print("done", done)
+assert not errors and len(done) == 3
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(home), timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.fixture()
+def fake_engines(monkeypatch):
+    """Engine hosts that run the fake backend: real processes and sockets, no model loads."""
+    monkeypatch.setenv("LPP_FAKE_ENGINES", "1")
+    pool = EnginePool()
+    yield pool
+    pool.shutdown(grace=2.0)
+
+
+def test_a_leased_engine_is_never_stopped_and_a_queued_request_says_so(fake_engines, tiny_bos, monkeypatch):
+    """Cap 2, three requests of two engines each: while one holds its lease the others wait (and
+    say why), whatever the wait; the held hosts stay alive throughout; then each gets its turn."""
+    pool = fake_engines
+    monkeypatch.setenv("LPP_MAX_WARM_ENGINES", "2")
+    reqs = {d: [LoadRequest(b, str(tiny_bos), d, "cpu", max_model_len=128) for b in ("vllm", "hf")]
+            for d in ("float16", "bfloat16", "float32")}
+    first = pool.lease(reqs["float16"])
+    held = [first.host(r) for r in reqs["float16"]]
+    said: dict[str, list[str]] = {"bfloat16": [], "float32": []}
+    got: dict[str, list[int]] = {}
+
+    def other(d):
+        with pool.lease(reqs[d], on_wait=said[d].append) as lease:
+            hosts = [lease.host(r) for r in reqs[d]]
+            got[d] = [len(h.score([[1, 5, 9, 11]], 2)) for h in hosts]
+            time.sleep(0.5)
+
+    threads = [threading.Thread(target=other, args=(d,)) for d in said]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not all(said.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(said.values()), said
+    assert all("queued: waiting for 2 engine(s) held by other jobs" in m[0] for m in said.values())
+    time.sleep(2.0)
+    assert all(h.alive() for h in held) and not got  # nobody took the held engines
+    first.release()
+    for t in threads:
+        t.join(120)
+    assert got == {"bfloat16": [1, 1], "float32": [1, 1]}
+    assert len(pool.running()) <= 2 and not any(h.alive() for h in held)  # released, then evicted for the others
+
+
+def test_the_device_queue_tells_a_waiting_job_its_place(fake_engines):
+    pool = fake_engines
+    messages: list[str] = []
+    entered = threading.Event()
+
+    def holder():
+        with pool.device_turn():
+            entered.set()
+            time.sleep(1.0)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    entered.wait(5)
+    with pool.device_turn(messages.append, what="hf scoring"):
+        pass
+    t.join()
+    assert messages[0] == "waiting for another job on the device (1 in line) before hf scoring"
+    assert messages[1].startswith("the device is free after")
+
+
+def test_compare_runs_end_to_end_on_fake_engines(fake_engines, tiny_bos, home):
+    """The whole request path (resolve, tokenize, lease, score, compare, store) in seconds."""
+    from core.analysis.request import Context
+
+    events = []
+    ctx = Context.of(store=Store(home), on_event=lambda *e: events.append(e), pool=fake_engines)
+    (run,) = compare(RunSpec(texts=("Shall I compare thee to a summer's day?",), model=str(tiny_bos), dtypes=("bfloat16",)), ctx)
+    assert run.meta.env.hf_engine["backend"] == "fake" and run.summary["n_tokens"] > 5
+    assert 0 < run.summary["max_abs_delta"] < 1  # the fake vLLM role adds bfloat16-sized noise
+    assert [e[0] for e in events] == ["resolve", "tokenize", "load", "score", "load", "score", "compare", "store"]
+    assert Store(home).load(run.run_id).summary == run.summary
