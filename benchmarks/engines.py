@@ -117,9 +117,11 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from core import engines
+    from core.engines import pool
+    from core.engines.records import LoadRequest
     from core.engines.backends.hf import HFBackend
-    from core.analysis.compare import compare, load_kwargs, model_max_len
+    from core.analysis.compare import compare
+    from core.analysis.request import model_max_len
     from core.env import device_name, resolve_device, versions
     from core.inputs.models import resolve_model
     from core.inputs.prompts import SEED_TEXT
@@ -198,13 +200,18 @@ def main() -> None:
 
     # b: one cold vLLM engine (the yardstick for d), our path on it, then a bare LLM.generate in this process
     if parts & {"vllm", "forum"}:
-        load = load_kwargs(model, a.dtype, device, EngineSettings(tensor_parallel_size=1, pipeline_parallel_size=1), mml)
-        worker, start_s = timed(engines.worker_for, "vllm", load)
+        load = LoadRequest("vllm", model.path, a.dtype, device, EngineSettings(tensor_parallel_size=1, pipeline_parallel_size=1), mml)
+
+        def start_one():
+            with pool.lease([load]) as lease:
+                return lease.host(load)
+
+        worker, start_s = timed(start_one)
         table.add("b. one vLLM engine start (cold, own process, eager)", f"{start_s:.1f} s")
     if "vllm" in parts:
         worker.score(seqs[:2], 5)
         _, ours_v = timed(worker.score, seqs, 5)
-    engines.shutdown_all()
+    pool.shutdown_all()
     if "vllm" in parts:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -234,7 +241,7 @@ def main() -> None:
                           f"waited {run.meta.timing[f'{b}_load_s']} s")
         _, warm1 = timed(compare, forum, store=store, use_cache=False)
         table.add("d. the same again, warm engines, recomputed", f"{warm1:.3f} s")
-        engines.shutdown_all()
+        pool.shutdown_all()
     if "set" in parts:
         texts = tuple(tok.decode(s[1:] if s[0] == tok.bos_token_id else s) for s in seqs)
         spec = RunSpec(texts=texts, model=model.path, dtypes=DTYPES)
@@ -242,7 +249,7 @@ def main() -> None:
         table.add(f"d. compare {a.prompts}x{a.tokens} tokens x 3 dtypes, first (engine starts included)", f"{first:.1f} s")
         _, cached = timed(compare, spec, store=store)
         table.add("d. the same, cached", f"{cached:.3f} s")
-        engines.shutdown_all()
+        pool.shutdown_all()
         # e: what the dashboard pays to reopen it
         times = [timed(store.load, runs[0].run_id)[1] for _ in range(5)]
         n_pos = sum(len(s.token_ids) for s in runs[0].sequences)

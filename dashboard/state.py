@@ -59,6 +59,9 @@ def dtype_reasons(device: str = "auto") -> dict[str, str | None]:
     return {d: dtype_support(d, dev) for d in ("float16", "bfloat16", "float32")}
 
 
+COMPUTED_KEY = "lpp-computed-now"  # run id -> seconds, for runs this browser session computed
+
+
 def runs_from_query() -> tuple[list[Run], list[str]]:
     """The runs named in ?runs=a,b; unknown or malformed ids become messages, not crashes."""
     raw = st.query_params.get("runs", "")
@@ -75,6 +78,10 @@ def current_runs(just_run: list[Run] | None = None) -> list[Run]:
     """Point the URL at runs just computed, then show whatever the URL names (warning on bad ids)."""
     if just_run:
         set_query(runs=",".join(r.run_id for r in just_run), seq=0)
+        computed = st.session_state.setdefault(COMPUTED_KEY, {})
+        for r in just_run:
+            if not r.from_store:  # remembered for this session's reruns, which reopen it from the store
+                computed[r.run_id] = r.meta.timing.get("total_s")
     runs, problems = runs_from_query()
     for p in problems:
         st.warning(p)

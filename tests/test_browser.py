@@ -110,7 +110,8 @@ def test_compare_in_the_browser_and_share(server, tiny_bos):
         other.locator(".lpp-tok").first.wait_for(timeout=60_000)
         settled(other)
         assert _tokens(other) == toks
-        assert "(stored)" in other.get_by_test_id("stCaptionContainer").all_inner_texts().__str__()
+        assert "from the store" in other.get_by_test_id("stCaptionContainer").all_inner_texts().__str__()
+        assert "computed now, in" in page.get_by_test_id("stCaptionContainer").all_inner_texts().__str__()
         other.screenshot(path=str(ARTIFACTS / "browser-shared.png"), full_page=True)
         browser.close()
     assert dialogs == []

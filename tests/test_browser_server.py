@@ -16,21 +16,13 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_env
-from test_browser import CHROMIUM, CHROMIUM_ARGS, settled
+import test_browser
+from test_browser import CHROMIUM, CHROMIUM_ARGS, _free_port, settled
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (scripts/setup.sh --test installs it)"),
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = test_browser.pytestmark
 
 
 def _port_open(port: int) -> bool:

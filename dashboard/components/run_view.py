@@ -65,6 +65,17 @@ def noise_floors(runs: list[Run]) -> dict | None:
     return {"hf": {d: o.floor["hf"] for d, o in outs.items()}, "ratios": {d: o.ratio_to_hf_noise for d, o in outs.items()}}
 
 
+def _provenance(run: Run) -> str:
+    """Where the numbers on screen came from, in words."""
+    from dashboard.state import COMPUTED_KEY
+
+    computed = st.session_state.get(COMPUTED_KEY, {})
+    if run.run_id not in computed and run.from_store:
+        return "from the store"
+    total = computed.get(run.run_id, run.meta.timing.get("total_s"))
+    return f"computed now, in {total:.1f} s" if isinstance(total, (int, float)) else "computed now"
+
+
 def _header(runs: list[Run]) -> None:
     m = runs[0].meta
     env = m.env
@@ -72,7 +83,7 @@ def _header(runs: list[Run]) -> None:
     st.caption(
         f"device {env.device} · torch {env.torch} · transformers {env.transformers} · vLLM {env.vllm} · "
         f"top-k {m.top_k} · BOS {m.bos} · "
-        + " · ".join(f"{r.dtype}: run `{r.run_id}`{' (stored)' if r.from_store else ''}" for r in runs)
+        + " · ".join(f"{r.dtype}: run `{r.run_id}`, {_provenance(r)}" for r in runs)
     )
 
 
