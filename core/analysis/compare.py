@@ -79,7 +79,11 @@ def compare(
     arguments build one when it is not given (model_roots None: anywhere, see core.inputs.models).
     """
     ctx = ctx or Context.of(store=store, on_event=on_event, model_roots=model_roots)
-    p = prepare(spec, ctx)
+    return compare_prepared(prepare(spec, ctx), use_cache)
+
+
+def compare_prepared(p: Prepared, use_cache: bool = True) -> list[Run]:
+    """`compare` for a request already through `prepare` (diagnostics reuse theirs)."""
     keys = {d: request_key(p.spec, p.model, d, p.device) for d in p.spec.dtypes}
     with ExitStack() as held:
         for key in sorted(keys.values()):  # a fixed order: no two requests deadlock

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from core.analysis.compare import compare
+from core.analysis.compare import compare, compare_prepared
 from core.analysis.request import Context, EventFn, prepare
 from core.analysis.verdict import verdict
 from core.env import device_name, versions
@@ -99,7 +99,7 @@ def diagnose(
     if unknown:
         raise UserError(f"unknown diagnostic(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
     p = prepare(spec, ctx)  # refuses a model outside the allowed roots before anything runs
-    base_runs = compare(spec, ctx)
+    base_runs = compare_prepared(p)
     tokenizer, seqs, bos = p.tokenizer, p.seqs, p.spec.bos
     filler = [list(tokenize(tokenizer, t, bos).token_ids) for t in _data_lines("sentences.txt")[:FILLER_PROMPTS]]
     mcq = _mcq_items(tokenizer, bos) if "downstream" in parts else []

@@ -66,9 +66,6 @@ class Lease:
                 raise
         return host
 
-    def info(self, request: LoadRequest) -> dict[str, Any]:
-        return self.host(request).info  # type: ignore[return-value]
-
     def discard(self, request: LoadRequest) -> None:
         """Stop this engine: it failed mid-request and is not trusted again."""
         self._pool.discard(self._hosts[request.key()][0])

@@ -7,7 +7,7 @@ authenticated Unix socket to our own child process, never through the store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from core.inputs.settings import EngineSettings
@@ -36,9 +36,6 @@ class LoadRequest:
     @property
     def label(self) -> str:
         return f"{self.backend} ({self.dtype})"
-
-    def for_backend(self, backend: str) -> "LoadRequest":
-        return replace(self, backend=backend)
 
     def backend_kwargs(self) -> dict[str, Any]:
         """The backend constructor's arguments."""

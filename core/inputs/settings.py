@@ -17,8 +17,6 @@ from typing import Any
 
 from core.errors import UserError
 
-BACKEND_SCOPES = ("vllm", "hf", "both")
-
 
 @dataclass(frozen=True)
 class Setting:
@@ -119,10 +117,6 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 
-def by_name(registry: tuple[Setting, ...] = SETTINGS) -> dict[str, Setting]:
-    return {s.name: s for s in registry}
-
-
 def settings_class(registry: tuple[Setting, ...]) -> type:
     """A frozen dataclass with one field per setting, and the helpers every consumer uses."""
     fields = [(s.name, Any, dataclasses.field(default=s.default)) for s in registry]
@@ -130,17 +124,21 @@ def settings_class(registry: tuple[Setting, ...]) -> type:
         "__doc__": "Engine knobs that can move a logprob (see core.inputs.settings.SETTINGS). None: the engine's default.",
         "REGISTRY": registry,
         "to_dict": lambda self: dataclasses.asdict(self),
-        "run_id_part": lambda self: {s.name: getattr(self, s.name) for s in registry if s.in_run_id},
-        "vllm_part": lambda self: {s.name: getattr(self, s.name) for s in registry if s.backend in ("vllm", "both")},
-        "hf_part": lambda self: {s.name: getattr(self, s.name) for s in registry if s.backend in ("hf", "both")},
+        "run_id_part": lambda self: _values(self, lambda s: s.in_run_id),
+        "vllm_part": lambda self: _values(self, lambda s: s.backend in ("vllm", "both")),
+        "hf_part": lambda self: _values(self, lambda s: s.backend in ("hf", "both")),
         "passthrough": lambda self, backend: {
-            s.name: getattr(self, s.name) for s in registry
-            if s.passthrough and s.backend in (backend, "both") and getattr(self, s.name) is not None
+            k: v for k, v in _values(self, lambda s: s.passthrough and s.backend in (backend, "both")).items() if v is not None
         },
         "validate": _validate,
         "from_dict": classmethod(_from_dict),
     }
     return dataclasses.make_dataclass("EngineSettings", fields, namespace=ns, frozen=True)
+
+
+def _values(self: Any, keep: Any) -> dict[str, Any]:
+    """{name: value} of the registered settings that `keep(setting)` selects."""
+    return {s.name: getattr(self, s.name) for s in self.REGISTRY if keep(s)}
 
 
 def _validate(self: Any) -> None:

@@ -106,8 +106,10 @@ class DtypeDiagnosis:
     mcq: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Only the parts that ran, as earlier versions wrote them."""
-        return {k: v for k, v in asdict(self).items() if v is not None or k in ("ratio_to_hf_noise", "ratio_to_vllm_noise") and self.noise is not None}
+        """Only the parts that ran, as earlier versions wrote them (the noise ratios whenever the
+        noise part ran, even when a ratio has no value)."""
+        ratios = ("ratio_to_hf_noise", "ratio_to_vllm_noise") if self.noise is not None else ()
+        return {k: v for k, v in asdict(self).items() if v is not None or k in ratios}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DtypeDiagnosis":

@@ -62,6 +62,7 @@ class Store:
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         self.root = Path(root) if root is not None else store_root()
         self.runs_dir = self.root / "runs"
+        self._legacy_indexed = False
         try:
             self.runs_dir.mkdir(parents=True, exist_ok=True)
             with closing(self._db()) as db, db:
@@ -139,17 +140,21 @@ class Store:
             row = db.execute("SELECT 1 FROM runs WHERE run_id=?", (run_id,)).fetchone()
         return row is not None and self.path_of(run_id).is_file()
 
+    def _by_prefix(self, table: str, column: str, prefix: str, what: str, plural: str, extra: str = "") -> tuple:
+        """The one index row whose id starts with `prefix` (a full id or a unique prefix of one)."""
+        if not prefix or not all(c in "0123456789abcdef" for c in prefix):
+            raise UserError(f"{prefix!r} is not a {what} id (hex digits)")
+        with closing(self._db()) as db:
+            rows = db.execute(f"SELECT {column}{extra} FROM {table} WHERE {column} LIKE ?", (prefix + "%",)).fetchall()
+        if not rows:
+            raise UserError(f"no stored {what} with id {prefix!r} (see `logprob-parity runs`)")
+        if len(rows) > 1:
+            raise UserError(f"{what} id prefix {prefix!r} is ambiguous ({len(rows)} {plural})")
+        return rows[0]
+
     def resolve_id(self, run_id: str) -> str:
         """A full id or a unique prefix of one."""
-        if not run_id or not all(c in "0123456789abcdef" for c in run_id):
-            raise UserError(f"{run_id!r} is not a run id (hex digits)")
-        with closing(self._db()) as db:
-            rows = db.execute("SELECT run_id FROM runs WHERE run_id LIKE ?", (run_id + "%",)).fetchall()
-        if not rows:
-            raise UserError(f"no stored run with id {run_id!r} (see `logprob-parity runs`)")
-        if len(rows) > 1:
-            raise UserError(f"run id prefix {run_id!r} is ambiguous ({len(rows)} runs)")
-        return rows[0][0]
+        return self._by_prefix("runs", "run_id", run_id, "run", "runs")[0]
 
     def load(self, run_id: str) -> Run:
         import pyarrow.parquet as pq
@@ -215,10 +220,12 @@ class Store:
             )
 
     def _index_legacy_diagnostics(self) -> None:
-        """Diagnostics written by earlier versions sit in the folder without an index row: index them."""
+        """Diagnostics written by earlier versions sit in the folder without an index row: index them,
+        once per Store (later ones are indexed as they are saved)."""
         folder = self.diagnostics_dir
-        if not folder.is_dir():
+        if self._legacy_indexed or not folder.is_dir():
             return
+        self._legacy_indexed = True
         with closing(self._db()) as db:
             known = {r[0] for r in db.execute("SELECT diagnostics_id FROM diagnostics")}
         for path in folder.glob("*.json"):
@@ -236,16 +243,8 @@ class Store:
                 self._index_diagnostics(result, _sha256(path))
 
     def load_diagnostics(self, diag_id: str) -> DiagnosticsResult:
-        if not diag_id or not all(c in "0123456789abcdef" for c in diag_id):
-            raise UserError(f"{diag_id!r} is not a diagnostics id (hex digits)")
         self._index_legacy_diagnostics()
-        with closing(self._db()) as db:
-            rows = db.execute("SELECT diagnostics_id, sha256 FROM diagnostics WHERE diagnostics_id LIKE ?", (diag_id + "%",)).fetchall()
-        if not rows:
-            raise UserError(f"no stored diagnostics with id {diag_id!r} (see `logprob-parity runs`)")
-        if len(rows) > 1:
-            raise UserError(f"diagnostics id prefix {diag_id!r} is ambiguous ({len(rows)} results)")
-        full, expected = rows[0]
+        full, expected = self._by_prefix("diagnostics", "diagnostics_id", diag_id, "diagnostics", "results", ", sha256")
         path = self.diagnostics_dir / f"{full}.json"
         try:
             if _sha256(path) != expected:

@@ -12,6 +12,7 @@ import streamlit as st
 from core.present.charts import CHARTS, chart_frame, worst_tokens
 from core.present.render import SCALES, token_view_html
 from core.present.report import report_html
+from core.results.records import DiagnosticsResult
 from core.results.run import Run
 from core.analysis.verdict import run_verdicts
 from dashboard.state import query_float, query_int, query_metric, set_query
@@ -52,11 +53,8 @@ def verdict_cards(verdicts: list[dict]) -> None:
     st.caption("Thresholds: " + "; ".join(verdicts[0]["thresholds"]))
 
 
-def noise_floors(runs: list[Run]) -> dict | None:
+def noise_floors(runs: list[Run], found: DiagnosticsResult | None) -> dict | None:
     """HF's own noise per dtype, from diagnostics stored for these runs (if any were run)."""
-    from dashboard.state import get_store
-
-    found = get_store().diagnostics_for_run(runs[0].run_id)
     if not found:
         return None
     outs = {d: o for d, o in found.dtypes.items() if o.run_id in {r.run_id for r in runs} and o.floor is not None}
@@ -99,7 +97,8 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
     _header(runs)
     from dashboard.state import get_store
 
-    verdict_cards([v.to_dict() for v in run_verdicts(runs, get_store().diagnostics_for_run(runs[0].run_id))])
+    diag = get_store().diagnostics_for_run(runs[0].run_id)  # once per render: verdict, noise band, report
+    verdict_cards([v.to_dict() for v in run_verdicts(runs, diag)])
     metric_cards(runs)
     n_seq = min(len(r.sequences) for r in runs)
     c1, c2, c3, c4 = st.columns([2, 2, 2, 3])
@@ -119,7 +118,7 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
 
     st.html(token_view_html(runs, int(seq), metric, thr or None, hi))
 
-    floors = noise_floors(runs)
+    floors = noise_floors(runs, diag)
     if floors:
         st.caption("Noise floor from stored diagnostics: " + " · ".join(
             f"{d}: gap = {r:.3g}× HF's own noise (batching, padding, attention)" for d, r in floors["ratios"].items() if r is not None))
@@ -139,7 +138,7 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
         st.caption("Worst 20 tokens over every prompt of these runs")
         st.dataframe(worst_tokens(runs, 20), hide_index=True, width="stretch")
 
-    _downloads(runs, page)
+    _downloads(runs, page, diag)
     _share(runs, int(seq), metric, thr or None, page)
 
 
@@ -151,13 +150,10 @@ def _report_bytes(run_ids: tuple[str, ...], diag_id: str | None) -> bytes:
     return report_html([load_run(r) for r in run_ids], diag).encode("utf-8")
 
 
-def _downloads(runs: list[Run], page: str) -> None:
+def _downloads(runs: list[Run], page: str, diag: DiagnosticsResult | None) -> None:
     ids = tuple(r.run_id for r in runs)
     stem = f"logprob-parity-{'-'.join(i[:8] for i in ids)}"
     c1, c2, c3 = st.columns(3)
-    from dashboard.state import get_store
-
-    diag = get_store().diagnostics_for_run(ids[0])
     c1.download_button("HTML report", _report_bytes(ids, diag.diagnostics_id if diag else None), f"{stem}.html", "text/html",
                        key=f"{page}-dl-html")
     data = [r.to_json_dict() for r in runs]

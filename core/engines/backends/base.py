@@ -16,6 +16,9 @@ BACKEND_REGISTRY: dict[str, str] = {
     "fake": "core.engines.backends.fake:FakeBackend",  # tests of the plumbing only (see its module)
 }
 
+# Set to 1 in an engine host's environment: the fake backend plays the hf and vllm roles there.
+FAKE_ENV = "LPP_FAKE_ENGINES"
+
 INSTALL_HINTS: dict[str, str] = {
     "hf": "pip install 'logprob-parity' (needs torch and transformers)",
     "vllm": "pip install 'logprob-parity[gpu]' on a CUDA machine, or 'logprob-parity[cpu]' for vLLM's CPU build",
@@ -72,7 +75,7 @@ def load_backend_class(name: str) -> Any:
     LPP_FAKE_ENGINES=1 in the host's environment, the fake backend plays every role."""
     import os
 
-    if os.environ.get("LPP_FAKE_ENGINES") == "1" and name in ("hf", "vllm"):
+    if os.environ.get(FAKE_ENV) == "1" and name in ("hf", "vllm"):
         from functools import partial
 
         from core.engines.backends.fake import FakeBackend

@@ -22,7 +22,6 @@ from core.engines.backends.base import Backend
 from core.results.scores import TokenScores
 
 NOISE = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 3e-3, "float64": 0.0}
-FAKE_ENV = "LPP_FAKE_ENGINES"
 
 
 class FakeBackend(Backend):
