@@ -53,6 +53,7 @@ CSS = """
 .lpp-tok.lpp-over{outline:2px solid #1d4ed8;outline-offset:-1px}
 .lpp-tok.lpp-unscored{background:repeating-linear-gradient(45deg,#f3f4f6,#f3f4f6 3px,#e5e7eb 3px,#e5e7eb 6px);color:#6b7280}
 .lpp-tok.lpp-special{color:#6b21a8;font-style:italic}
+.lpp-tok.lpp-partial::before{content:"◌";color:#6b7280}
 .lpp-nl{color:#9ca3af}
 .lpp-tip{display:none;position:absolute;z-index:10;left:0;top:1.7em;min-width:26em;max-width:40em;background:#111827;color:#f9fafb;
  padding:.5em .7em;border-radius:6px;font-size:12px;line-height:1.45;white-space:pre;box-shadow:0 4px 14px rgba(0,0,0,.25)}
@@ -91,7 +92,9 @@ def _topk_line(side: str, seq: SequenceResult, t: int, n: int = 5) -> str:
 def tooltip(seq: SequenceResult, t: int) -> str:
     """Plain text; escaped by the caller."""
     m = seq.metrics
-    head = f"#{t}  {seq.tokens[t]!r}  id {seq.token_ids[t]}"
+    shown = seq.pieces[t]
+    what = repr(shown) if shown != "" else "part of a character that a later token completes"
+    head = f"#{t}  {what}  id {seq.token_ids[t]}"
     if not m.scored[t]:
         return head + "\nnot scored (no prediction for the first position)"
     hf, vl = seq.hf, seq.vllm
@@ -108,7 +111,10 @@ def tooltip(seq: SequenceResult, t: int) -> str:
 
 
 def _piece_html(seq: SequenceResult, t: int) -> tuple[str, bool]:
-    piece = seq.pieces[t] if seq.pieces[t] != "" else seq.tokens[t]
+    """The text this token adds, as the reader wrote it (emoji, Arabic, Hebrew, CJK included), never
+    the tokenizer's byte-level spelling. A token that holds only part of a character adds no text:
+    it is drawn as a marker (CSS, so the page's text still reads back as the input) and stays hoverable."""
+    piece = seq.pieces[t]
     special = seq.bos_added and t == 0
     out = html.escape(piece, quote=True)
     out = out.replace("\n", '<span class="lpp-nl">↵</span>\n')
@@ -133,6 +139,8 @@ def sequence_row_html(label: str, seq: SequenceResult, scale: Scale, threshold: 
                 classes.append("lpp-over")
         if special:
             classes.append("lpp-special")
+        if piece == "":
+            classes.append("lpp-partial")
         tip = html.escape(tooltip(seq, t), quote=True)
         data = f' data-index="{t}" data-value="{v!r}"' if math.isfinite(v) else f' data-index="{t}"'
         spans.append(

@@ -1,0 +1,79 @@
+"""Non-ASCII text reads as written in the token view: emoji, Arabic, Hebrew and CJK, with the demo
+model's byte-level BPE tokenizer (whose raw pieces look like 'ĠðŁį')."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+
+import pytest
+
+from core.inputs.tokens import load_tokenizer, tokenize
+from core.present.render import token_view_html
+from core.results.records import RunMeta
+from core.results.run import Run, SequenceResult
+from test_store import _scores
+
+TEXTS = [
+    "Pizza 🍕 is great! 🎉👍🏽",
+    "مرحبا بالعالم، كيف حالك؟",
+    "שלום עולם, מה שלומך?",
+    "你好，世界。今天天气很好。",
+    "Mixed: café ☕ عربي עברית 日本語 👩‍👩‍👧",
+]
+
+
+class Spans(HTMLParser):
+    """The visible text of each token span (its tooltip child left out), with its classes and title."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tokens: list[dict] = []
+        self.depth_in_tip = 0
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        cls = (a.get("class") or "").split()
+        if self.depth_in_tip:
+            self.depth_in_tip += 1
+        elif "lpp-tip" in cls:
+            self.depth_in_tip = 1
+        elif "lpp-tok" in cls:
+            self.tokens.append({"classes": cls, "title": a.get("title", ""), "text": ""})
+
+    def handle_endtag(self, tag):
+        if self.depth_in_tip:
+            self.depth_in_tip -= 1
+
+    def handle_data(self, data):
+        if self.tokens and not self.depth_in_tip:
+            self.tokens[-1]["text"] += data
+
+
+def _view(tok) -> list[dict]:
+    ids = list(tok.token_ids)
+    seq = SequenceResult.build(tok, _scores(ids, 0.0, gather=True), _scores(ids, 1e-3))
+    meta = RunMeta.from_dict({"run_id": "5c1", "model": "demo", "revision": None, "dtype": "float32", "backends": ["hf", "vllm"],
+                              "settings": {}, "top_k": 2, "bos": "auto", "summary": seq.summary,
+                              "sequences": [{"text": tok.text, "bos_added": tok.bos_added, "summary": seq.summary}]})
+    parser = Spans()
+    parser.feed(token_view_html([Run(meta=meta, sequences=(seq,))], 0))
+    return parser.tokens
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_displayed_pieces_concatenate_back_to_the_input(demo_model, text):
+    tok = tokenize(load_tokenizer(str(demo_model)), text, "auto")
+    spans = _view(tok)
+    assert len(spans) == len(tok.token_ids)
+    shown = "".join(s["text"].replace("↵", "") for s in spans[1:])  # after the BOS
+    assert shown == text
+    raw = {"Ġ", "Ċ", "ð", "Ø", "×", "ä", "ï"}  # byte-level BPE spellings must never be shown
+    for s in spans[1:]:
+        assert not (set(s["text"]) & raw - set(text)), s
+        header = s["title"].splitlines()[0]
+        assert not (set(header.split("id")[0]) & raw - set(text)), header
+    partial = [s for s in spans if "lpp-partial" in s["classes"]]
+    for s in partial:  # part of a character: no text of its own, still a hoverable span with a tooltip
+        assert s["text"] == "" and "part of a character that a later token completes" in s["title"]
+    if any(ord(c) > 0xFFFF for c in text):  # emoji span several byte-level tokens
+        assert partial
