@@ -187,3 +187,21 @@ def test_compare_runs_end_to_end_on_fake_engines(fake_engines, tiny_bos, home):
     assert 0 < run.summary["max_abs_delta"] < 1  # the fake vLLM role adds bfloat16-sized noise
     assert [e[0] for e in events] == ["resolve", "tokenize", "load", "score", "load", "score", "compare", "store"]
     assert Store(home).load(run.run_id).summary == run.summary
+
+
+def test_a_request_before_load_is_a_typed_protocol_error_not_an_assert(home):
+    """The host answers out-of-turn requests with a ProtocolError (an EngineError: CLI exit 3, a
+    message on the page), and a client that lost its host says so instead of asserting."""
+    from core.engines.host import HostClient
+    from core.errors import EngineError, ProtocolError
+
+    host = HostClient("hf (float32)").start()
+    try:
+        host._connect(timeout=60)
+        with pytest.raises(ProtocolError, match="hf \\(float32\\): score request before the engine loaded"):
+            host.score([[1, 2, 3]], 1)
+    finally:
+        host.stop(grace=5)
+    assert issubclass(ProtocolError, EngineError)
+    with pytest.raises(ProtocolError, match="not connected"):
+        host.score([[1, 2, 3]], 1)
