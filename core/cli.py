@@ -121,6 +121,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         runs = compare(spec, use_cache=not args.no_cache, on_event=on_event)
     finally:
         bar.close()
+    from core.analysis.verdict import run_verdicts
+    from core.results.store import Store
+
+    for v in run_verdicts(runs, Store().diagnostics_for_run(runs[0].run_id)):
+        print(f"[{v.title.upper()}] {v.headline}")
+        print("\n".join(f"  - {r}" for r in v.reasons))
     print(summary_table(runs))
     for r in runs:
         src = "from the store (no engine started)" if r.from_store else "computed"
@@ -224,13 +230,17 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    """Become the Streamlit process (exec, not a child): SIGTERM and SIGINT reach Streamlit itself,
-    whose shutdown stops every engine host (core.engines.pool), so nothing outlives the command."""
-    app = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
-    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.address, "--server.port", str(args.port)]
+    """Become the Streamlit server process (exec, not a child: dashboard.serve runs Streamlit in
+    process): SIGTERM and SIGINT reach Streamlit itself, whose shutdown stops every engine host
+    (core.engines.pool), so nothing outlives the command. The default engines start warming at once
+    unless --no-prewarm (or LPP_PREWARM=0)."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "dashboard.serve", "--server.address", args.address, "--server.port", str(args.port)]
     if args.headless:
         cmd += ["--server.headless", "true"]
-    os.chdir(app.parent.parent)
+    if args.no_prewarm:
+        os.environ["LPP_PREWARM"] = "0"
+    os.chdir(root)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, cmd)
@@ -286,6 +296,8 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     d.add_argument("--address", default="localhost")
     d.add_argument("--port", type=int, default=8501)
     d.add_argument("--headless", action="store_true")
+    d.add_argument("--no-prewarm", action="store_true",
+                   help="do not start the default model's engines when the server starts (also: LPP_PREWARM=0)")
     d.set_defaults(func=cmd_dashboard)
 
     m = sub.add_parser("demo-model", help="build the offline SmolLM2-135M-Instruct folder")

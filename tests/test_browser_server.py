@@ -54,6 +54,7 @@ class Dashboard:
         self.log = home / f"dashboard-{self.port}.log"
         environment = cli_env(home)
         environment.pop("LPP_MODEL_ROOTS", None)
+        environment["LPP_PREWARM"] = "0"  # engines start when a test asks (test_engines_start_with_the_server turns it on)
         environment.update(env)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -165,6 +166,33 @@ def test_three_users_at_once_under_a_two_engine_cap_all_get_results(home, tiny_b
     assert set(done) == {"float16", "bfloat16", "float32"}
     last = max(done, key=done.get)
     assert done[last] > 30 and last in queued and len(queued) >= 2
+
+
+def test_engines_start_with_the_server_and_serve_the_first_run(home):
+    """With prewarm on, the default model's four engines start before any browser connects; the page
+    says they are starting; the first Run uses them (no engine is started for it)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    dash = Dashboard(home, LPP_FAKE_ENGINES="1", LPP_FAKE_LOAD_S="15", LPP_PREWARM="1")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(hosts_of(dash.proc.pid)) < 4:
+            time.sleep(0.2)  # polling the process table: no browser has connected yet
+        warm = set(hosts_of(dash.proc.pid))
+        assert len(warm) == 4, "hf and vllm, bfloat16 and float32, started with the server"
+        with sync_playwright() as p:
+            browser = _browser(p)
+            page = browser.new_page(viewport={"width": 1300, "height": 1200})
+            page.goto(dash.url)
+            expect(page.get_by_text("Starting the demo model's 4 engines in the background")).to_be_visible(timeout=30_000)
+            page.get_by_role("button", name="Run").click()
+            page.locator(".lpp-tok").first.wait_for(timeout=120_000)
+            settled(page)
+            assert page.get_by_test_id("stException").count() == 0
+            browser.close()
+        assert set(hosts_of(dash.proc.pid)) == warm  # the Run was served by the engines started with the server
+    finally:
+        dash.kill()
 
 
 def test_sigterm_stops_the_dashboard_and_every_engine_host(home, tiny_bos):

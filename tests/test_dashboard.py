@@ -42,7 +42,7 @@ def test_compare_page_opens_a_stored_run_and_escapes_tokens(home):
     assert all(html.escape(p, quote=True) in body for p in (text[:k], text[k : 2 * k], text[2 * k :]))
     assert "HF    logprob" in body and "vLLM  logprob" in body
     labels = [m.label for m in at.metric]
-    assert "max |Δ logp|" in labels and "argmax agreement" in labels
+    assert "largest gap, |Δ logp|" in labels and "same top token" in labels
     # the view state is in the URL
     assert at.query_params["runs"] == "feed01" and at.query_params["metric"] == "abs_delta"
 
@@ -79,13 +79,29 @@ def test_runs_page_lists_and_deletes(home):
     assert not at.exception
     assert at.title[0].value == "Stored runs"
     df = at.dataframe[0].value
-    assert set(df["run_id"]) == {"abc111", "abc222"}
+    assert set(df["run ids"]) == {"abc111", "abc222"}
     assert [b.label for b in at.button] == ["Open selected", "Delete selected"]
-    at.multiselect[0].set_value(["abc111"]).run()
+    row = list(df["run ids"]).index("abc111")
+    at.session_state["runs-table"] = {"selection": {"rows": [row], "columns": [], "cells": []}}
+    at.run()
     at.button[1].click().run()
     assert not at.exception
     assert not store.has("abc111") and store.has("abc222")
-    assert set(at.dataframe[0].value["run_id"]) == {"abc222"}
+    assert set(at.dataframe[0].value["run ids"]) == {"abc222"}
+
+
+def test_runs_page_lists_a_comparison_in_two_dtypes_as_one_row(home):
+    store = Store(home)
+    store.save(make_run("cafe32", dtype="float32"))
+    store.save(make_run("cafe16", dtype="bfloat16"))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.switch_page("views/runs.py")
+    at.run()
+    assert not at.exception
+    df = at.dataframe[0].value
+    assert len(df) == 1 and df["dtypes"][0] == "bfloat16, float32"
+    assert set(df["run ids"][0].split(",")) == {"cafe32", "cafe16"}
 
 
 def test_prompt_set_page_shows_aggregates(home):
@@ -98,7 +114,7 @@ def test_prompt_set_page_shows_aggregates(home):
     assert not at.exception
     assert at.title[0].value == "Prompt set"
     tables = [d.value for d in at.dataframe]
-    assert "float32" in tables[0].columns and "max_abs_delta" in tables[0].index
+    assert "float32" in tables[0].columns and "largest gap |Δ logp|" in tables[0].index and "max_abs_delta" not in tables[0].index
     assert list(tables[1]["text"]) == ["first prompt", "second <b>bold</b>"]  # shown as text by the grid
     assert " &lt;b&gt;bo" in _html(at) and "ld&lt;/b&gt;" in _html(at)  # prompt 1 (from ?seq=1), escaped
 

@@ -60,8 +60,13 @@ def test_downstream(demo_diag):
 
 def test_verdict_and_storage(demo_diag):
     store, r = demo_diag
-    assert r.dtypes["float32"].verdict["level"] == "match"
-    assert r.dtypes["bfloat16"].verdict["level"] in ("close", "differs")
+    from core.analysis.verdict import SYSTEMATIC_NOISE_RATIO, diagnosis_verdicts
+
+    f32 = r.dtypes["float32"]
+    # the stored verdict is the one verdict function's, over the stored evidence
+    assert {d: o.verdict for d, o in r.dtypes.items()} == {d: v.to_dict() for d, v in diagnosis_verdicts(r).items()}
+    assert f32.verdict["level"] == ("systematic" if f32.ratio_to_hf_noise > SYSTEMATIC_NOISE_RATIO else "match")
+    assert r.dtypes["bfloat16"].verdict["level"] in ("systematic", "close", "differs")
     assert any("HF's own noise" in x for x in r.dtypes["bfloat16"].verdict["reasons"])
     assert store.load_diagnostics(r.diagnostics_id) == r
     assert store.diagnostics_for_run(r.run_ids["bfloat16"]).diagnostics_id == r.diagnostics_id
@@ -81,8 +86,14 @@ def test_dashboard_shows_diagnostics(demo_diag, monkeypatch):
     at.query_params["diag"] = r.diagnostics_id
     at.run()
     assert not at.exception
-    assert at.success and at.success[0].value.startswith("float32: vLLM and HF agree")
+    from core.analysis.verdict import diagnosis_verdicts
+
+    shown = " ".join(b.value for b in [*at.success, *at.warning, *at.error])
+    assert all(v.headline in shown for v in diagnosis_verdicts(r).values())
     assert len(at.dataframe) >= 3
+    noise = at.dataframe[0].value
+    assert "gap / HF's own noise" not in set(noise["what"]) and not any("_" in w for w in noise["what"])  # words, no ratio row
+    assert any("HF's own noise" in m.value for m in at.metric)
     # the comparison view now draws the noise floor and states the ratio
     at2 = AppTest.from_file(APP, default_timeout=60)
     at2.query_params["runs"] = ",".join(r.run_ids.values())
@@ -112,5 +123,5 @@ def test_report_carries_the_diagnostics(demo_diag, tmp_path):
     store, r = demo_diag
     runs = [store.load(rid) for rid in r.run_ids.values()]
     page = report_html(runs, r)
-    assert "Noise floor" in page and "High-precision reference" in page and "Downstream impact" in page
+    assert "Noise floor" in page and "High-precision reference" in page and "Downstream" in page
     assert "HF&#x27;s own noise" in page or "HF's own noise" in page

@@ -189,10 +189,13 @@ def test_too_long_prompt_can_be_truncated(home, tiny_bos):
 
     model = resolve_model(str(tiny_bos))
     tok = tokenize(load_tokenizer(str(tiny_bos)), "lawyer guitar hiking family " * 60, "auto")
-    with pytest.raises(UserError, match=r"has 128 positions \(vLLM keeps one for the token it generates\); shorten it, or truncate"):
+    with pytest.raises(UserError, match=r"has 128 positions \(vLLM keeps one for the token it generates\)\. Shorten it, or tick 'Truncate prompts"):
         check_lengths([tok], model, 5)
     (cut,) = check_lengths([tok], model, 5, truncate=True)
     assert len(cut.token_ids) == 127 and cut.token_ids == tok.token_ids[:127] and tok.text.startswith(cut.text)
+    assert cut.cut_from == len(tok.token_ids) > 127  # the view can say how much was cut
     # and both engines score the longest prompt the model allows
     (run,) = compare(RunSpec(texts=(tok.text,), model=str(tiny_bos), dtypes=("float32",), truncate=True), store=Store(home))
     assert len(run.sequences[0].token_ids) == 127 and run.summary["n_tokens"] == 126
+    assert run.meta.sequences[0].cut_from == len(tok.token_ids)  # recorded with the run, read by the view
+    assert Store(home).load(run.run_id).meta.sequences[0].cut_from == len(tok.token_ids)

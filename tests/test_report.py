@@ -21,14 +21,18 @@ def test_report_is_self_contained_and_escaped(tmp_path):
     assert "<svg" in page  # charts inline as SVG
     assert html.escape(HOSTILE, quote=True) in page  # the prompt, shown as text
     assert "alert(1)</script>" not in page
-    for key in run.summary:
-        assert key in page
+    from core.present.labels import summary_label
+
+    for key in run.summary:  # every summary figure, named in words
+        assert html.escape(summary_label(key), quote=True) in page
 
 
 def test_token_view_escapes_every_piece_and_tooltip():
     run = make_run("cafe02", texts=(HOSTILE,))
     view = token_view_html([run], 0)
     assert "<script" not in view and "<img" not in view
-    # every attribute value is quoted and free of raw quotes from the text
-    for title in re.findall(r'title="([^"]*)"', view):
-        assert "<" not in title and '"' not in title
+    # every attribute value is quoted and free of raw quotes from the text; tooltips are escaped text
+    for value in re.findall(r'="([^"]*)"', view):
+        assert "<" not in value
+    for tip in re.findall(r'<span class="lpp-tip">(.*?)</span>', view, re.S):
+        assert "<" not in tip and '"' not in tip

@@ -23,7 +23,7 @@ TEXTS = [
 
 
 class Spans(HTMLParser):
-    """The visible text of each token span (its tooltip child left out), with its classes and title."""
+    """The visible text of each token span (its tooltip child apart), with its classes and tooltip text."""
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -38,15 +38,15 @@ class Spans(HTMLParser):
         elif "lpp-tip" in cls:
             self.depth_in_tip = 1
         elif "lpp-tok" in cls:
-            self.tokens.append({"classes": cls, "title": a.get("title", ""), "text": ""})
+            self.tokens.append({"classes": cls, "tip": "", "text": ""})
 
     def handle_endtag(self, tag):
         if self.depth_in_tip:
             self.depth_in_tip -= 1
 
     def handle_data(self, data):
-        if self.tokens and not self.depth_in_tip:
-            self.tokens[-1]["text"] += data
+        if self.tokens:
+            self.tokens[-1]["tip" if self.depth_in_tip else "text"] += data
 
 
 def _view(tok) -> list[dict]:
@@ -70,10 +70,10 @@ def test_displayed_pieces_concatenate_back_to_the_input(demo_model, text):
     raw = {"Ġ", "Ċ", "ð", "Ø", "×", "ä", "ï"}  # byte-level BPE spellings must never be shown
     for s in spans[1:]:
         assert not (set(s["text"]) & raw - set(text)), s
-        header = s["title"].splitlines()[0]
+        header = s["tip"].splitlines()[0]
         assert not (set(header.split("id")[0]) & raw - set(text)), header
     partial = [s for s in spans if "lpp-partial" in s["classes"]]
     for s in partial:  # part of a character: no text of its own, still a hoverable span with a tooltip
-        assert s["text"] == "" and "part of a character that a later token completes" in s["title"]
+        assert s["text"] == "" and "part of a character that a later token completes" in s["tip"]
     if any(ord(c) > 0xFFFF for c in text):  # emoji span several byte-level tokens
         assert partial

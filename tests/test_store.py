@@ -26,7 +26,7 @@ def _scores(ids, shift, k=2, gather=False):
     return TokenScores(s.token_ids, s.logprob, s.rank, s.topk_ids, s.topk_logprobs, g if gather else None)
 
 
-def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None):
+def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None, dtype="float32"):
     """A run with made-up scores; `pieces` (one list per text) sets the tokens, else each text is cut in three."""
     seqs = []
     for i, text in enumerate(texts):
@@ -41,7 +41,7 @@ def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None):
     summary = summarize(concat([s.metrics for s in seqs]))
     meta = {
         "run_id": run_id, "created": "2026-12-02T00:00:00+00:00", "created_ts": 1.0, "model": "m", "model_path": "/m",
-        "revision": None, "model_identity": {}, "dtype": "float32", "backends": ["hf", "vllm"], "settings": {},
+        "revision": None, "model_identity": {}, "dtype": dtype, "backends": ["hf", "vllm"], "settings": {},
         "top_k": 2, "bos": "auto", "device": "cpu", "env": {"device": "cpu", "torch": "t", "transformers": "tf", "vllm": "v"}, "summary": summary,
         "sequences": [{"text": s.text, "bos_added": True, "n_positions": 4, "summary": s.summary} for s in seqs],
     }

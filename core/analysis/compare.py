@@ -171,6 +171,6 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
                    vllm_dist=v["vllm_dist"], hf_engine=infos["hf"], vllm_engine=infos["vllm"]),
         timing={**timing, "total_s": round(time.perf_counter() - t0, 3)},
         summary=summary,
-        sequences=tuple(SequenceInfo(r.text, r.bos_added, len(r.token_ids), r.summary) for r in results),
+        sequences=tuple(SequenceInfo(r.text, r.bos_added, len(r.token_ids), r.summary, tk.cut_from) for r, tk in zip(results, p.toks)),
     )
     return Run(meta=meta, sequences=results)

@@ -17,7 +17,7 @@ import numpy as np
 
 from core.analysis.compare import compare, compare_prepared
 from core.analysis.request import Context, EventFn, prepare
-from core.analysis.verdict import verdict
+from core.analysis.verdict import diagnosis_verdicts
 from core.env import device_name, versions
 from core.errors import UserError
 from core.inputs.spec import RunSpec, content_hash
@@ -114,7 +114,8 @@ def diagnose(
     picks: dict[str, dict[str, list[int]]] = {}
     for run in base_runs:
         d = run.dtype
-        out: dict[str, Any] = {"run_id": run.run_id, "gap": {"mean": run.summary["mean_abs_delta"], "max": run.summary["max_abs_delta"]}}
+        out: dict[str, Any] = {"run_id": run.run_id, "gap": {"mean": run.summary["mean_abs_delta"], "max": run.summary["max_abs_delta"],
+                                                              "argmax_agreement": run.summary.get("argmax_agreement")}}
         hf_r, v_r = p.load("hf", d), p.load("vllm", d)
         other = "eager" if (p.spec.settings.attn_implementation or "sdpa") != "eager" else "sdpa"
         other_r = p.load("hf", d, replace(p.spec.settings, attn_implementation=other))
@@ -161,7 +162,7 @@ def diagnose(
                 out["greedy"] = _greedy(tokenizer, g_hf, g_v)
                 picks[d] = {"hf": _mcq_picks(mcq, mc_hf), "vllm": _mcq_picks(mcq, mc_v)}
                 out["mcq"] = _mcq_summary(mcq, picks[d])
-        out["verdict"] = verdict(run.summary, d, out.get("ratio_to_hf_noise")).to_dict()
+        out["verdict"] = {}  # filled below, once the ablation's evidence is in
         dtypes[d] = DtypeDiagnosis.from_dict(out)
     ablation = _ablation(spec, ctx, base_runs, p.device, slow_knobs) if "ablation" in parts else []
     identity = {"model": p.model.name, "device": device_name(p.device), "versions": {k: v for k, v in versions().items() if k != "vllm_dist"},
@@ -174,6 +175,9 @@ def diagnose(
         mcq_dtype_flips=_dtype_flips(picks) if picks else None,
         created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(),
     )
+    # the stored verdict is the one verdict function's, over all the evidence (noise, reference, knobs)
+    verdicts = diagnosis_verdicts(result)
+    result = replace(result, dtypes={d: replace(o, verdict=verdicts[d].to_dict()) for d, o in dtypes.items()})
     # exactly what the store gives back (JSON round trip: no numpy scalars, no NaN)
     result = DiagnosticsResult.from_dict(json.loads(json.dumps(result.to_dict(), allow_nan=False)))
     ctx.store.save_diagnostics(result)
@@ -287,36 +291,75 @@ def _f(v: Any) -> str:
     return "-" if v is None else (f"{v:.3e}" if isinstance(v, float) else str(v))
 
 
+def noise_source(key: str) -> str:
+    """A noise measurement's name in words (the keys are the stored JSON's)."""
+    words = {
+        "hf_batched_right_padding": f"HF against itself: batched with {FILLER_PROMPTS} other prompts, padded on the right",
+        "hf_batched_left_padding": f"HF against itself: batched with {FILLER_PROMPTS} other prompts, padded on the left",
+        "vllm_alone_vs_batched": "vLLM against itself: alone, then batched with other prompts",
+        "vllm_repeat": "vLLM against itself: the same request again",
+    }
+    if key.startswith("hf_attn_"):
+        return f"HF against itself: the {key[len('hf_attn_'):]} attention kernel instead"
+    return words.get(key, key.replace("_", " "))
+
+
+GAP_SOURCE = "vLLM against HF: the gap being judged"
+MEAN, MAX = "mean |Δ logp|", "largest |Δ logp|"
+
+
 def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, Any]]]:
-    """The result as flat tables (rows of dicts) for the CLI, the dashboard and the report."""
-    noise, ref, down = [], [], []
+    """The result as flat tables (rows of dicts) in words, for the CLI, the dashboard and the report.
+    Each column holds one kind of value: gaps in `mean`/`largest` columns, shares in [0, 1] in
+    columns named 'share ...', ratios in their own table ('ratios')."""
+    noise, ratios, ref, down = [], [], [], []
     for d, out in result.dtypes.items():
         if out.noise is not None:
-            noise.append({"dtype": d, "source": "vLLM vs HF (the gap)", "mean_abs": out.gap["mean"], "max_abs": out.gap["max"]})
-            noise.extend({"dtype": d, "source": k, "mean_abs": v["mean"], "max_abs": v["max"]} for k, v in out.noise.items())
-            noise.append({"dtype": d, "source": "gap / HF's own noise", "mean_abs": out.ratio_to_hf_noise, "max_abs": None})
+            noise.append({"dtype": d, "what": GAP_SOURCE, MEAN: out.gap["mean"], MAX: out.gap["max"]})
+            noise.extend({"dtype": d, "what": noise_source(k), MEAN: v["mean"], MAX: v["max"]} for k, v in out.noise.items())
+            ratios.append({"dtype": d, "gap ÷ HF's own noise": out.ratio_to_hf_noise, "gap ÷ vLLM's own noise": out.ratio_to_vllm_noise})
         if out.reference is not None:
             r = out.reference
-            ref.append({"dtype": d, "mean |vLLM - ref|": r["vllm_vs_ref"]["mean"], "mean |HF - ref|": r["hf_vs_ref"]["mean"],
-                        "max |vLLM - ref|": r["vllm_vs_ref"]["max"], "max |HF - ref|": r["hf_vs_ref"]["max"],
-                        "tokens where vLLM is closer": r["frac_tokens_vllm_closer"], "closer overall": r["closer_overall"]})
+            ref.append({"dtype": d, "mean |vLLM − float64|": r["vllm_vs_ref"]["mean"], "mean |HF − float64|": r["hf_vs_ref"]["mean"],
+                        "largest |vLLM − float64|": r["vllm_vs_ref"]["max"], "largest |HF − float64|": r["hf_vs_ref"]["max"],
+                        "share of tokens where vLLM is closer": r["frac_tokens_vllm_closer"], "closer overall": r["closer_overall"]})
         if out.greedy is not None and out.mcq is not None:
             g, m = out.greedy, out.mcq
-            down.append({"dtype": d, "greedy first difference": g["first_difference"],
-                         "HF token there": g.get("hf_token"), "vLLM token there": g.get("vllm_token"),
-                         "MCQ flips HF vs vLLM": f"{m['flips_between_engines']}/{m['n_questions']}",
-                         "MCQ accuracy HF": m["hf_accuracy"], "MCQ accuracy vLLM": m["vllm_accuracy"]})
-    return {"noise": noise, "reference": ref, "downstream": down, "ablation": list(result.ablation)}
+            first = g["first_difference"]
+            down.append({"dtype": d,
+                         "greedy text": (f"identical for all {g['n_tokens']} generated tokens" if first is None
+                                         else f"differs from generated token {first + 1}: HF {g.get('hf_token')!r}, vLLM {g.get('vllm_token')!r}"),
+                         "answers that differ (HF vs vLLM)": f"{m['flips_between_engines']} of {m['n_questions']}",
+                         "share correct, HF": m["hf_accuracy"], "share correct, vLLM": m["vllm_accuracy"]})
+    return {"noise": noise, "ratios": ratios, "reference": ref, "downstream": down, "ablation": list(result.ablation)}
+
+
+ABLATION_WORDS = {"knob": "setting changed", "mean_abs_delta": MEAN, "max_abs_delta": MAX, "change": "change in the mean gap",
+                  "removed": "share of the gap removed", "note": "note"}
+
+
+def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Knob-attribution rows in words, with the share of the baseline gap each setting removes."""
+    base = {r["dtype"]: r["mean_abs_delta"] for r in rows if r["knob"] == "baseline"}
+    out = []
+    for r in rows:
+        b = base.get(r["dtype"])
+        removed = (-r["change"] / b) if (r.get("change") is not None and b and r["knob"] != "baseline") else None
+        row = {"dtype": r["dtype"], **{ABLATION_WORDS[k]: r.get(k) for k in ("knob", "mean_abs_delta", "max_abs_delta", "change")}}
+        row[ABLATION_WORDS["removed"]] = removed
+        row["note"] = "the settings as run" if r["knob"] == "baseline" else r.get("note", "")
+        out.append(row)
+    return out
 
 
 def diagnostics_text(result: DiagnosticsResult) -> str:
     import pandas as pd
 
     lines = [f"diagnostics {result.diagnostics_id}  model {result.model}  device {result.device}"]
-    for d, out in result.dtypes.items():
-        v = out.verdict
-        lines += ["", f"[{v['level'].upper()}] {v['headline']}"] + [f"  - {r}" for r in v["reasons"]]
+    for v in diagnosis_verdicts(result).values():
+        lines += ["", f"[{v.title.upper()}] {v.headline}"] + [f"  - {r}" for r in v.reasons]
     for name, rows in diagnostics_tables(result).items():
+        rows = ablation_table(rows) if name == "ablation" else rows
         if rows:
             lines += ["", f"== {name} =="]
             lines.append(pd.DataFrame(rows).drop(columns=["note", "run_id"], errors="ignore").to_string(index=False, float_format=_f))

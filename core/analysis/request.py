@@ -81,8 +81,8 @@ def check_lengths(toks: list[TokenizedText], model: ResolvedModel, top_k: int, t
             if not truncate:
                 raise UserError(
                     f"prompt {i + 1} is {len(t.token_ids)} tokens but {model.name} has {model.max_positions} positions "
-                    f"(vLLM keeps one for the token it generates); shorten it, or truncate (--truncate) to keep "
-                    f"its first {limit} tokens"
+                    f"(vLLM keeps one for the token it generates). Shorten it, or tick 'Truncate prompts longer than the "
+                    f"model's positions' (on the command line: --truncate) to keep its first {limit} tokens"
                 )
             t = truncate_tokens(t, limit)
         out.append(t)

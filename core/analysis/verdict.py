@@ -1,4 +1,17 @@
-"""A plain-language verdict for people who do not read the numbers, with the thresholds it uses named."""
+"""The one verdict: a plain-language judgement of a comparison that uses all the evidence there is.
+
+Why one function: the CLI, the Compare page, the Diagnostics page and the HTML report each wrote
+their own, and they drifted (a gap 345x HF's own noise, removed by one knob, still read "MATCH").
+`verdict(summary, dtype, evidence)` weighs, in this order:
+
+1. vLLM's own test tolerance on the largest per-token gap, and the RL trainer/rollout bound on the mean;
+2. the noise ratio (the gap against HF's disagreement with itself): a gap within tolerance but far
+   above the noise is *small but systematic*, not a match;
+3. the float64 reference: which engine is closer to the truth;
+4. knob attribution: which setting removes most of the gap.
+
+Everything it says names a number a reader can check in the tables beside it.
+"""
 
 from __future__ import annotations
 
@@ -8,70 +21,205 @@ from typing import Any
 
 # vLLM's own tests accept logprob differences of 1e-2 (tight) to 2e-2 (loose) between engines.
 VLLM_TEST_TOL = (1e-2, 2e-2)
-# RL frameworks flag a trainer/rollout mismatch when mean |Δ logp| exceeds 0.1.
+# RL trainers (verl, TRL) flag a trainer/rollout mismatch when mean |Δ logp| exceeds 0.1.
 RL_MEAN_ABS = 0.1
 # Importance-ratio bands: a token whose probability differs by more than 2x (5x) between engines.
 RATIO_BANDS = (2.0, 5.0)
+# A gap this many times HF's own noise is systematic: it is not explained by batching, padding or kernels.
+SYSTEMATIC_NOISE_RATIO = 10.0
+# One engine is "closer to the reference" when the other is this many times farther from it.
+REFERENCE_SIDE_RATIO = 2.0
+# A knob "removes the gap" when changing it alone cuts the mean gap by at least this share.
+KNOB_SHARE = 0.5
+
+LEVELS = ("match", "systematic", "close", "differs")  # from best to worst
+LEVEL_WORDS = {
+    "match": "Match",
+    "systematic": "Small but systematic",
+    "close": "Close",
+    "differs": "Differs",
+}
+
+THRESHOLDS = (
+    f"vLLM's test tolerance: largest |Δ logp| <= {VLLM_TEST_TOL[0]:g} (tight) / {VLLM_TEST_TOL[1]:g} (loose)",
+    f"RL trainers: mean |Δ logp| <= {RL_MEAN_ABS:g}",
+    f"systematic: the gap is more than {SYSTEMATIC_NOISE_RATIO:g}x HF's own noise",
+    f"probability-ratio bands: {RATIO_BANDS[0]:g}x and {RATIO_BANDS[1]:g}x",
+)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What diagnostics add to a comparison's summary; every field is optional."""
+
+    noise_ratio: float | None = None  # mean gap / HF's own noise floor
+    hf_noise: float | None = None  # HF's own noise floor (mean |Δ logp|)
+    vllm_to_ref: float | None = None  # mean |vLLM - float64 reference|
+    hf_to_ref: float | None = None  # mean |HF - float64 reference|
+    knob: str | None = None  # the setting whose change cuts the gap most
+    knob_share: float | None = None  # share of the mean gap that setting removes (0..1)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    level: str  # "match", "close", "differs"
+    level: str  # one of LEVELS
     headline: str
     reasons: tuple[str, ...]
-    thresholds: tuple[str, ...] = (
-        f"vLLM's test tolerance: max |Δ logp| <= {VLLM_TEST_TOL[0]:g} (tight) / {VLLM_TEST_TOL[1]:g} (loose)",
-        f"RL frameworks: mean |Δ logp| <= {RL_MEAN_ABS:g}",
-        f"importance-ratio bands: {RATIO_BANDS[0]:g}x and {RATIO_BANDS[1]:g}x (|Δ logp| = ln {RATIO_BANDS[0]:g}, ln {RATIO_BANDS[1]:g})",
-    )
+    thresholds: tuple[str, ...] = THRESHOLDS
+
+    @property
+    def title(self) -> str:
+        return LEVEL_WORDS.get(self.level, self.level)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def verdict(summary: dict[str, Any], dtype: str, noise_ratio: float | None = None) -> Verdict:
+def percent_change(abs_delta: float) -> str:
+    """|Δ logp| as the change in a probability a reader can picture: 0.01 -> '1.0%'."""
+    pct = math.expm1(abs_delta) * 100
+    if pct >= 100:
+        return f"{math.exp(abs_delta):.3g}x"
+    return f"{pct:.2g}%" if pct >= 0.01 else "under 0.01%"
+
+
+def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | None = None) -> Verdict:
+    """The verdict of one dtype. `evidence` may be a bare noise ratio (older callers) or an Evidence."""
+    ev = Evidence(noise_ratio=evidence) if isinstance(evidence, (int, float)) else (evidence or Evidence())
     mx, mean = summary.get("max_abs_delta"), summary.get("mean_abs_delta")
     if mx is None or mean is None:
-        return Verdict("differs", f"{dtype}: nothing was scored", ())
+        return Verdict("differs", f"{dtype}: nothing was scored, so nothing can be said.", ())
     reasons = []
     if mx <= VLLM_TEST_TOL[0]:
-        reasons.append(f"Every token is within vLLM's own test tolerance (largest gap {mx:.2g} <= {VLLM_TEST_TOL[0]:g} nats).")
+        reasons.append(f"Every token is within vLLM's own test tolerance: the largest gap is {mx:.2g} (a {percent_change(mx)} "
+                       f"change in one token's probability), at most {VLLM_TEST_TOL[0]:g} allowed.")
     elif mx <= VLLM_TEST_TOL[1]:
-        reasons.append(f"Every token is within vLLM's looser test tolerance (largest gap {mx:.2g} <= {VLLM_TEST_TOL[1]:g}).")
+        reasons.append(f"Every token is within vLLM's looser test tolerance: the largest gap is {mx:.2g} "
+                       f"({percent_change(mx)} in probability), at most {VLLM_TEST_TOL[1]:g} allowed.")
     else:
-        reasons.append(f"Some tokens differ by more than vLLM's own tests allow (largest gap {mx:.2g} > {VLLM_TEST_TOL[1]:g} nats).")
+        reasons.append(f"Some tokens differ by more than vLLM's own tests allow: the largest gap is {mx:.2g} "
+                       f"({percent_change(mx)} in probability), above {VLLM_TEST_TOL[1]:g}. They are red in the token view.")
     ok_rl = mean <= RL_MEAN_ABS
-    reasons.append(
-        f"On average the engines differ by {mean:.2g} nats per token: "
-        + ("within" if ok_rl else "above")
-        + f" the {RL_MEAN_ABS:g} that RL frameworks accept between trainer and rollout."
-    )
+    reasons.append(f"On average a token's probability differs by {percent_change(mean)} (mean |Δ logp| {mean:.2g}): "
+                   + ("within" if ok_rl else "above") + f" the {RL_MEAN_ABS:g} RL trainers accept between trainer and rollout.")
     worst_ratio = math.exp(mx)
     if worst_ratio > RATIO_BANDS[1]:
         reasons.append(f"At least one token's probability differs by more than {RATIO_BANDS[1]:g}x ({worst_ratio:.3g}x).")
     elif worst_ratio > RATIO_BANDS[0]:
         reasons.append(f"At least one token's probability differs by more than {RATIO_BANDS[0]:g}x ({worst_ratio:.3g}x).")
-    else:
-        reasons.append(f"No token's probability differs by more than {RATIO_BANDS[0]:g}x (worst {worst_ratio:.4g}x).")
     agree = summary.get("argmax_agreement")
     if agree is not None and agree < 1:
-        reasons.append(f"The engines' most likely next token differs at {1 - agree:.1%} of positions: greedy outputs can diverge.")
-    if noise_ratio is not None:
-        reasons.append(f"The vLLM–HF gap is {noise_ratio:.2g}x HF's own noise (the largest of: batched with other prompts, left or right padding, another attention implementation).")
-    if mx <= VLLM_TEST_TOL[1]:
-        level, head = "match", f"{dtype}: vLLM and HF agree (within vLLM's own test tolerance)."
-    elif ok_rl and worst_ratio <= RATIO_BANDS[1]:
-        level, head = "close", f"{dtype}: small differences, usually harmless (mean {mean:.2g} nats/token)."
+        reasons.append(f"The engines' most likely next token differs at {1 - agree:.1%} of positions: generated text can diverge.")
+
+    systematic = ev.noise_ratio is not None and ev.noise_ratio > SYSTEMATIC_NOISE_RATIO
+    if ev.noise_ratio is not None:
+        if systematic:
+            reasons.append(f"The gap is {ev.noise_ratio:.3g}x HF's own noise (HF against itself when batched, padded or run with "
+                           "another attention kernel): it is systematic, not run-to-run noise.")
+        else:
+            reasons.append(f"The gap is {ev.noise_ratio:.2g}x HF's own noise (batching, padding, attention kernel): "
+                           "about what HF does to itself.")
+    side = _closer_side(ev)
+    if side:
+        reasons.append(side)
+    fix = None
+    if ev.knob and ev.knob_share is not None and ev.knob_share >= KNOB_SHARE:
+        fix = f"{ev.knob} removes {ev.knob_share:.1%} of the gap"
+        reasons.append(f"Changing one setting, {ev.knob}, removes {ev.knob_share:.1%} of the mean gap.")
+
+    if mean > RL_MEAN_ABS or worst_ratio > RATIO_BANDS[1]:
+        level = "differs"
+        head = f"{dtype}: the engines differ enough to change results (on average {percent_change(mean)} per token, worst {worst_ratio:.3g}x)."
+    elif mx > VLLM_TEST_TOL[1]:
+        level = "close"
+        head = f"{dtype}: close on average ({percent_change(mean)} per token), but some tokens are beyond vLLM's test tolerance."
+    elif systematic:
+        level = "systematic"
+        head = f"{dtype}: within vLLM's test tolerance, but systematic: {ev.noise_ratio:.3g}x HF's own noise."
     else:
-        level, head = "differs", f"{dtype}: the engines differ enough to change results (mean {mean:.2g}, max {mx:.2g} nats)."
+        level = "match"
+        head = f"{dtype}: vLLM and HF agree, within vLLM's own test tolerance" + (" and HF's own noise." if ev.noise_ratio is not None else ".")
+    extra = [s for s in (_side_short(ev), fix) if s]
+    if extra and level != "match":
+        head += " " + "; ".join(extra) + "."
     return Verdict(level, head, tuple(reasons))
 
 
+def _ref_ratio(ev: Evidence) -> float | None:
+    if ev.vllm_to_ref is None or ev.hf_to_ref is None:
+        return None
+    if ev.hf_to_ref == 0:
+        return math.inf if ev.vllm_to_ref > 0 else 1.0
+    return ev.vllm_to_ref / ev.hf_to_ref
+
+
+def _closer_side(ev: Evidence) -> str | None:
+    r = _ref_ratio(ev)
+    if r is None:
+        return None
+    if r >= REFERENCE_SIDE_RATIO:
+        return (f"Against a float64 reference, vLLM is {r:.3g}x farther from it than HF "
+                f"({ev.vllm_to_ref:.2e} against {ev.hf_to_ref:.2e}): the gap comes from vLLM's side.")
+    if r <= 1 / REFERENCE_SIDE_RATIO:
+        return (f"Against a float64 reference, HF is {1 / r:.3g}x farther from it than vLLM "
+                f"({ev.hf_to_ref:.2e} against {ev.vllm_to_ref:.2e}): the gap comes from HF's side.")
+    return f"Both engines are about as far from a float64 reference (vLLM {ev.vllm_to_ref:.2e}, HF {ev.hf_to_ref:.2e})."
+
+
+def _side_short(ev: Evidence) -> str | None:
+    r = _ref_ratio(ev)
+    if r is None:
+        return None
+    if r >= REFERENCE_SIDE_RATIO:
+        return f"vLLM is {r:.3g}x farther from the float64 reference than HF"
+    if r <= 1 / REFERENCE_SIDE_RATIO:
+        return f"HF is {1 / r:.3g}x farther from the float64 reference than vLLM"
+    return None
+
+
+def evidence_for(dtype: str, run_id: str | None, diagnostics: Any) -> Evidence:
+    """The diagnostics' evidence about one dtype's run (nothing when they were built on another run)."""
+    if diagnostics is None:
+        return Evidence()
+    out = diagnostics.dtypes.get(dtype)
+    if out is None or (run_id is not None and out.run_id != run_id):
+        return Evidence()
+    ref = out.reference or {}
+    knob, share = best_knob(dtype, diagnostics.ablation)
+    return Evidence(
+        noise_ratio=out.ratio_to_hf_noise,
+        hf_noise=(out.floor or {}).get("hf"),
+        vllm_to_ref=(ref.get("vllm_vs_ref") or {}).get("mean"),
+        hf_to_ref=(ref.get("hf_vs_ref") or {}).get("mean"),
+        knob=knob,
+        knob_share=share,
+    )
+
+
+def best_knob(dtype: str, ablation: Any) -> tuple[str | None, float | None]:
+    """The setting whose change alone cuts this dtype's mean gap most, and the share it removes."""
+    rows = [r for r in ablation or () if r.get("dtype") == dtype]
+    base = next((r["mean_abs_delta"] for r in rows if r["knob"] == "baseline"), None)
+    cuts = [r for r in rows if r["knob"] != "baseline" and r.get("change") is not None and r["change"] < 0]
+    if not base or not cuts:
+        return None, None
+    best = min(cuts, key=lambda r: r["change"])
+    return best["knob"], -best["change"] / base
+
+
 def run_verdicts(runs: list[Any], diagnostics: Any = None) -> list[Verdict]:
-    """The verdict of each run, using the stored diagnostics built on it when there are any.
-    The one place the Compare page, the CLI and the HTML report get their verdicts from."""
-    ids = {r.run_id for r in runs}
-    ratios = {}
-    if diagnostics is not None:
-        ratios = {d: o.ratio_to_hf_noise for d, o in diagnostics.dtypes.items() if o.run_id in ids}
-    return [verdict(r.summary, r.dtype, ratios.get(r.dtype)) for r in runs]
+    """The verdict of each run, with the evidence of the stored diagnostics built on it when any.
+    The one place the CLI, the Compare page, the Diagnostics page and the HTML report get verdicts."""
+    return [verdict(r.summary, r.dtype, evidence_for(r.dtype, r.run_id, diagnostics)) for r in runs]
+
+
+def diagnosis_verdicts(diagnostics: Any) -> dict[str, Verdict]:
+    """The verdict of each dtype of a diagnosis, from its own evidence (stored wording is not reused,
+    so diagnostics stored by older versions read the same as new ones)."""
+    return {d: verdict(_summary_of(out), d, evidence_for(d, None, diagnostics)) for d, out in diagnostics.dtypes.items()}
+
+
+def _summary_of(out: Any) -> dict[str, Any]:
+    """The comparison summary a diagnosis carries (its gap), with the argmax agreement when stored."""
+    return {"max_abs_delta": out.gap.get("max"), "mean_abs_delta": out.gap.get("mean"),
+            "argmax_agreement": out.gap.get("argmax_agreement")}

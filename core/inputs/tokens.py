@@ -18,6 +18,7 @@ class TokenizedText:
     tokens: tuple[str, ...]  # the tokenizer's own pieces (e.g. "Ġword"), as JSON reports them
     pieces: tuple[str, ...]  # the text each token adds when decoded in sequence, for display
     bos_added: bool  # we prepended the tokenizer's BOS
+    cut_from: int | None = None  # the token count before `truncate` cut it
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
@@ -98,4 +99,5 @@ def truncate(tok: TokenizedText, limit: int) -> TokenizedText:
         tokens=tok.tokens[:limit],
         pieces=pieces,
         bos_added=tok.bos_added,
+        cut_from=len(tok.token_ids),
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 import pandas as pd
 
+from core.present.palette import dtype_color_encoding
 from core.results.run import Run
 
 FLOOR = 1e-10  # |Δ| of exactly 0 drawn here on log axes
@@ -44,13 +45,14 @@ def histogram(df: pd.DataFrame) -> Any:
     import altair as alt
 
     return (
-        alt.Chart(df, title="|Δ logp| per dtype")
+        alt.Chart(df, title="How big the gaps are: tokens per size of gap")
         .transform_calculate(log_abs="log(datum.abs_delta_plot) / LN10")
         .mark_bar(opacity=0.55, binSpacing=0)
         .encode(
-            x=alt.X("log_abs:Q", bin=alt.Bin(maxbins=40), title="log10 |Δ logp| (nats)"),
+            x=alt.X("log_abs:Q", bin=alt.Bin(maxbins=40), title="gap between the engines, |Δ logp| (log scale)",
+                    axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')")),
             y=alt.Y("count():Q", stack=None, title="tokens"),
-            color=alt.Color("dtype:N"),
+            color=dtype_color_encoding(df["dtype"]),
         )
     )
 
@@ -61,12 +63,12 @@ def scatter(df: pd.DataFrame) -> Any:
     lo = float(min(df["hf_logprob"].min(), df["vllm_logprob"].min())) if len(df) else -10.0
     diag = alt.Chart(pd.DataFrame({"x": [lo, 0.0]})).mark_line(color="#999", strokeDash=[4, 4]).encode(x="x:Q", y="x:Q")
     pts = (
-        alt.Chart(df, title="vLLM vs HF logprob")
+        alt.Chart(df, title="vLLM against HF: each dot a token; on the dashed line they agree")
         .mark_circle(size=45, opacity=0.7)
         .encode(
-            x=alt.X("hf_logprob:Q", title="HF logprob"),
-            y=alt.Y("vllm_logprob:Q", title="vLLM logprob"),
-            color="dtype:N",
+            x=alt.X("hf_logprob:Q", title="HF log probability of the token"),
+            y=alt.Y("vllm_logprob:Q", title="vLLM log probability of the token"),
+            color=dtype_color_encoding(df["dtype"]),
             tooltip=_tooltip(),
         )
     )
@@ -78,12 +80,12 @@ def by_position(df: pd.DataFrame, floors: dict[str, float] | None = None) -> Any
     import altair as alt
 
     line = (
-        alt.Chart(df, title="|Δ logp| by position" + (" (dashed: HF's own noise floor)" if floors else ""))
+        alt.Chart(df, title="Gap along the text" + (" (dashed: HF's own noise floor)" if floors else ""))
         .mark_line(point=True)
         .encode(
-            x=alt.X("index:Q", title="position"),
-            y=alt.Y("abs_delta_plot:Q", scale=alt.Scale(type="log"), title="|Δ logp| (nats)"),
-            color="dtype:N",
+            x=alt.X("index:Q", title="position in the text (token number)"),
+            y=alt.Y("abs_delta_plot:Q", scale=alt.Scale(type="log"), title="gap, |Δ logp| (log scale)"),
+            color=dtype_color_encoding(df["dtype"]),
             detail="seq:N",
             tooltip=_tooltip(),
         )
@@ -92,7 +94,7 @@ def by_position(df: pd.DataFrame, floors: dict[str, float] | None = None) -> Any
         return line
     band = pd.DataFrame([{"dtype": d, "floor": max(f, FLOOR)} for d, f in floors.items()])
     rule = alt.Chart(band).mark_rule(strokeDash=[6, 4], size=2).encode(
-        y="floor:Q", color="dtype:N", tooltip=[alt.Tooltip("dtype:N"), alt.Tooltip("floor:Q", title="HF noise floor", format=".3e")]
+        y="floor:Q", color=dtype_color_encoding(df["dtype"]), tooltip=[alt.Tooltip("dtype:N"), alt.Tooltip("floor:Q", title="HF noise floor", format=".3e")]
     )
     return line + rule
 
@@ -101,12 +103,12 @@ def by_probability(df: pd.DataFrame) -> Any:
     import altair as alt
 
     return (
-        alt.Chart(df, title="|Δ logp| against HF probability")
+        alt.Chart(df, title="Gap against how likely the token was: rare tokens usually differ more")
         .mark_circle(size=45, opacity=0.7)
         .encode(
             x=alt.X("hf_prob:Q", scale=alt.Scale(type="log"), title="HF probability of the token"),
-            y=alt.Y("abs_delta_plot:Q", scale=alt.Scale(type="log"), title="|Δ logp| (nats)"),
-            color="dtype:N",
+            y=alt.Y("abs_delta_plot:Q", scale=alt.Scale(type="log"), title="gap, |Δ logp| (log scale)"),
+            color=dtype_color_encoding(df["dtype"]),
             tooltip=_tooltip(),
         )
     )

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from core.present.charts import CHARTS, chart_frame, worst_tokens
+from core.present.labels import summary_label, summary_value
 from core.present.render import token_view_html, verdict_html
 from core.analysis.verdict import run_verdicts
 from core.results.records import DiagnosticsResult
@@ -47,24 +48,37 @@ def _svg(chart: object) -> str:
     return vlc.vegalite_to_svg(chart.to_json())  # type: ignore[attr-defined]
 
 
+def _cell(column: str, v: object) -> str:
+    """Shares as percentages, ratios as N×, gaps in e-notation: as on the Diagnostics page."""
+    if isinstance(v, float) and column.startswith("share"):
+        return f"{v:.1%}"
+    if isinstance(v, float) and "÷" in column:
+        return f"{v:.3g}×"
+    if isinstance(v, float):
+        return f"{v:.3e}"
+    return _num(v)
+
+
 def _table(rows: list[dict]) -> str:
     if not rows:
         return ""
     cols = [c for c in rows[0] if c not in ("run_id", "note")] + (["note"] if "note" in rows[0] else [])
     head = "".join(f"<th>{_e(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_num(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(c, r.get(c))}</td>" for c in cols) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def diagnostics_section(diag: dict) -> str:
-    from core.analysis.diagnostics import biggest_knob, diagnostics_tables
+    from core.analysis.diagnostics import ablation_table, biggest_knob, diagnostics_tables
 
     tables = diagnostics_tables(diag)
+    tables["ablation"] = ablation_table(tables["ablation"])
     titles = {
-        "noise": "Noise floor: the vLLM–HF gap beside each engine's disagreement with itself (mean |Δ logp|)",
+        "noise": "Noise floor: the vLLM–HF gap beside each engine's disagreement with itself",
+        "ratios": "The gap against each engine's own noise",
         "reference": "High-precision reference (HF in float64 on the CPU)",
-        "downstream": "Downstream impact: greedy generation and multiple-choice answers",
-        "ablation": "Knob attribution: the gap with one setting changed",
+        "downstream": "Downstream: generated text and multiple-choice answers",
+        "ablation": "Setting by setting: the gap with one engine setting changed",
     }
     parts = [f"<h2>Diagnostics</h2><p>diagnostics {_e(diag.diagnostics_id)}</p>"]
     for key, title in titles.items():
@@ -95,7 +109,7 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
     parts.append("<h2>Verdict</h2>" + verdict_html([v.to_dict() for v in run_verdicts(runs, diagnostics)]))
     parts.append("<h2>Summary</h2><table><tr><th class='l'>metric</th>" + "".join(f"<th>{_e(r.dtype)}</th>" for r in runs) + "</tr>")
     for key in first.summary:
-        parts.append(f"<tr><td class='l'>{_e(key)}</td>" + "".join(f"<td>{_num(r.summary.get(key))}</td>" for r in runs) + "</tr>")
+        parts.append(f"<tr><td class='l'>{_e(summary_label(key))}</td>" + "".join(f"<td>{_e(summary_value(key, r.summary.get(key)))}</td>" for r in runs) + "</tr>")
     parts.append("</table>")
 
     df = chart_frame(runs)
@@ -114,12 +128,14 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
 
     if diagnostics:
         parts.append(diagnostics_section(diagnostics))
+    ids = {r.run_id for r in runs}
+    floors = {d: o.floor["hf"] for d, o in diagnostics.dtypes.items() if o.floor and o.run_id in ids} if diagnostics else None
     n = min(len(first.sequences), MAX_SEQUENCES)
     parts.append(f"<h2>Tokens</h2><p>Hover a token for both logprobs, ranks and top-5 lists. Showing {n} of {len(first.sequences)} prompts.</p>")
     for i in range(n):
         s = first.sequences[i]
         parts.append(f"<h3>Prompt {i + 1}</h3><pre>{_e(s.text)}</pre>")
-        parts.append(token_view_html(runs, i))
+        parts.append(token_view_html(runs, i, floors=floors))
     parts.append("</body></html>")
     return "".join(parts)
 

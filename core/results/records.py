@@ -41,6 +41,7 @@ class SequenceInfo:
     bos_added: bool
     n_positions: int
     summary: dict[str, Any]
+    cut_from: int | None = None  # the prompt's token count before truncation cut it to n_positions
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SequenceInfo":

@@ -289,7 +289,9 @@ class Store:
         cols = ["run_id", "created", "model", "dtype", "n_sequences", "n_tokens", "max_abs_delta", "mean_abs_delta"]
         df = pd.DataFrame([r[:-1] for r in rows], columns=cols)
         df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
-        df["first_text"] = [_first_text(json.loads(r[-1])) for r in rows]
+        metas = [json.loads(r[-1]) for r in rows]
+        df["first_text"] = [_first_text(m) for m in metas]
+        df["comparison"] = [_comparison_key(m) for m in metas]
         return df
 
 
@@ -299,6 +301,17 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _comparison_key(meta: dict[str, Any]) -> str:
+    """What the runs of one comparison share (everything but the dtype), so the Runs page can list
+    a comparison in several dtypes as one row."""
+    from core.inputs.spec import content_hash
+
+    texts = [s.get("text", "") for s in meta.get("sequences") or []]
+    return content_hash({"model": meta.get("model"), "identity": meta.get("model_identity"), "settings": meta.get("settings"),
+                         "top_k": meta.get("top_k"), "bos": meta.get("bos"), "texts": texts, "device": meta.get("device"),
+                         "versions": {k: (meta.get("env") or {}).get(k) for k in ("torch", "transformers", "vllm")}}, 16)
 
 
 def _first_text(meta: dict[str, Any]) -> str:

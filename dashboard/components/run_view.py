@@ -10,16 +10,41 @@ import pandas as pd
 import streamlit as st
 
 from core.present.charts import CHARTS, chart_frame, worst_tokens
-from core.present.render import SCALES, token_view_html
+from core.present.render import SCALES, token_view_html, windows
 from core.present.report import report_html
 from core.results.records import DiagnosticsResult
 from core.results.run import Run
-from core.analysis.verdict import run_verdicts
+from core.analysis.verdict import Verdict, run_verdicts
 from dashboard.state import query_float, query_int, query_metric, set_query
 
 METRIC_LABELS = {k: s.label for k, s in SCALES.items()}
 SCALE_MAXES = [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
 THRESHOLDS = [0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 2e-2, 5e-2, 1e-1, 0.5, 1.0]
+WINDOW = 512  # positions drawn at once: a long text stays fast, worst part first
+
+# One line of plain words for each term the page shows (the glossary in docs/architecture.md is longer).
+HELP = {
+    "max": "The largest difference between the engines' log probability of one token. "
+           "0.01 means that token's probability differs by about 1% between vLLM and HF.",
+    "mean": "The average difference per token (mean |Δ logp|). RL trainers accept up to 0.1 between trainer and rollout.",
+    "p95": "95% of tokens differ by less than this.",
+    "argmax": "Share of positions where both engines rank the same token first: what greedy generation would pick.",
+    "kl": "How different the two engines' top-k next-token choices are (KL divergence over the top-k tokens). 0 = identical.",
+    "seq": "Difference in the log probability of the whole text (the sum over its tokens): what an evaluation harness compares.",
+}
+GLOSSARY = """
+- **logprob (log probability)**: the log of the probability a model gives the next token. 0 is certain; -2.3 is 10%.
+- **|Δ logp|**: how far apart vLLM's and HF's logprob of the same token are. It is measured in *nats* (natural-log units):
+  0.01 nats means the probability differs by about 1%, 0.69 nats by 2x.
+- **dtype**: the number format the model computes in. float32 is precise; bfloat16 and float16 are faster and rounder.
+- **noise floor**: how much HF disagrees with itself when only batching, padding or its attention kernel changes.
+  A gap inside the noise floor is not a real difference.
+- **vLLM's test tolerance**: vLLM's own tests accept up to 0.01 (tight) to 0.02 (loose) per token between engines.
+- **systematic**: within tolerance but far above the noise floor: a consistent difference, with a cause (a setting, a kernel).
+- **same top token (argmax)**: whether both engines would pick the same next token greedily.
+- **top-k KL**: how different the two engines' lists of the k most likely next tokens are; 0 = identical.
+- **float64 reference**: HF run in double precision on the CPU; whichever engine is closer to it is closer to the exact answer.
+"""
 
 
 def _fmt(v: object, pct: bool = False) -> str:
@@ -35,22 +60,27 @@ def metric_cards(runs: list[Run]) -> None:
         with col.container(border=True):
             st.markdown(f"**{r.dtype}** · {s['n_tokens']} tokens")
             a, b = st.columns(2)
-            a.metric("max |Δ logp|", _fmt(s["max_abs_delta"]))
-            b.metric("mean |Δ logp|", _fmt(s["mean_abs_delta"]))
-            a.metric("p95 |Δ logp|", _fmt(s["p95_abs_delta"]))
-            b.metric("argmax agreement", _fmt(s["argmax_agreement"], pct=True))
-            a.metric("mean top-k KL", _fmt(s["mean_kl_topk"]))
-            b.metric("seq Δ logp", _fmt(s["seq_logprob_delta"]))
+            a.metric("largest gap, |Δ logp|", _fmt(s["max_abs_delta"]), help=HELP["max"])
+            b.metric("mean gap, |Δ logp|", _fmt(s["mean_abs_delta"]), help=HELP["mean"])
+            a.metric("95% of tokens below", _fmt(s["p95_abs_delta"]), help=HELP["p95"])
+            b.metric("same top token", _fmt(s["argmax_agreement"], pct=True), help=HELP["argmax"])
+            a.metric("top-k KL (mean)", _fmt(s["mean_kl_topk"]), help=HELP["kl"])
+            b.metric("whole-text Δ logp", _fmt(s["seq_logprob_delta"]), help=HELP["seq"])
 
 
-def verdict_cards(verdicts: list[dict]) -> None:
-    """Plain language for people who do not read the numbers."""
-    show = {"match": st.success, "close": st.warning, "differs": st.error}
+VERDICT_BOX = {"match": (st.success, ":material/check_circle:"), "systematic": (st.warning, ":material/insights:"),
+               "close": (st.warning, ":material/warning:"), "differs": (st.error, ":material/error:")}
+
+
+def verdict_cards(verdicts: list[Verdict]) -> None:
+    """The verdict in words, first: one box per dtype, in the level's colour, with the evidence under it."""
     cols = st.columns(len(verdicts))
     for col, v in zip(cols, verdicts):
+        box, icon = VERDICT_BOX.get(v.level, (st.info, ":material/info:"))
         with col:
-            show.get(v["level"], st.info)(v["headline"] + "\n\n" + "\n".join(f"- {r}" for r in v["reasons"]))
-    st.caption("Thresholds: " + "; ".join(verdicts[0]["thresholds"]))
+            box(f"**{v.title}.** {v.headline}\n\n" + "\n".join(f"- {r}" for r in v.reasons), icon=icon)
+    if verdicts:
+        st.caption("Thresholds: " + "; ".join(verdicts[0].thresholds))
 
 
 def noise_floors(runs: list[Run], found: DiagnosticsResult | None) -> dict | None:
@@ -77,7 +107,6 @@ def _provenance(run: Run) -> str:
 def _header(runs: list[Run]) -> None:
     m = runs[0].meta
     env = m.env
-    st.subheader(f"{m.model}")
     st.caption(
         f"device {env.device} · torch {env.torch} · transformers {env.transformers} · vLLM {env.vllm} · "
         f"top-k {m.top_k} · BOS {m.bos} · "
@@ -85,45 +114,84 @@ def _header(runs: list[Run]) -> None:
     )
 
 
-def _share(runs: list[Run], seq: int, metric: str, thr: float | None, page: str) -> None:
+def _share(runs: list[Run], seq: int, metric: str, thr: float | None, page: str, raw: bool = False) -> None:
     params = {"runs": ",".join(r.run_id for r in runs), "seq": seq, "metric": metric}
+    if raw:
+        params["scale"] = "raw"
     if thr:
         params["thr"] = thr
     base = (st.context.url or "").split("?")[0] if hasattr(st, "context") else ""
     st.text_input("Share this view (anyone on this server opens it without recomputing)", f"{base}?{urlencode(params)}", key=f"share-{page}")
 
 
+def _window(runs: list[Run], seq: int, page: str) -> tuple[int, int] | None:
+    """For a long text, the part to draw (worst part first); None draws everything."""
+    n = min(len(r.sequences[seq].token_ids) for r in runs)
+    if n <= WINDOW:
+        return None
+    parts = windows(runs, seq, WINDOW)
+    pick = st.selectbox(f"This text has {n:,} tokens: it is shown {WINDOW} at a time, the part with the largest gap first",
+                        range(len(parts)), key=f"{page}-window-{seq}",
+                        format_func=lambda i: f"tokens {parts[i][0]:,}–{parts[i][1] - 1:,} (largest gap {parts[i][2]:.2e})")
+    return parts[pick][0], parts[pick][1]
+
+
+def _cut_notice(runs: list[Run], seq: int) -> None:
+    info = runs[0].meta.sequences[seq] if seq < len(runs[0].meta.sequences) else None
+    if info is not None and info.cut_from:
+        st.warning(f"This text was cut from {info.cut_from:,} to {info.n_positions:,} tokens to fit the model "
+                   "('Truncate prompts longer than the model's positions' was ticked); only the first part was compared.",
+                   icon=":material/content_cut:")
+
+
 def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = None) -> None:
-    _header(runs)
     from dashboard.state import get_store
 
     diag = get_store().diagnostics_for_run(runs[0].run_id)  # once per render: verdict, noise band, report
-    verdict_cards([v.to_dict() for v in run_verdicts(runs, diag)])
+    st.subheader(f"Result: {runs[0].meta.model}, {', '.join(r.dtype for r in runs)}")
+    verdict_cards(run_verdicts(runs, diag))
+    _header(runs)
     metric_cards(runs)
+    with st.expander("What do these words mean?", icon=":material/help:"):
+        st.markdown(GLOSSARY)
     n_seq = min(len(r.sequences) for r in runs)
-    c1, c2, c3, c4 = st.columns([2, 2, 2, 3])
+    c1, c2, c3, c4 = st.columns([2, 3, 2, 3])
     if seq_fixed is None and n_seq > 1:
         seq = c1.number_input("Prompt", 0, n_seq - 1, query_int("seq", 0, 0, n_seq - 1), key=f"{page}-seq")
     else:
         seq = seq_fixed if seq_fixed is not None else 0
     metrics = list(METRIC_LABELS)
-    metric = c2.selectbox("Colour by", metrics, metrics.index(query_metric()), format_func=METRIC_LABELS.get, key=f"{page}-metric")
-    default_hi = SCALES[metric].hi
-    hi = c3.select_slider("Scale max", SCALE_MAXES if metric != "rank_change" else [1.0, 5.0, 10.0, 100.0, 1000.0],
-                          value=default_hi, key=f"{page}-hi-{metric}")
+    metric = c2.selectbox("Colour by", metrics, metrics.index(query_metric()), format_func=METRIC_LABELS.get, key=f"{page}-metric",
+                          help="|Δ logp|: the gap in log probability. |Δp|: the gap in probability. top-k KL: how different "
+                               "the lists of likely next tokens are. rank change: how many places the token moved.")
+    raw = False
+    hi = None
+    if metric == "abs_delta":
+        raw = c3.toggle("Raw scale", value=st.query_params.get("scale") == "raw", key=f"{page}-raw",
+                        help="Off: colour by meaning (grey within the noise floor, red beyond vLLM's tolerance). "
+                             "On: a plain light-to-dark scale you can stretch.")
+    if metric != "abs_delta" or raw:
+        hi = c3.select_slider("Scale max", SCALE_MAXES if metric != "rank_change" else [1.0, 5.0, 10.0, 100.0, 1000.0],
+                              value=SCALES[metric].hi, key=f"{page}-hi-{metric}")
     thr_q = query_float("thr", 0.0) or 0.0
     thr = c4.select_slider("Outline tokens above", THRESHOLDS, value=min(THRESHOLDS, key=lambda t: abs(t - thr_q)), key=f"{page}-thr",
                            format_func=lambda v: "off" if v == 0 else f"{v:g}")
-    set_query(runs=",".join(r.run_id for r in runs), seq=seq, metric=metric, thr=thr or None)
+    set_query(runs=",".join(r.run_id for r in runs), seq=seq, metric=metric, thr=thr or None, scale="raw" if raw else None)
 
-    st.html(token_view_html(runs, int(seq), metric, thr or None, hi))
-
+    _cut_notice(runs, int(seq))
+    window = _window(runs, int(seq), page)
     floors = noise_floors(runs, diag)
+    st.caption("Each token is coloured by how far apart the engines are. Hover a token for both engines' values, "
+               "ranks and their five most likely tokens (shown in a panel at the lower right).")
+    st.html(token_view_html(runs, int(seq), metric, thr or None, hi, raw=raw, floors=floors["hf"] if floors else None,
+                            window=window))
+
     if floors:
         st.caption("Noise floor from stored diagnostics: " + " · ".join(
-            f"{d}: gap = {r:.3g}× HF's own noise (batching, padding, attention)" for d, r in floors["ratios"].items() if r is not None))
+            f"{d}: the gap is {r:.3g}× HF's own noise (batching, padding, attention)" for d, r in floors["ratios"].items() if r is not None))
     df = chart_frame(runs, int(seq))
-    tabs = st.tabs(["|Δ| histogram", "vLLM vs HF", "|Δ| by position", "|Δ| vs probability", "Worst 20", "All prompts"])
+    tabs = st.tabs(["How big the gaps are", "vLLM against HF", "Gap along the text", "Gap against probability", "Worst 20 tokens",
+                    "All prompts"])
     for tab, (name, make) in zip(tabs[:4], CHARTS.items()):
         with tab:
             if df.empty:
@@ -133,13 +201,18 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
             else:
                 st.altair_chart(make(df), width="stretch")
     with tabs[4]:
-        st.dataframe(worst_tokens(runs, 20, int(seq)), hide_index=True, width="stretch")
+        st.dataframe(worst_tokens(runs, 20, int(seq)), hide_index=True, width="stretch", column_config=sci_columns(worst_tokens(runs, 1)))
     with tabs[5]:
         st.caption("Worst 20 tokens over every prompt of these runs")
-        st.dataframe(worst_tokens(runs, 20), hide_index=True, width="stretch")
+        st.dataframe(worst_tokens(runs, 20), hide_index=True, width="stretch", column_config=sci_columns(worst_tokens(runs, 1)))
 
     _downloads(runs, page, diag)
-    _share(runs, int(seq), metric, thr or None, page)
+    _share(runs, int(seq), metric, thr or None, page, raw)
+
+
+def sci_columns(df: pd.DataFrame, skip: tuple[str, ...] = ("prompt", "position", "token_id")) -> dict:
+    """Small numbers in e-notation (4.000e-06, not 0.000004), as everywhere else in the app."""
+    return {c: st.column_config.NumberColumn(format="%.3e") for c in df.select_dtypes("number").columns if c not in skip}
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

@@ -1,6 +1,17 @@
-"""Run a comparison with visible progress; errors become messages and the app stays up."""
+"""Run a job (a comparison, a diagnosis) with progress in words; errors become visible messages.
+
+The job runs in a worker thread while the page's script thread redraws the status once a second,
+so a long step still shows what it waits for and for how long ("starting engines, 34 s"), and a
+job queued behind another says its place in line. The worker never calls Streamlit: it only puts
+events on a queue.
+"""
 
 from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, TypeVar
 
 import streamlit as st
 
@@ -9,45 +20,87 @@ from core.errors import EngineError, UserError
 from core.results.run import Run
 from dashboard.state import request_context, set_query
 
+T = TypeVar("T")
 
-def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
-    steps = 2 + 6 * max(1, len(spec.dtypes))
+# What each stage means, for someone who has never seen the code.
+STAGE_WORDS = {
+    "resolve": "Finding the model (the embedded demo model is unpacked on first use, about 20 s)",
+    "tokenize": "Splitting the text into tokens",
+    "load": "Engines",
+    "queue": "Waiting for another job",
+    "score": "Scoring every token",
+    "compare": "Computing the differences",
+    "store": "Saving the result",
+    "cache": "Found in the store: no engine needed",
+    "noise": "Measuring the noise floor",
+    "reference": "Computing the float64 reference",
+    "downstream": "Checking generated text and multiple-choice answers",
+    "ablation": "Trying one setting at a time",
+}
+
+
+def describe(stage: str, dtype: str | None, detail: str) -> str:
+    words = STAGE_WORDS.get(stage, stage)
+    return f"{words}{f' [{dtype}]' if dtype else ''}: {detail}"
+
+
+def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool = False, clear: str = "runs") -> T | None:
+    """Run job(ctx) with a live status; on failure show the message at once (outside the collapsed box)
+    and clear the query key `clear`, so an older result does not stay on screen as if it were this one."""
+    events: queue.Queue = queue.Queue()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = job(request_context(lambda stage, d, detail: events.put((stage, d, detail))))
+        except BaseException as exc:  # noqa: BLE001 - handed to the page's thread, which shows it
+            box["error"] = exc
+
+    worker = threading.Thread(target=work, name="lpp-job", daemon=True)
+    t0 = time.monotonic()
     done = 0
+    last = "starting"
     bar = st.progress(0.0, text="starting") if progress_bar else None
-    with st.status("Comparing…", expanded=True) as status:
-
-        def on_event(stage: str, dtype: str | None, detail: str) -> None:
-            nonlocal done
-            done += 6 if stage == "cache" else 1
-            label = f"{stage}{f' [{dtype}]' if dtype else ''}: {detail}"
-            status.write(label)
+    with st.status(f"{title}…", expanded=True) as status:
+        worker.start()
+        while worker.is_alive() or not events.empty():
+            try:
+                stage, d, detail = events.get(timeout=1.0)
+            except queue.Empty:
+                stage = None
+            if stage is not None:
+                done += 6 if stage == "cache" else (0 if stage == "queue" else 1)
+                last = describe(stage, d, detail)
+                status.write(last)
+            elapsed = time.monotonic() - t0
+            label = f"Step {min(done, steps)} of about {steps} · {last} · {elapsed:.0f} s"
             status.update(label=label)
             if bar is not None:
                 bar.progress(min(done / steps, 1.0), text=label)
-
-        failed: Exception | None = None
-        try:
-            runs = compare(spec, request_context(on_event))
-            status.update(label="Done", state="complete", expanded=False)
-        except UserError as exc:
-            status.update(label="Could not run", state="error", expanded=False)
-            failed = exc
-        except EngineError as exc:
-            status.update(label="An engine failed", state="error", expanded=False)
-            failed = exc
-    # outside the collapsed status box, so the message is visible without a click
+        worker.join()
+        failed = box.get("error")
+        if failed is None:
+            status.update(label=f"Done in {time.monotonic() - t0:.1f} s", state="complete", expanded=False)
+        else:
+            status.update(label="Could not run" if isinstance(failed, UserError) else "An engine failed", state="error", expanded=False)
+    if failed is None:
+        if bar is not None:
+            bar.progress(1.0, text="done")
+        return box.get("result")
+    set_query(**{clear: None})
     if isinstance(failed, UserError):
         st.error(str(failed), icon=":material/error:")
-        set_query(runs=None)  # the previous result must not stay below as if it were this one
         return None
-    if failed is not None:
+    if isinstance(failed, EngineError):
         first, _, rest = str(failed).partition("\n")
         st.error(f"{first} The next run starts a fresh engine.", icon=":material/error:")
         if rest:
             with st.expander("engine log"):
                 st.code(rest)
-        set_query(runs=None)
         return None
-    if bar is not None:
-        bar.progress(1.0, text="done")
-    return runs
+    raise failed
+
+
+def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
+    """A comparison with live progress (2 steps to prepare, then 6 per dtype)."""
+    return run_job(lambda ctx: compare(spec, ctx), "Comparing", 2 + 6 * max(1, len(spec.dtypes)), progress_bar)

@@ -44,6 +44,24 @@ def _widget(container: Any, s: Setting, key: str, initial: Any) -> Any:
     return text.strip() or (None if s.optional else s.default)
 
 
+def widget_state(key: str, values: dict[str, Any], registry: tuple[Setting, ...] = SETTINGS) -> dict[str, Any]:
+    """The widget values that show these settings (session-state keys of `settings_inputs`), so a form
+    can be made to show a stored run's settings: the inverse of what `_widget` returns."""
+    out = {}
+    for s in registry:
+        v = values.get(s.name, s.default)
+        wkey = f"{key}-set-{s.name}"
+        if s.kind is bool and not s.optional:
+            out[wkey] = bool(v)
+        elif s.kind is bool or s.choices is not None:
+            out[wkey] = DEFAULT if v is None else ({True: "on", False: "off"}[v] if s.kind is bool else str(v))
+        elif s.kind in (int, float):
+            out[wkey] = s.kind(v) if v is not None else s.kind(0)
+        else:
+            out[wkey] = "" if v is None else str(v)
+    return out
+
+
 def settings_inputs(key: str, initial: dict[str, Any] | None = None, registry: tuple[Setting, ...] = SETTINGS) -> dict[str, Any]:
     """One input per registered setting, in three columns (vLLM, HF, both engines); returns
     {name: value}. `initial` pre-fills the inputs (a run opened from a link shows its settings)."""

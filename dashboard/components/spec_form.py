@@ -8,14 +8,49 @@ from core.inputs.prompts import SEED_TEXT
 from core.errors import UserError
 from core.inputs.settings import EngineSettings
 from core.inputs.spec import BOS_POLICIES, DTYPES, MAX_TOP_K, RunSpec
-from dashboard.components.settings_form import settings_inputs
+from dashboard.components.settings_form import settings_inputs, widget_state
 from dashboard.state import dtype_reasons, engines_available
+
+SHOWN_KEY = "{key}-form-shows"  # the run ids the form was last filled from
 
 PRESETS = {
     "demo: SmolLM2-135M-Instruct (embedded, offline)": "demo",
     "facebook/opt-125m (Hub)": "facebook/opt-125m",
     "Other (Hub id or local folder)": None,
 }
+
+
+def follow_view(key: str, runs: list, with_text: bool) -> None:
+    """Make the form show what the view shows: when the runs on screen are not the ones the form was
+    last filled from (a share link, a run opened from the Runs page), fill text, model, dtypes, BOS,
+    top-k, truncation and engine settings from them, so pressing Run recomputes what is on screen.
+    Call before `spec_form` draws its widgets."""
+    ids = ",".join(r.run_id for r in runs)
+    marker = SHOWN_KEY.format(key=key)
+    if not runs or st.session_state.get(marker) == ids:
+        return
+    st.session_state[marker] = ids
+    m = runs[0].meta
+    labels = {v: k for k, v in PRESETS.items() if v is not None}
+    other = next(k for k, v in PRESETS.items() if v is None)
+    asked = "demo" if m.model.split(":")[0] == "demo" else m.model  # the demo model is named "demo:<name>" in runs
+    state = {f"{key}-preset": labels.get(asked, other), f"{key}-custom": "" if asked in labels else asked,
+             f"{key}-revision": m.revision if asked not in labels and m.revision and not asked.startswith("/") else "",
+             f"{key}-bos": m.bos, f"{key}-topk": int(m.top_k),
+             f"{key}-truncate": any(s.cut_from for s in m.sequences)}
+    if with_text and m.sequences:
+        state[f"{key}-text"] = m.sequences[0].text
+    shown = {r.dtype for r in runs}
+    state.update({f"{key}-dt-{d}": d in shown for d in DTYPES})
+    settings = {k: v for k, v in m.settings.items() if k != "max_model_len"}
+    state.update(widget_state(key, settings))
+    for k, v in state.items():
+        st.session_state[k] = v
+
+
+def mark_shown(key: str, runs: list) -> None:
+    """The form already shows these runs (they were just computed from it): nothing to fill."""
+    st.session_state[SHOWN_KEY.format(key=key)] = ",".join(r.run_id for r in runs)
 
 
 def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:

@@ -7,12 +7,14 @@ import streamlit as st
 
 from core.errors import UserError
 from core.inputs.prompts import MAX_UPLOAD_BYTES, parse_prompts
-from dashboard.components.run_view import show_runs
+from core.present.labels import summary_label, summary_value
+from dashboard.components.run_view import sci_columns, show_runs
 from dashboard.components.runner import run_with_status
-from dashboard.components.spec_form import spec_form
-from dashboard.state import current_runs, query_int, set_query
+from dashboard.components.spec_form import follow_view, mark_shown, spec_form
+from dashboard.state import current_runs, query_int, runs_from_query, set_query
 
 st.title("Prompt set")
+st.caption("Many texts at once: the same comparison for each, a summary over all of them, and any one opened token by token.")
 upload = st.file_uploader(
     f"Prompts: .txt (one a line), .jsonl ({{\"text\": ...}}) or .csv (a text column), up to {MAX_UPLOAD_BYTES >> 20} MiB",
     type=["txt", "jsonl", "csv"],
@@ -27,29 +29,36 @@ if upload is not None:
         if pset.skipped:
             st.warning(f"Skipped {len(pset.skipped)} entries: " + "; ".join(pset.skipped[:10]))
     except UserError as exc:
-        st.error(str(exc))
+        st.error(str(exc), icon=":material/error:")
 
+follow_view("ps", runs_from_query()[0], with_text=False)  # the form shows the model and settings on screen
 spec, submitted = spec_form("ps", with_text=False)
 just_run = None
 if submitted and spec is not None:
     if not texts:
-        st.error("Upload a prompt file first.")
+        st.error("Upload a prompt file first.", icon=":material/error:")
     else:
         just_run = run_with_status(replace(spec, texts=tuple(texts)), progress_bar=True)
+        if just_run:
+            mark_shown("ps", just_run)
 runs = current_runs(just_run)
 if runs:
-    st.subheader("Aggregates per dtype")
+    st.subheader("Over all prompts, per dtype")
     keys = list(runs[0].summary)
-    st.dataframe(pd.DataFrame({r.dtype: [r.summary[k] for k in keys] for r in runs}, index=keys), width="stretch")
-    st.subheader("Per prompt (click a row to open it)")
+    agg = pd.DataFrame({r.dtype: [summary_value(k, r.summary[k]) for k in keys] for r in runs}, index=[summary_label(k) for k in keys])
+    st.dataframe(agg, width="stretch")
+    st.subheader("Per prompt: click a row to open it below")
     n = min(len(r.sequences) for r in runs)
     table = pd.DataFrame({"prompt": range(n), "text": [s.text[:120] for s in runs[0].sequences[:n]],
                           "tokens": [s.summary["n_tokens"] for s in runs[0].sequences[:n]]})
     for r in runs:
-        table[f"max |Δ| {r.dtype}"] = [s.summary["max_abs_delta"] for s in r.sequences[:n]]
-        table[f"mean |Δ| {r.dtype}"] = [s.summary["mean_abs_delta"] for s in r.sequences[:n]]
-    event = st.dataframe(table, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row", key="ps-table")
-    chosen = event.selection.rows[0] if event and event.selection.rows else query_int("seq", 0, 0, n - 1)
+        table[f"largest gap {r.dtype}"] = [s.summary["max_abs_delta"] for s in r.sequences[:n]]
+        table[f"mean gap {r.dtype}"] = [s.summary["mean_abs_delta"] for s in r.sequences[:n]]
+    # a click on any cell opens that row's prompt (cell selection), as does the row's checkbox
+    event = st.dataframe(table, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
+                         key="ps-table", column_config=sci_columns(table, skip=("prompt", "tokens")))
+    picked = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
+    chosen = picked[0] if picked else query_int("seq", 0, 0, n - 1)
     set_query(seq=chosen)
     st.divider()
     st.markdown(f"**Prompt {chosen}**")

@@ -1,11 +1,14 @@
-"""Runs page: stored comparisons and diagnostics; open any without recomputing, or delete runs."""
+"""Runs page: stored comparisons (one row per comparison, all its dtypes together) and diagnostics;
+open any without recomputing, or delete."""
 
+import pandas as pd
 import streamlit as st
 
 from core.errors import UserError
 from dashboard.state import get_store, load_run
 
 st.title("Stored runs")
+st.caption("Every comparison and diagnosis run on this server is kept. Open one to see it again without recomputing.")
 store = get_store()
 df = store.list_runs()
 diags = store.list_diagnostics()
@@ -13,17 +16,36 @@ if df.empty and diags.empty:
     st.info("No stored runs yet. Run a comparison on the Compare page.", icon=":material/info:")
     st.stop()
 
+
+def comparisons(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per comparison: the runs that differ only in dtype, newest first."""
+    rows = []
+    # a dtype run twice for the same comparison (a rerun after deleting, say) starts another row
+    runs = runs.sort_values("created", ascending=False).assign(nth=lambda d: d.groupby(["comparison", "dtype"]).cumcount())
+    for _, g in runs.groupby(["comparison", "nth"], sort=False):
+        g = g.sort_values("dtype")
+        rows.append({
+            "text": g["first_text"].iloc[0] + (f"  (+{int(g['n_sequences'].iloc[0]) - 1} more prompts)" if g["n_sequences"].iloc[0] > 1 else ""),
+            "model": g["model"].iloc[0],
+            "dtypes": ", ".join(g["dtype"]),
+            "largest gap": " · ".join(f"{d}: {v:.2e}" for d, v in zip(g["dtype"], g["max_abs_delta"]) if v is not None),
+            "tokens": int(g["n_tokens"].iloc[0]),
+            "created": g["created"].max(),
+            "run ids": ",".join(g["run_id"]),
+        })
+    return pd.DataFrame(rows).sort_values("created", ascending=False, ignore_index=True)
+
+
 if not df.empty:
-    st.caption(f"{len(df)} runs in {store.root}. Each row is one dtype of a comparison.")
-    shown = df[["first_text", "model", "dtype", "created", "n_tokens", "max_abs_delta", "mean_abs_delta", "run_id"]]
-    st.dataframe(shown, hide_index=True, width="stretch",
-                 column_config={"first_text": st.column_config.TextColumn("text", width="large"),
-                                "max_abs_delta": st.column_config.NumberColumn("max |Δ logp|", format="%.3e"),
-                                "mean_abs_delta": st.column_config.NumberColumn("mean |Δ logp|", format="%.3e"),
-                                "run_id": st.column_config.TextColumn("run id")})
-    labels = {r.run_id: f"{r.first_text[:48]} · {r.model} · {r.dtype} · {r.run_id[:8]}" for r in df.itertuples()}
-    selected = st.multiselect("Runs to open together, or to delete", list(labels), format_func=labels.get, key="runs-pick",
-                              max_selections=8)
+    table = comparisons(df)
+    st.subheader("Comparisons")
+    st.caption(f"{len(table)} comparisons ({len(df)} runs, one per dtype) in {store.root}. Tick rows to open or delete them.")
+    event = st.dataframe(table, hide_index=True, width="stretch", on_select="rerun", selection_mode=["multi-row", "single-cell"],
+                         key="runs-table",
+                         column_config={"text": st.column_config.TextColumn("text", width="large"),
+                                        "run ids": st.column_config.TextColumn("run ids", width="small")})
+    picked = sorted(set(event.selection.rows) | {c[0] for c in event.selection.cells}) if event else []
+    selected = [rid for i in picked for rid in table.loc[i, "run ids"].split(",")][:8]
     c1, c2 = st.columns(2)
     if c1.button("Open selected", disabled=not selected, type="primary", icon=":material/open_in_new:"):
         st.switch_page("views/compare.py", query_params={"runs": ",".join(selected), "seq": "0"})
@@ -34,14 +56,15 @@ if not df.empty:
             except UserError as exc:
                 st.error(str(exc), icon=":material/error:")
         load_run.clear()
-        st.session_state.pop("runs-pick", None)
+        st.session_state.pop("runs-table", None)
         st.rerun()
 
 if not diags.empty:
     st.subheader("Diagnostics")
-    st.dataframe(diags[["first_text", "model", "dtypes", "parts", "created", "diagnostics_id"]], hide_index=True, width="stretch",
-                 column_config={"first_text": st.column_config.TextColumn("text", width="large")})
-    dlabels = {r.diagnostics_id: f"{r.first_text[:48]} · {r.model} · {r.dtypes} · {r.diagnostics_id[:8]}" for r in diags.itertuples()}
-    pick = st.selectbox("Diagnostics to open", list(dlabels), format_func=dlabels.get, key="diag-pick")
-    if st.button("Open diagnostics", icon=":material/stethoscope:"):
-        st.switch_page("views/diagnostics.py", query_params={"diag": pick})
+    shown = diags[["first_text", "model", "dtypes", "parts", "created", "diagnostics_id"]].rename(
+        columns={"first_text": "text", "parts": "checks", "diagnostics_id": "id"})
+    event = st.dataframe(shown, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
+                         key="diag-table", column_config={"text": st.column_config.TextColumn("text", width="large")})
+    rows = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
+    if st.button("Open diagnostics", disabled=not rows, icon=":material/stethoscope:", key="diag-open"):
+        st.switch_page("views/diagnostics.py", query_params={"diag": shown.iloc[rows[0]]["id"]})

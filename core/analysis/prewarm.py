@@ -1,0 +1,105 @@
+"""Start the default model's engines when the dashboard server starts, so the first Run of a demo
+finds them warm (seconds, not the minute a cold start takes on a CPU).
+
+Why here and not on the first page view: Streamlit runs the app script only when a browser
+connects, so a server started before a demo would still be cold. `dashboard.serve` calls `start()`
+in the server process, before Streamlit's own loop; the pages read `status()` to say, in words,
+whether engines are still starting. It goes through the same request path and the same engine pool
+as a comparison (model-root rules, memory policy, leases), and LPP_PREWARM=0 (or
+`logprob-parity dashboard --no-prewarm`) turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ENV = "LPP_PREWARM"
+DEFAULT_DTYPES = ("bfloat16", "float32")  # the Compare form's default dtypes
+
+
+@dataclass(frozen=True)
+class PrewarmStatus:
+    state: str  # "off", "starting", "ready", "failed"
+    started: float = 0.0  # time.monotonic() when it began
+    finished: float | None = None
+    engines: tuple[str, ...] = ()
+    error: str | None = None
+
+    def words(self, now: float | None = None) -> str | None:
+        """One sentence for the page, or None when there is nothing to say."""
+        now = time.monotonic() if now is None else now
+        if self.state == "starting":
+            return (f"Starting the demo model's {len(self.engines) or 'default'} engines in the background "
+                    f"({', '.join(self.engines) or 'resolving the model'}): {now - self.started:.0f} s so far, about a minute "
+                    "on a CPU. A Run pressed now waits for them, then takes seconds.")
+        if self.state == "failed":
+            return f"The demo model's engines could not be started in the background ({self.error}); a Run starts them."
+        return None
+
+
+_status = PrewarmStatus("off")
+_lock = threading.Lock()
+
+
+def status() -> PrewarmStatus:
+    return _status
+
+
+def _set(**changes: Any) -> None:
+    global _status
+    with _lock:
+        _status = PrewarmStatus(**{**_status.__dict__, **changes})
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def default_dtypes(device: str) -> tuple[str, ...]:
+    from core.env import dtype_support
+
+    return tuple(d for d in DEFAULT_DTYPES if dtype_support(d, device) is None)
+
+
+def warm_defaults(ctx: Any = None) -> tuple[str, ...]:
+    """Load the default model's engines (HF and vLLM, each default dtype) into the pool, then leave
+    them warm. Returns the engines' labels."""
+    from core.analysis.request import Context, prepare
+    from core.env import resolve_device
+    from core.inputs.models import model_roots_from_env
+    from core.inputs.prompts import SEED_TEXT
+    from core.inputs.spec import RunSpec
+
+    ctx = ctx or Context.of(model_roots=model_roots_from_env())
+    spec = RunSpec(texts=(SEED_TEXT,), model=None, dtypes=default_dtypes(resolve_device("auto")))
+    p = prepare(spec, ctx)
+    requests = [p.load(b, d) for d in spec.dtypes for b in ("hf", "vllm")]
+    labels = tuple(r.label for r in requests)
+    _set(engines=labels)
+    with ctx.pool.lease(requests) as lease:
+        for r in requests:
+            lease.host(r)
+    return labels
+
+
+def start() -> threading.Thread | None:
+    """Begin warming in a daemon thread (no-op when LPP_PREWARM=0)."""
+    if not enabled():
+        _set(state="off")
+        return None
+    _set(state="starting", started=time.monotonic(), finished=None, error=None)
+
+    def run() -> None:
+        try:
+            warm_defaults()
+            _set(state="ready", finished=time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up must not stop the server; a Run retries
+            _set(state="failed", finished=time.monotonic(), error=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+
+    t = threading.Thread(target=run, name="lpp-prewarm", daemon=True)
+    t.start()
+    return t

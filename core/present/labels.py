@@ -1,0 +1,43 @@
+"""Words for the numbers: what each summary key is called wherever people read it (the prompt-set
+table, the HTML report), so `max_abs_delta` never reaches a page."""
+
+from __future__ import annotations
+
+
+# The summary keys (core.analysis.metrics.summarize) in words, for tables people read.
+SUMMARY_LABELS = {
+    "n_tokens": "tokens compared",
+    "max_abs_delta": "largest gap |Δ logp|",
+    "mean_abs_delta": "mean gap |Δ logp|",
+    "p50_abs_delta": "median gap |Δ logp|",
+    "p95_abs_delta": "95% of gaps below",
+    "p99_abs_delta": "99% of gaps below",
+    "mean_delta": "mean signed Δ logp (vLLM − HF)",
+    "max_prob_delta": "largest gap in probability |Δp|",
+    "mean_prob_delta": "mean gap in probability |Δp|",
+    "argmax_agreement": "same top token (share of positions)",
+    "mean_kl_topk": "mean top-k KL",
+    "pearson_prob": "correlation of probabilities",
+    "seq_logprob_delta": "whole-text Δ logp (sum)",
+    "frac_ratio_outside_0.9_1.1": "share of tokens whose probability differs by >10%",
+}
+
+
+def summary_label(key: str) -> str:
+    return SUMMARY_LABELS.get(key, key.replace("_", " "))
+
+
+SHARE_KEYS = ("argmax_agreement", "frac_ratio_outside_0.9_1.1")
+
+
+def summary_value(key: str, v: object) -> str:
+    """One summary figure as people read it: counts whole, shares as percentages, gaps in e-notation."""
+    if v is None:
+        return "–"
+    if key == "n_tokens":
+        return f"{int(v):,}"
+    if key in SHARE_KEYS:
+        return f"{float(v):.2%}"
+    if key == "pearson_prob":
+        return f"{float(v):.6f}"
+    return f"{float(v):.3e}"

@@ -1,0 +1,115 @@
+"""The one verdict function: its level and wording from summaries and diagnostics built like real
+ones (the H200 float32 case: inside vLLM's tolerance, 345x HF's own noise, vLLM ~350x farther from
+float64, one attention backend removing 99.8% of the gap), and the same words in every consumer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from core.analysis.diagnostics import diagnostics_text
+from core.analysis.verdict import Evidence, diagnosis_verdicts, run_verdicts, verdict
+from core.present.render import verdict_html
+from core.present.report import report_html
+from core.results.records import DiagnosticsResult
+from core.results.store import Store
+from test_store import make_run
+
+APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+
+
+def summary(max_abs: float, mean_abs: float, agree: float = 1.0) -> dict:
+    return {"max_abs_delta": max_abs, "mean_abs_delta": mean_abs, "argmax_agreement": agree}
+
+
+def h200_float32(run_id: str = "f32a1b", mean: float = 4.6e-4, max_abs: float = 4.1e-3) -> DiagnosticsResult:
+    """Shaped like the stored diagnostics of the H200 float32 run (vLLM 0.26.0, default attention)."""
+    hf_noise = mean / 345.0
+    return DiagnosticsResult.from_dict({
+        "diagnostics_id": "d1", "model": "demo", "device": "NVIDIA H200", "versions": {}, "texts": ["t"],
+        "parts": ["noise", "reference", "ablation"], "run_ids": {"float32": run_id},
+        "dtypes": {"float32": {
+            "run_id": run_id, "gap": {"mean": mean, "max": max_abs, "argmax_agreement": 1.0}, "verdict": {},
+            "noise": {"hf_batched_right_padding": {"mean": hf_noise, "max": 1e-5, "n": 30}},
+            "floor": {"hf": hf_noise, "vllm": 0.0}, "ratio_to_hf_noise": 345.0, "ratio_to_vllm_noise": None,
+            "reference": {"vllm_vs_ref": {"mean": 4.55e-4, "max": 4e-3}, "hf_vs_ref": {"mean": 1.3e-6, "max": 1e-5},
+                          "frac_tokens_vllm_closer": 0.02, "frac_tokens_tied": 0.0, "closer_overall": "HF"},
+        }},
+        "ablation": [
+            {"dtype": "float32", "knob": "baseline", "mean_abs_delta": mean, "max_abs_delta": max_abs, "change": 0.0},
+            {"dtype": "float32", "knob": "vLLM attention_backend=TRITON_ATTN", "mean_abs_delta": mean * 0.9,
+             "max_abs_delta": max_abs, "change": -mean * 0.1},
+            {"dtype": "float32", "knob": "vLLM attention_backend=FLEX_ATTENTION", "mean_abs_delta": mean * 0.002,
+             "max_abs_delta": 1e-5, "change": -mean * 0.998},
+            {"dtype": "float32", "knob": "vLLM fp32 LM head", "mean_abs_delta": None, "max_abs_delta": None, "change": None},
+        ],
+    })
+
+
+def test_a_gap_inside_tolerance_but_far_above_the_noise_is_systematic_not_a_match():
+    (v,) = diagnosis_verdicts(h200_float32()).values()
+    assert v.level == "systematic" and v.title == "Small but systematic"
+    assert "within vLLM's test tolerance, but systematic: 345x HF's own noise" in v.headline
+    assert "vLLM is 350x farther from the float64 reference than HF" in v.headline
+    assert "vLLM attention_backend=FLEX_ATTENTION removes 99.8% of the gap" in v.headline
+    text = " ".join(v.reasons)
+    assert "comes from vLLM's side" in text and "systematic, not run-to-run noise" in text
+
+
+def test_the_same_gap_without_diagnostics_is_a_match():
+    v = verdict(summary(4.1e-3, 4.6e-4), "float32")
+    assert v.level == "match" and "agree" in v.headline
+
+
+def test_a_gap_about_as_large_as_hf_own_noise_is_a_match():
+    v = verdict(summary(4.1e-3, 4.6e-4), "float32", Evidence(noise_ratio=2.0))
+    assert v.level == "match" and "HF's own noise" in v.headline
+    assert any("about what HF does to itself" in r for r in v.reasons)
+
+
+def test_some_tokens_beyond_the_tolerance_are_close_and_point_to_the_red_tokens():
+    v = verdict(summary(0.05, 4e-3), "bfloat16", Evidence(noise_ratio=3.0))
+    assert v.level == "close" and "beyond vLLM's test tolerance" in v.headline
+    assert any("red in the token view" in r for r in v.reasons)
+
+
+@pytest.mark.parametrize("s", [summary(0.3, 0.15), summary(2.0, 0.01)])
+def test_a_large_mean_or_a_five_fold_token_differs(s):
+    assert verdict(s, "float16").level == "differs"
+
+
+def test_hf_farther_from_the_reference_is_said_the_other_way_round():
+    v = verdict(summary(4e-3, 5e-4), "float32", Evidence(noise_ratio=50.0, vllm_to_ref=1e-6, hf_to_ref=5e-4))
+    assert v.level == "systematic" and "HF is 500x farther from the float64 reference than vLLM" in v.headline
+    assert any("comes from HF's side" in r for r in v.reasons)
+
+
+def test_a_knob_that_removes_little_is_not_offered_as_the_fix():
+    v = verdict(summary(4e-3, 5e-4), "float32", Evidence(noise_ratio=50.0, knob="vLLM prefix caching on", knob_share=0.1))
+    assert "prefix caching" not in v.headline and not any("prefix caching" in r for r in v.reasons)
+
+
+def test_nothing_scored_says_so():
+    v = verdict({"max_abs_delta": None, "mean_abs_delta": None}, "float32")
+    assert v.level == "differs" and "nothing was scored" in v.headline
+
+
+def test_cli_report_and_compare_page_say_the_same_verdict(home):
+    run = make_run("f32a1b")
+    diag = h200_float32("f32a1b", mean=run.summary["mean_abs_delta"], max_abs=run.summary["max_abs_delta"])
+    (expected,) = run_verdicts([run], diag)
+    assert expected == next(iter(diagnosis_verdicts(diag).values()))
+    assert expected.level == "systematic"
+    assert expected.headline in diagnostics_text(diag)  # the CLI's `diagnose` output
+    assert expected.headline.replace("'", "&#x27;") in report_html([run], diag)  # the HTML report
+    assert expected.headline.replace("'", "&#x27;") in verdict_html([expected.to_dict()])
+    store = Store(home)
+    store.save(run)
+    store.save_diagnostics(diag)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["runs"] = "f32a1b"
+    at.run()
+    assert not at.exception
+    assert any(expected.headline in w.value for w in at.warning)  # a systematic verdict is a warning box
