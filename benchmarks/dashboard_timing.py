@@ -71,7 +71,7 @@ def _run_and_wait(page, n_rows: int) -> float:
     """Press Run; seconds until this run's rows of coloured tokens are drawn."""
     before = page.evaluate("window.location.search")
     t = time.perf_counter()
-    page.get_by_role("button", name="Run").click()
+    page.get_by_role("button", name="Run", exact=True).click()
     page.wait_for_function("old => window.location.search.includes('runs=') && window.location.search !== old",
                            arg=before, timeout=900_000)
     page.locator(".lpp-row").nth(n_rows - 1).locator(".lpp-tok").nth(2).wait_for(timeout=120_000)
@@ -89,7 +89,7 @@ def one_start(browser, prewarm: bool, want: set[str], wait_s: float, shot: str |
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
         page.goto(url)
-        page.get_by_role("button", name="Run").wait_for(timeout=120_000)
+        page.get_by_role("button", name="Run", exact=True).wait_for(timeout=120_000)
         _settled(page)
         rows[0] = (rows[0][0], time.perf_counter() - t0)
         _pick_dtypes(page, want)
@@ -102,11 +102,17 @@ def one_start(browser, prewarm: bool, want: set[str], wait_s: float, shot: str |
         rows.append((f"{kind}: first Run pressed at {pressed:.0f} s, to coloured tokens", took))
         rows.append((f"{kind}: server start to first coloured tokens", time.perf_counter() - t0))
         if prewarm:
-            page.get_by_role("textbox", name="Text").fill("The committee will meet on Thursday to review the budget.")
+            # a text other than the form's default (the first Run's), or the store answers and nothing changes
+            page.get_by_role("textbox", name="Text").fill(
+                "The committee will meet on Thursday to review the budget, and then it will vote on the new plan for the park.")
             rows.append(("warm server: second Run, new text", _run_and_wait(page, len(want))))
-            if shot:
+            if shot:  # Streamlit scrolls inside its own container: grow the window to the page first
                 _settled(page)
-                page.screenshot(path=shot, full_page=True)
+                height = page.evaluate("() => document.querySelector('[data-testid=stMain]')?.scrollHeight || 1600")
+                page.set_viewport_size({"width": 1400, "height": min(int(height) + 40, 6000)})
+                _settled(page)
+                page.screenshot(path=shot)
+                page.set_viewport_size({"width": 1400, "height": 1600})
             share = page.get_by_role("textbox", name="Share this view").first.input_value()
             other = browser.new_context().new_page()
             t = time.perf_counter()

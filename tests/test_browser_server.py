@@ -105,9 +105,9 @@ def test_beyond_localhost_diagnostics_refuse_a_local_folder_visibly(home, tiny_b
             for path, shot in (("diagnostics", "diagnostics-refuses-folder.png"), ("", "compare-refuses-folder.png")):
                 page = browser.new_page(viewport={"width": 1400, "height": 1400})
                 page.goto(f"{dash.url}/{path}")
-                page.get_by_role("button", name="Run").wait_for(timeout=60_000)
+                page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
                 _choose_model(page, str(tiny_bos))
-                page.get_by_role("button", name="Run").click()
+                page.get_by_role("button", name="Run", exact=True).click()
                 message = page.get_by_text("local model folders are limited on this server; allowed roots: none")
                 expect(message).to_be_visible(timeout=60_000)
                 settled(page)
@@ -135,14 +135,14 @@ def test_three_users_at_once_under_a_two_engine_cap_all_get_results(home, tiny_b
                 page = browser.new_context().new_page()
                 page.set_viewport_size({"width": 1300, "height": 1200})
                 page.goto(dash.url)
-                page.get_by_role("button", name="Run").wait_for(timeout=60_000)
+                page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
                 _choose_model(page, str(tiny_bos))
                 for label in toggles:
                     page.get_by_text(label, exact=True).click()
                 pages[dtype] = page
             t0 = time.monotonic()
             for page in pages.values():
-                page.get_by_role("button", name="Run").click()
+                page.get_by_role("button", name="Run", exact=True).click()
             done: dict[str, float] = {}
             queued: dict[str, float] = {}
             while len(done) < 3 and time.monotonic() - t0 < 300:
@@ -185,7 +185,7 @@ def test_engines_start_with_the_server_and_serve_the_first_run(home):
             page = browser.new_page(viewport={"width": 1300, "height": 1200})
             page.goto(dash.url)
             expect(page.get_by_text("Starting the demo model's 4 engines in the background")).to_be_visible(timeout=30_000)
-            page.get_by_role("button", name="Run").click()
+            page.get_by_role("button", name="Run", exact=True).click()
             page.locator(".lpp-tok").first.wait_for(timeout=120_000)
             settled(page)
             assert page.get_by_test_id("stException").count() == 0
@@ -204,9 +204,9 @@ def test_sigterm_stops_the_dashboard_and_every_engine_host(home, tiny_bos):
             browser = _browser(p)
             page = browser.new_page()
             page.goto(dash.url)
-            page.get_by_role("button", name="Run").wait_for(timeout=60_000)
+            page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
             _choose_model(page, str(tiny_bos))
-            page.get_by_role("button", name="Run").click()
+            page.get_by_role("button", name="Run", exact=True).click()
             page.locator(".lpp-tok").first.wait_for(timeout=120_000)
             browser.close()
         hosts = hosts_of(dash.proc.pid)

@@ -140,3 +140,61 @@ def test_compare_page_runs_the_real_engines(home, tiny_bos):
     at.button[0].click()
     at.run()
     assert not at.exception and "empty" in at.error[0].value
+
+
+def test_a_shared_link_fills_the_form_with_what_the_view_shows(home):
+    """Pressing Run after opening a link recomputes what is on screen: text, model, dtypes, top-k, settings."""
+    text = "Shalom שלום, pizza 🍕 and 你好"
+    settings = {"attention_backend": "FLEX_ATTENTION", "enforce_eager": False, "max_num_seqs": 8, "max_model_len": 256}
+    Store(home).save(make_run("f00d16", texts=(text,), dtype="bfloat16", model="facebook/opt-125m", top_k=3, bos="none",
+                              settings=settings))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["runs"] = "f00d16"
+    at.run()
+    assert not at.exception
+    assert at.text_area(key="compare-text").value == text
+    assert at.selectbox(key="compare-preset").value == "facebook/opt-125m (Hub)"
+    assert at.checkbox(key="compare-dt-bfloat16").value and not at.checkbox(key="compare-dt-float32").value
+    assert at.number_input(key="compare-topk").value == 3 and at.radio(key="compare-bos").value == "none"
+    assert at.selectbox(key="compare-set-attention_backend").value == "FLEX_ATTENTION"
+    assert at.checkbox(key="compare-set-enforce_eager").value is False
+    assert at.number_input(key="compare-set-max_num_seqs").value == 8
+    # another run opened in the same session fills the form again
+    Store(home).save(make_run("f00d32", texts=("second text",), dtype="float32", model="facebook/opt-125m"))
+    at.query_params["runs"] = "f00d32"
+    at.run()
+    assert at.text_area(key="compare-text").value == "second text"
+    assert at.checkbox(key="compare-dt-float32").value and not at.checkbox(key="compare-dt-bfloat16").value
+
+
+def test_a_local_folder_or_demo_run_fills_the_model_choice(home):
+    Store(home).save(make_run("d0d0", model="demo:SmolLM2-135M-Instruct"))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["runs"] = "d0d0"
+    at.run()
+    assert at.selectbox(key="compare-preset").value.startswith("demo:")
+    Store(home).save(make_run("f01d", model="/models/mine", texts=("other",)))
+    at.query_params["runs"] = "f01d"
+    at.run()
+    assert at.selectbox(key="compare-preset").value.startswith("Other")
+    assert at.text_input(key="compare-custom").value == "/models/mine"
+
+
+def test_a_long_truncated_text_says_so_and_is_drawn_a_window_at_a_time(home):
+    pieces = [f" w{i}" for i in range(1199)]
+    Store(home).save(make_run("10a9", texts=("".join(pieces),), pieces=[pieces], cut_from=47_799))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["runs"] = "10a9"
+    at.run()
+    assert not at.exception
+    assert any("cut from 47,799 to 1,200 tokens" in w.value and "'Truncate prompts" in w.value for w in at.warning)
+    window = at.selectbox(key="compare-window-0")
+    assert "shown 512 at a time, the part with the largest gap first" in window.label
+    assert _html(at).count('class="lpp-tok') <= 512
+    # the windows are ordered by their largest gap, worst first
+    from core.present.render import windows
+    from core.results.store import Store as S
+
+    parts = windows([S(home).load("10a9")], 0, 512)
+    assert [p[2] for p in parts] == sorted((p[2] for p in parts), reverse=True)
+    assert sorted((a, b) for a, b, _ in parts) == [(0, 512), (512, 1024), (1024, 1200)]

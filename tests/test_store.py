@@ -26,8 +26,9 @@ def _scores(ids, shift, k=2, gather=False):
     return TokenScores(s.token_ids, s.logprob, s.rank, s.topk_ids, s.topk_logprobs, g if gather else None)
 
 
-def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None, dtype="float32"):
-    """A run with made-up scores; `pieces` (one list per text) sets the tokens, else each text is cut in three."""
+def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None, dtype="float32", cut_from=None, **meta_overrides):
+    """A run with made-up scores; `pieces` (one list per text) sets the tokens, else each text is cut in three.
+    `meta_overrides` replace metadata fields (model, settings, top_k, ...)."""
     seqs = []
     for i, text in enumerate(texts):
         if pieces is not None:
@@ -43,7 +44,9 @@ def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None, dtype="float
         "run_id": run_id, "created": "2026-12-02T00:00:00+00:00", "created_ts": 1.0, "model": "m", "model_path": "/m",
         "revision": None, "model_identity": {}, "dtype": dtype, "backends": ["hf", "vllm"], "settings": {},
         "top_k": 2, "bos": "auto", "device": "cpu", "env": {"device": "cpu", "torch": "t", "transformers": "tf", "vllm": "v"}, "summary": summary,
-        "sequences": [{"text": s.text, "bos_added": True, "n_positions": 4, "summary": s.summary} for s in seqs],
+        "sequences": [{"text": s.text, "bos_added": True, "n_positions": len(s.token_ids), "summary": s.summary, "cut_from": cut_from}
+                      for s in seqs],
+        **meta_overrides,
     }
     return Run(meta=RunMeta.from_dict(meta), sequences=tuple(seqs))
 

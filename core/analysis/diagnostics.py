@@ -287,10 +287,6 @@ def biggest_knob(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(tried, key=lambda r: abs(r["change"])) if tried else None
 
 
-def _f(v: Any) -> str:
-    return "-" if v is None else (f"{v:.3e}" if isinstance(v, float) else str(v))
-
-
 def noise_source(key: str) -> str:
     """A noise measurement's name in words (the keys are the stored JSON's)."""
     words = {
@@ -344,7 +340,7 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         b = base.get(r["dtype"])
-        removed = (-r["change"] / b) if (r.get("change") is not None and b and r["knob"] != "baseline") else None
+        removed = (0.0 - r["change"] / b) if (r.get("change") is not None and b and r["knob"] != "baseline") else None
         row = {"dtype": r["dtype"], **{ABLATION_WORDS[k]: r.get(k) for k in ("knob", "mean_abs_delta", "max_abs_delta", "change")}}
         row[ABLATION_WORDS["removed"]] = removed
         row["note"] = "the settings as run" if r["knob"] == "baseline" else r.get("note", "")
@@ -355,6 +351,8 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def diagnostics_text(result: DiagnosticsResult) -> str:
     import pandas as pd
 
+    from core.present.labels import cell_text
+
     lines = [f"diagnostics {result.diagnostics_id}  model {result.model}  device {result.device}"]
     for v in diagnosis_verdicts(result).values():
         lines += ["", f"[{v.title.upper()}] {v.headline}"] + [f"  - {r}" for r in v.reasons]
@@ -362,7 +360,9 @@ def diagnostics_text(result: DiagnosticsResult) -> str:
         rows = ablation_table(rows) if name == "ablation" else rows
         if rows:
             lines += ["", f"== {name} =="]
-            lines.append(pd.DataFrame(rows).drop(columns=["note", "run_id"], errors="ignore").to_string(index=False, float_format=_f))
+            df = pd.DataFrame(rows).drop(columns=["run_id"], errors="ignore")
+            df = df.astype(object).apply(lambda col: [cell_text(str(col.name), v) for v in col])
+            lines.append(df.to_string(index=False))
     knob = biggest_knob(list(result.ablation))
     if knob:
         lines += ["", f"The knob that moves the gap most: {knob['knob']} ({knob['dtype']}: mean |Δ| change {knob['change']:+.3e})"]

@@ -65,9 +65,10 @@ def default_dtypes(device: str) -> tuple[str, ...]:
     return tuple(d for d in DEFAULT_DTYPES if dtype_support(d, device) is None)
 
 
-def warm_defaults(ctx: Any = None) -> tuple[str, ...]:
-    """Load the default model's engines (HF and vLLM, each default dtype) into the pool, then leave
-    them warm. Returns the engines' labels."""
+def warm_defaults(ctx: Any = None, model: str | None = None) -> tuple[str, ...]:
+    """Load the default model's engines (HF and vLLM, each default dtype) into the pool, run one
+    warm-up pass on each, then leave them warm. `model`: another model than the demo (benchmarks).
+    Returns the engines' labels."""
     from core.analysis.request import Context, prepare
     from core.env import resolve_device
     from core.inputs.models import model_roots_from_env
@@ -75,14 +76,18 @@ def warm_defaults(ctx: Any = None) -> tuple[str, ...]:
     from core.inputs.spec import RunSpec
 
     ctx = ctx or Context.of(model_roots=model_roots_from_env())
-    spec = RunSpec(texts=(SEED_TEXT,), model=None, dtypes=default_dtypes(resolve_device("auto")))
+    spec = RunSpec(texts=(SEED_TEXT,), model=model, dtypes=default_dtypes(resolve_device("auto")))
     p = prepare(spec, ctx)
     requests = [p.load(b, d) for d in spec.dtypes for b in ("hf", "vllm")]
     labels = tuple(r.label for r in requests)
     _set(engines=labels)
     with ctx.pool.lease(requests) as lease:
         for r in requests:
-            lease.host(r)
+            host = lease.host(r)
+            # one scoring pass: an engine's first request pays one-time costs (about 2 s for vLLM on a
+            # CPU) that the first Run of a demo should not
+            with ctx.pool.device_turn(what="warming up"):
+                host.score(p.seqs, spec.top_k, None)
     return labels
 
 

@@ -41,3 +41,20 @@ def summary_value(key: str, v: object) -> str:
     if key == "pearson_prob":
         return f"{float(v):.6f}"
     return f"{float(v):.3e}"
+
+
+def cell_text(column: str, v: object) -> str:
+    """A table cell of the diagnostics tables as people read it, the same on the page, in the report
+    and in the CLI: shares (columns named 'share ...') as percentages, ratios ('÷') as N×, other
+    numbers in e-notation, nothing as a dash."""
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    if isinstance(v, bool) or isinstance(v, int):
+        return str(v)
+    if isinstance(v, float) and column.startswith("share"):
+        return f"{v:.1%}"
+    if isinstance(v, float) and "÷" in column:
+        return f"{v:.3g}×"
+    if isinstance(v, float):
+        return f"{v:.3e}"
+    return str(v)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from core.present.charts import CHARTS, chart_frame, worst_tokens
-from core.present.labels import summary_label, summary_value
+from core.present.labels import cell_text, summary_label, summary_value
 from core.present.render import token_view_html, verdict_html
 from core.analysis.verdict import run_verdicts
 from core.results.records import DiagnosticsResult
@@ -48,23 +48,12 @@ def _svg(chart: object) -> str:
     return vlc.vegalite_to_svg(chart.to_json())  # type: ignore[attr-defined]
 
 
-def _cell(column: str, v: object) -> str:
-    """Shares as percentages, ratios as N×, gaps in e-notation: as on the Diagnostics page."""
-    if isinstance(v, float) and column.startswith("share"):
-        return f"{v:.1%}"
-    if isinstance(v, float) and "÷" in column:
-        return f"{v:.3g}×"
-    if isinstance(v, float):
-        return f"{v:.3e}"
-    return _num(v)
-
-
 def _table(rows: list[dict]) -> str:
     if not rows:
         return ""
     cols = [c for c in rows[0] if c not in ("run_id", "note")] + (["note"] if "note" in rows[0] else [])
     head = "".join(f"<th>{_e(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(c, r.get(c))}</td>" for c in cols) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{_e(cell_text(c, r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 

@@ -224,14 +224,25 @@ def _report_bytes(run_ids: tuple[str, ...], diag_id: str | None) -> bytes:
 
 
 def _downloads(runs: list[Run], page: str, diag: DiagnosticsResult | None) -> None:
+    """Files are made when their button is clicked (deferred data), not on every render: the HTML
+    report draws its charts as SVG, which alone took seconds of each rerun."""
     ids = tuple(r.run_id for r in runs)
     stem = f"logprob-parity-{'-'.join(i[:8] for i in ids)}"
+    diag_id = diag.diagnostics_id if diag else None
+
+    def as_json() -> str:
+        data = [r.to_json_dict() for r in runs]
+        return json.dumps(data if len(data) > 1 else data[0], allow_nan=False)
+
+    def as_parquet() -> bytes:
+        buf = io.BytesIO()
+        pd.concat([r.to_frame().assign(dtype=r.dtype, run_id=r.run_id) for r in runs]).to_parquet(buf, index=False)
+        return buf.getvalue()
+
     c1, c2, c3 = st.columns(3)
-    c1.download_button("HTML report", _report_bytes(ids, diag.diagnostics_id if diag else None), f"{stem}.html", "text/html",
-                       key=f"{page}-dl-html")
-    data = [r.to_json_dict() for r in runs]
-    c2.download_button("JSON", json.dumps(data if len(data) > 1 else data[0], allow_nan=False), f"{stem}.json",
-                       "application/json", key=f"{page}-dl-json")
-    buf = io.BytesIO()
-    pd.concat([r.to_frame().assign(dtype=r.dtype, run_id=r.run_id) for r in runs]).to_parquet(buf, index=False)
-    c3.download_button("Parquet", buf.getvalue(), f"{stem}.parquet", "application/octet-stream", key=f"{page}-dl-parquet")
+    c1.download_button("HTML report", lambda: _report_bytes(ids, diag_id), f"{stem}.html", "text/html", key=f"{page}-dl-html",
+                       icon=":material/description:", on_click="ignore")
+    c2.download_button("JSON", as_json, f"{stem}.json", "application/json", key=f"{page}-dl-json", icon=":material/data_object:",
+                       on_click="ignore")
+    c3.download_button("Parquet", as_parquet, f"{stem}.parquet", "application/octet-stream", key=f"{page}-dl-parquet",
+                       icon=":material/table:", on_click="ignore")

@@ -55,6 +55,8 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
             box["result"] = job(request_context(lambda stage, d, detail: events.put((stage, d, detail))))
         except BaseException as exc:  # noqa: BLE001 - handed to the page's thread, which shows it
             box["error"] = exc
+        finally:
+            events.put(None)  # done: the page stops waiting at once, not at its next tick
 
     worker = threading.Thread(target=work, name="lpp-job", daemon=True)
     t0 = time.monotonic()
@@ -63,12 +65,15 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
     bar = st.progress(0.0, text="starting") if progress_bar else None
     with st.status(f"{title}…", expanded=True) as status:
         worker.start()
-        while worker.is_alive() or not events.empty():
+        while True:
             try:
-                stage, d, detail = events.get(timeout=1.0)
+                event = events.get(timeout=1.0)
             except queue.Empty:
-                stage = None
-            if stage is not None:
+                event = ()
+            if event is None:
+                break
+            if event:
+                stage, d, detail = event
                 done += 6 if stage == "cache" else (0 if stage == "queue" else 1)
                 last = describe(stage, d, detail)
                 status.write(last)

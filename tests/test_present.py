@@ -1,0 +1,93 @@
+"""Colour and words agree: the meaning scale against the verdict, one dtype palette everywhere,
+and progress described in words."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from core.analysis.verdict import VLLM_TEST_TOL, run_verdicts
+from core.present.charts import CHARTS, chart_frame
+from core.present.palette import DTYPE_COLOURS
+from core.present.render import AMBER_HI, NEUTRAL, RED_HI, RED_LO, meaning_scale, token_view_html
+from core.present.report import report_html
+from test_store import make_run
+
+
+def test_meaning_scale_is_neutral_within_the_floor_amber_to_the_tolerance_and_red_beyond():
+    s = meaning_scale("float32", 1e-6)
+    assert s.floor_source == "measured" and s.rgb(5e-7) == NEUTRAL and s.rgb(1e-6) == NEUTRAL
+    mid = s.rgb(1e-4)
+    assert mid not in (NEUTRAL, RED_LO) and mid[2] < mid[0]  # a warm, not a red, tone
+    assert s.rgb(VLLM_TEST_TOL[0]) == AMBER_HI
+    assert s.rgb(0.05)[0] > 150 and s.rgb(0.05)[1] < 80  # red
+    assert s.rgb(10.0) == RED_HI
+    assert not s.dark(VLLM_TEST_TOL[1]) and s.dark(0.03)
+    assumed = meaning_scale("bfloat16")
+    assert assumed.floor_source == "assumed" and assumed.floor == 2.0**-7
+
+
+def _red(style: str) -> bool:
+    r, g, b = map(int, re.search(r"rgb\((\d+),(\d+),(\d+)\)", style).groups())
+    return r > 150 and g < 80 and b < 80
+
+
+@pytest.mark.parametrize("scale", [1e-3, 3e-2])
+def test_red_tokens_and_the_verdict_tell_the_same_story(scale):
+    """A token is red exactly when it is beyond vLLM's tolerance, and the verdict says so exactly then."""
+    from test_store import _scores
+    from core.inputs.tokens import TokenizedText
+    from core.results.run import Run, SequenceResult
+    from core.results.records import RunMeta
+    from core.analysis.metrics import concat, summarize
+
+    ids = [1, 10, 11, 12, 13]
+    toks = ("<s>", "a", "b", "c", "d")
+    seq = SequenceResult.build(TokenizedText("abcd", tuple(ids), toks, toks, True), _scores(ids, 0.0, gather=True), _scores(ids, scale))
+    summary = summarize(concat([seq.metrics]))
+    meta = RunMeta.from_dict({"run_id": "ab12", "model": "m", "revision": None, "dtype": "bfloat16", "backends": ["hf", "vllm"], "settings": {},
+                              "top_k": 2, "bos": "auto", "summary": summary,
+                              "sequences": [{"text": "abcd", "bos_added": True, "summary": summary}]})
+    run = Run(meta=meta, sequences=(seq,))
+    styles = re.findall(r'class="lpp-tok[^"]*" style="([^"]+)"', token_view_html([run], 0))
+    red = [_red(s) for s in styles]
+    beyond = [bool(v > VLLM_TEST_TOL[1]) for v in seq.metrics.abs_delta[seq.metrics.scored]]
+    assert red == beyond
+    (v,) = run_verdicts([run])
+    assert ("red in the token view" in " ".join(v.reasons)) == any(beyond)
+    assert v.level == ("close" if any(beyond) else "match")
+
+
+def test_legend_names_both_marks():
+    html = token_view_html([make_run("ab34")], 0)
+    assert "within the noise floor: float32 ≤ 1.2e-07 (one rounding step, assumed" in html
+    assert f"within vLLM’s test tolerance (≤ {VLLM_TEST_TOL[0]:g})" in html and "beyond vLLM’s test tolerance" in html
+    measured = token_view_html([make_run("ab34")], 0, floors={"float32": 3e-6})
+    assert "float32 ≤ 3.0e-06 (HF’s measured noise)" in measured
+    raw = token_view_html([make_run("ab34")], 0, raw=True)
+    assert "raw log scale" in raw and "within the noise floor" not in raw
+
+
+def test_one_palette_in_the_token_view_the_charts_and_the_report():
+    runs = [make_run("ab56", dtype="bfloat16"), make_run("ab57", dtype="float32")]
+    view = token_view_html(runs, 0)
+    for d in ("bfloat16", "float32"):
+        assert f'background:{DTYPE_COLOURS[d]}"></span>{d}' in view
+    df = chart_frame(runs)
+    for make in CHARTS.values():
+        spec = json.dumps(make(df).to_dict())
+        assert DTYPE_COLOURS["bfloat16"] in spec and DTYPE_COLOURS["float32"] in spec
+    page = report_html(runs)
+    assert DTYPE_COLOURS["bfloat16"] in page and DTYPE_COLOURS["float32"] in page
+    assert len(set(DTYPE_COLOURS.values())) == len(DTYPE_COLOURS)
+
+
+def test_progress_is_said_in_words():
+    from dashboard.components.runner import describe
+
+    assert describe("queue", "float32", "waiting for another job on the device (2 in line)").startswith(
+        "Waiting for another job [float32]: waiting for another job on the device (2 in line)")
+    assert describe("load", "bfloat16", "hf: starting the engine").startswith("Engines [bfloat16]")
+    assert describe("resolve", None, "model demo").startswith("Finding the model")
