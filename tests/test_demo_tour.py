@@ -224,7 +224,7 @@ def test_demo_tour(home):
             if page.get_by_role("checkbox", name="bfloat16", exact=True).is_checked():
                 page.get_by_text("bfloat16", exact=True).click()
             page.get_by_role("button", name="Run", exact=True).click()
-            page.get_by_text("Noise floor", exact=False).first.wait_for(timeout=900_000)
+            page.get_by_test_id("stMetric").first.wait_for(timeout=900_000)  # only a result has metrics (the gap ÷ noise)
             settled(page, 900_000)
             tour.clean()
             body = page.locator("section.main, [data-testid='stMain']").first.inner_text()

@@ -64,7 +64,10 @@ def test_verdict_and_storage(demo_diag):
 
     f32 = r.dtypes["float32"]
     # the stored verdict is the one verdict function's, over the stored evidence
-    assert {d: o.verdict for d, o in r.dtypes.items()} == {d: v.to_dict() for d, v in diagnosis_verdicts(r).items()}
+    import json
+
+    stored = {d: o.verdict for d, o in r.dtypes.items()}
+    assert stored == json.loads(json.dumps({d: v.to_dict() for d, v in diagnosis_verdicts(r).items()}))
     assert f32.verdict["level"] == ("systematic" if f32.ratio_to_hf_noise > SYSTEMATIC_NOISE_RATIO else "match")
     assert r.dtypes["bfloat16"].verdict["level"] in ("systematic", "close", "differs")
     assert any("HF's own noise" in x for x in r.dtypes["bfloat16"].verdict["reasons"])

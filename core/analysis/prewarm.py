@@ -56,7 +56,13 @@ def _set(**changes: Any) -> None:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """On unless LPP_PREWARM says no, and only where engines can run (not in viewer mode, where
+    torch, transformers or vLLM is missing and a warm-up could only fail)."""
+    import importlib.util
+
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "vllm"))
 
 
 def default_dtypes(device: str) -> tuple[str, ...]:
