@@ -198,3 +198,17 @@ def test_a_long_truncated_text_says_so_and_is_drawn_a_window_at_a_time(home):
     parts = windows([S(home).load("10a9")], 0, 512)
     assert [p[2] for p in parts] == sorted((p[2] for p in parts), reverse=True)
     assert sorted((a, b) for a, b, _ in parts) == [(0, 512), (512, 1024), (1024, 1200)]
+
+
+@pytest.mark.parametrize("texts,page", [(("one text",), "vLLM vs HF log probabilities"), (("first", "second"), "Prompt set")])
+def test_runs_page_opens_a_comparison_where_all_its_prompts_show(home, texts, page):
+    Store(home).save(make_run("0be1", texts=texts))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.switch_page("views/runs.py")
+    at.run()
+    at.session_state["runs-table"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
+    at.run()
+    at.button[0].click().run()
+    assert not at.exception
+    assert at.title[0].value == page and at.query_params["runs"] == "0be1"

@@ -32,6 +32,7 @@ def comparisons(runs: pd.DataFrame) -> pd.DataFrame:
             "tokens": int(g["n_tokens"].iloc[0]),
             "created": g["created"].max(),
             "run ids": ",".join(g["run_id"]),
+            "prompts": int(g["n_sequences"].iloc[0]),
         })
     return pd.DataFrame(rows).sort_values("created", ascending=False, ignore_index=True)
 
@@ -43,12 +44,14 @@ if not df.empty:
     event = st.dataframe(table, hide_index=True, width="stretch", on_select="rerun", selection_mode=["multi-row", "single-cell"],
                          key="runs-table",
                          column_config={"text": st.column_config.TextColumn("text", width="large"),
-                                        "run ids": st.column_config.TextColumn("run ids", width="small")})
+                                        "run ids": st.column_config.TextColumn("run ids", width="small"), "prompts": None})
     picked = sorted(set(event.selection.rows) | {c[0] for c in event.selection.cells}) if event else []
     selected = [rid for i in picked for rid in table.loc[i, "run ids"].split(",")][:8]
     c1, c2 = st.columns(2)
     if c1.button("Open selected", disabled=not selected, type="primary", icon=":material/open_in_new:"):
-        st.switch_page("views/compare.py", query_params={"runs": ",".join(selected), "seq": "0"})
+        # a comparison of several prompts opens where all of them show (its form reruns them all)
+        several = any(table.loc[i, "prompts"] > 1 for i in picked)
+        st.switch_page("views/prompt_set.py" if several else "views/compare.py", query_params={"runs": ",".join(selected), "seq": "0"})
     if c2.button("Delete selected", disabled=not selected, icon=":material/delete:"):
         for rid in selected:
             try:
