@@ -119,7 +119,7 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
         else:
             reasons.append(f"The gap is {ev.noise_ratio:.2g}x HF's own noise (batching, padding, attention kernel): "
                            "about what HF does to itself.")
-    side = _closer_side(ev)
+    side, side_clause = _reference_words(ev)
     if side:
         reasons.append(side)
     fix = None
@@ -139,7 +139,7 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
     else:
         level = "match"
         head = f"{dtype}: vLLM and HF agree, within vLLM's own test tolerance" + (" and HF's own noise." if ev.noise_ratio is not None else ".")
-    extra = [s for s in (_side_short(ev), fix) if s]
+    extra = [s for s in (side_clause, fix) if s]
     if extra and level != "match":
         head += " " + "; ".join(extra) + "."
     return Verdict(level, head, tuple(reasons))
@@ -153,28 +153,19 @@ def _ref_ratio(ev: Evidence) -> float | None:
     return ev.vllm_to_ref / ev.hf_to_ref
 
 
-def _closer_side(ev: Evidence) -> str | None:
+def _reference_words(ev: Evidence) -> tuple[str | None, str | None]:
+    """(reason, headline clause) about which engine is closer to the float64 reference; the clause
+    only when one side is at least REFERENCE_SIDE_RATIO times closer."""
     r = _ref_ratio(ev)
     if r is None:
-        return None
-    if r >= REFERENCE_SIDE_RATIO:
-        return (f"Against a float64 reference, vLLM is {r:.3g}x farther from it than HF "
-                f"({ev.vllm_to_ref:.2e} against {ev.hf_to_ref:.2e}): the gap comes from vLLM's side.")
-    if r <= 1 / REFERENCE_SIDE_RATIO:
-        return (f"Against a float64 reference, HF is {1 / r:.3g}x farther from it than vLLM "
-                f"({ev.hf_to_ref:.2e} against {ev.vllm_to_ref:.2e}): the gap comes from HF's side.")
-    return f"Both engines are about as far from a float64 reference (vLLM {ev.vllm_to_ref:.2e}, HF {ev.hf_to_ref:.2e})."
-
-
-def _side_short(ev: Evidence) -> str | None:
-    r = _ref_ratio(ev)
-    if r is None:
-        return None
-    if r >= REFERENCE_SIDE_RATIO:
-        return f"vLLM is {r:.3g}x farther from the float64 reference than HF"
-    if r <= 1 / REFERENCE_SIDE_RATIO:
-        return f"HF is {1 / r:.3g}x farther from the float64 reference than vLLM"
-    return None
+        return None, None
+    for far, near, x, far_d, near_d in (("vLLM", "HF", r, ev.vllm_to_ref, ev.hf_to_ref),
+                                         ("HF", "vLLM", 1 / r if r else math.inf, ev.hf_to_ref, ev.vllm_to_ref)):
+        if x >= REFERENCE_SIDE_RATIO:
+            return (f"Against a float64 reference, {far} is {x:.3g}x farther from it than {near} "
+                    f"({far_d:.2e} against {near_d:.2e}): the gap comes from {far}'s side.",
+                    f"{far} is {x:.3g}x farther from the float64 reference than {near}")
+    return f"Both engines are about as far from a float64 reference (vLLM {ev.vllm_to_ref:.2e}, HF {ev.hf_to_ref:.2e}).", None
 
 
 def evidence_for(dtype: str, run_id: str | None, diagnostics: Any) -> Evidence:

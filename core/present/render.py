@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 import numpy as np
 
+from core.analysis.verdict import LEVEL_WORDS, RATIO_BANDS, VLLM_TEST_TOL
+from core.present.palette import LEVEL_COLOURS, dtype_colour
 from core.results.run import Run, SequenceResult
 
 
@@ -70,8 +72,6 @@ class MeaningScale:
     label: str = "|Δ logp|, by what it means"
 
     def rgb(self, value: float) -> tuple[int, int, int]:
-        from core.analysis.verdict import RATIO_BANDS, VLLM_TEST_TOL
-
         tight, loose = VLLM_TEST_TOL
         if not math.isfinite(value) or value <= self.floor:
             return NEUTRAL
@@ -82,8 +82,6 @@ class MeaningScale:
         return _mix(RED_LO, RED_HI, _log_share(value, loose, math.log(RATIO_BANDS[1])))
 
     def dark(self, value: float) -> bool:
-        from core.analysis.verdict import VLLM_TEST_TOL
-
         return math.isfinite(value) and value > VLLM_TEST_TOL[1]
 
 
@@ -212,8 +210,6 @@ def sequence_row_html(label: str, seq: SequenceResult, scale: Scale | MeaningSca
         tip = html.escape(tooltip(seq, t), quote=True)
         data = f' data-index="{t}" data-value="{v!r}"' if math.isfinite(v) else f' data-index="{t}"'
         spans.append(f'<span class="{" ".join(classes)}" style="{style}"{data}>{piece}<span class="lpp-tip">{tip}</span></span>')
-    from core.present.palette import dtype_colour
-
     swatch = f'<span class="lpp-swatch" style="background:{dtype_colour(label)}"></span>'
     return (
         f'<div class="lpp-row"><div class="lpp-label">{swatch}{html.escape(label, quote=True)}</div>'
@@ -240,8 +236,6 @@ def legend_html(scale: Scale, threshold: float | None) -> str:
 
 def meaning_legend_html(floors: dict[str, MeaningScale], threshold: float | None) -> str:
     """The meaning scale's key, with both marks: each row's noise floor and vLLM's test tolerance."""
-    from core.analysis.verdict import VLLM_TEST_TOL
-
     tight, loose = VLLM_TEST_TOL
     floor_txt = ", ".join(
         f"{html.escape(d)} ≤ {s.floor:.1e} ({'HF’s measured noise' if s.floor_source == 'measured' else 'one rounding step, assumed: run Diagnostics to measure'})"
@@ -294,9 +288,6 @@ def windows(runs: list[Run], seq_index: int, size: int) -> list[tuple[int, int, 
 
 def verdict_html(verdicts: list[dict]) -> str:
     """Verdict cards (from core.analysis.verdict) for reports, in the dashboard's level colours."""
-    from core.analysis.verdict import LEVEL_WORDS
-    from core.present.palette import LEVEL_COLOURS
-
     cards = []
     for v in verdicts:
         bg, fg = LEVEL_COLOURS.get(v["level"], ("#f3f4f6", "#111827"))

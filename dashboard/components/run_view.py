@@ -201,10 +201,12 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
             else:
                 st.altair_chart(make(df), width="stretch")
     with tabs[4]:
-        st.dataframe(worst_tokens(runs, 20, int(seq)), hide_index=True, width="stretch", column_config=sci_columns(worst_tokens(runs, 1)))
+        worst = worst_tokens(runs, 20, int(seq))
+        st.dataframe(worst, hide_index=True, width="stretch", column_config=sci_columns(worst))
     with tabs[5]:
         st.caption("Worst 20 tokens over every prompt of these runs")
-        st.dataframe(worst_tokens(runs, 20), hide_index=True, width="stretch", column_config=sci_columns(worst_tokens(runs, 1)))
+        worst_all = worst_tokens(runs, 20)
+        st.dataframe(worst_all, hide_index=True, width="stretch", column_config=sci_columns(worst_all))
 
     _downloads(runs, page, diag)
     _share(runs, int(seq), metric, thr or None, page, raw)
