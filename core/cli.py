@@ -56,23 +56,28 @@ def summary_table(runs: list[Any]) -> str:
 def _settings(args: argparse.Namespace, registry: tuple[Setting, ...] = SETTINGS) -> Any:
     """EngineSettings from the flags that `add_setting_flags` made from the same registry."""
     cls = EngineSettings if registry is SETTINGS else settings_class(registry)
-    return cls(**{s.name: getattr(args, s.name) for s in registry})
+    return cls(**{s.name: getattr(args, s.name, s.default) for s in registry})
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS) -> None:
-    """One flag per registered engine setting: booleans as --name/--no-name, numbers and strings typed."""
+def add_setting_flags(parser: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS,
+                      skip: tuple[str, ...] = (), defaults: dict[str, Any] | None = None) -> None:
+    """One flag per registered engine setting: booleans as --name/--no-name, numbers and strings typed.
+    skip: settings a command's own flags replace (a rollout's --seed is the sampling seed)."""
     group = parser.add_argument_group("engine settings (recorded in the run id)")
     for s in registry:
+        if s.name in skip:
+            continue
         where = {"vllm": "vLLM", "hf": "HF", "both": "both engines"}[s.backend]
-        default = "engine default" if s.default is None else s.default
+        own = (defaults or {}).get(s.name, s.default)
+        default = (defaults or {}).get(f"{s.name}_words") or ("engine default" if own is None else own)
         help_text = f"{s.help} [{where}; default: {default}]".replace("%", "%%")
         if s.kind is bool:
-            group.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=s.default, help=help_text)
+            group.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=own, help=help_text)
         else:
-            group.add_argument(s.flag, dest=s.name, type=s.kind, default=s.default, choices=s.choices, help=help_text)
+            group.add_argument(s.flag, dest=s.name, type=s.kind, default=own, choices=s.choices, help=help_text)
 
 
-def _spec_from_args(args: argparse.Namespace) -> RunSpec:
+def _spec_from_args(args: argparse.Namespace, rollout: bool = False) -> RunSpec:
     from core.inputs.prompts import read_prompt_file
 
     if (args.prompt is None) == (args.prompts is None):
@@ -85,19 +90,23 @@ def _spec_from_args(args: argparse.Namespace) -> RunSpec:
     else:
         texts = (args.prompt,)
     dtypes = tuple(d.strip() for d in args.dtype.split(",") if d.strip())
-    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    backends = tuple(b.strip() for b in getattr(args, "backends", "hf,vllm").split(",") if b.strip())
     spec = RunSpec(
         texts=tuple(texts),
         model=args.model,
         revision=args.revision,
         dtypes=dtypes,
         backends=backends,
-        top_k=args.top_k,
+        top_k=args.top_k if hasattr(args, "backends") else 5,  # rollout's --top-k is a sampling setting
         device=args.device,
         bos=args.bos,
         settings=_settings(args),
         truncate=args.truncate,
     )
+    if rollout:
+        from core.analysis.rollout import with_graph_default
+
+        spec = with_graph_default(spec)
     spec.validate()
     return spec
 
@@ -157,6 +166,67 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+ROLLOUT_ROWS = (
+    ("n_tokens", "d"), ("mean_abs_delta", "e"), ("max_abs_delta", "e"), ("p99_abs_delta", "e"), ("mean_delta", "e"),
+    ("kl", "e"), ("k2_kl", "e"), ("k3_kl", "e"), ("chi2_token", "e"), ("chi2_seq", "e"),
+    ("rollout_is_mean", "f"), ("rollout_is_min", "f"), ("rollout_is_max", "f"), ("rollout_is_eff_sample_size", "f"),
+    ("frac_ratio_outside_0.8_1.25", "f"), ("frac_ratio_outside_0.5_2", "f"), ("seq_log_ratio_mean", "e"),
+    ("seq_log_ratio_min", "e"), ("seq_log_ratio_max", "e"), ("ppl_ratio", "f"), ("token_mult_prob_error", "f"),
+    ("tis_clip_fraction", "f"), ("mis_mask_fraction", "f"),
+)
+
+
+def rollout_text(ro: Any) -> str:
+    """A rollout in words and tables: verdict, the three-way metrics, the noise floors."""
+    from core.results.rollout import PAIRS
+
+    m = ro.meta
+    v = m.verdict
+    lines = [f"[{v.get('level', '').upper()}] {v.get('headline', '')}"] + [f"  - {r}" for r in v.get("reasons", ())]
+    pairs = [p for p in PAIRS if p != "processed_vs_trainer" or m.processed.startswith("vLLM's own")]
+    head = ["metric"] + pairs
+    rows = [head] + [[k] + [_fmt(m.summary[p].get(k), kind) for p in pairs] for k, kind in ROLLOUT_ROWS]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    lines += ["", f"{m.dtype}: rollout {m.rollout_id} ({'from the store' if ro.from_store else 'computed'}); "
+              f"{len(ro.samples)} samples; decode_processed: {m.processed}", *table, "", "noise floors (|Δ logp| when only this changes):"]
+    for name, f in m.floors.items():
+        extra = f", same tokens {f['same_tokens']}/{f['of']}" if "same_tokens" in f else ""
+        lines.append(f"  {name:15s} mean {_fmt(f.get('mean'), 'e')}  max {_fmt(f.get('max'), 'e')}  n {f.get('n')}{extra}  ({f['what']})")
+    return "\n".join(lines)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from core.analysis.request import Context
+    from core.analysis.rollout import rollout
+    from core.results.rollout import Sampling
+
+    spec = _spec_from_args(args, rollout=True)
+    sampling = Sampling(samples=args.samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    sampling.validate()
+    t0 = time.perf_counter()
+
+    def on_event(stage: str, dtype: str | None, detail: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
+
+    ros = rollout(spec, sampling, Context.of(on_event=on_event), use_cache=not args.no_cache, noise_samples=args.noise_samples)
+    for ro in ros:
+        print(rollout_text(ro))
+        print()
+    print(f"elapsed {time.perf_counter() - t0:.2f} s")
+    if args.json:
+        data = [r.to_json_dict() for r in ros]
+        out = Path(args.json)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(data[0] if len(data) == 1 else data, indent=1, allow_nan=False))
+        os.replace(tmp, out)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
     """One object per run: a single object for one run, a list for several."""
     data = [r.to_json_dict() for r in runs]
@@ -177,6 +247,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
     else:
         df["created"] = df["created"].dt.strftime("%Y-%m-%d %H:%M")
         print(df.to_string(index=False, formatters={"max_abs_delta": "{:.3e}".format, "mean_abs_delta": "{:.3e}".format}))
+    ros = store.list_rollouts()
+    if not ros.empty:
+        ros["created"] = ros["created"].dt.strftime("%Y-%m-%d %H:%M")
+        print("\nrollouts (gap: vLLM decode vs HF):")
+        print(ros.to_string(index=False, formatters={"max_abs_delta": "{:.3e}".format, "mean_abs_delta": "{:.3e}".format}))
     diags = store.list_diagnostics()
     if not diags.empty:
         diags["created"] = diags["created"].dt.strftime("%Y-%m-%d %H:%M")
@@ -188,7 +263,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from core.results.store import Store
 
-    run = Store().load(args.run_id)
+    store = Store()
+    if store.is_rollout(args.run_id):
+        ro = store.load_rollout(args.run_id)
+        print(json.dumps(ro.to_json_dict(), indent=1, allow_nan=False) if args.json else rollout_text(ro))
+        return 0
+    run = store.load(args.run_id)
     if args.json:
         print(json.dumps(run.to_json_dict(), indent=1, allow_nan=False))
         return 0
@@ -207,8 +287,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     from core.results.store import Store
 
     store = Store()
-    run = store.load(args.run_id)
     out = Path(args.output)
+    if store.is_rollout(args.run_id):
+        from core.present.rollout_view import write_rollout_report
+
+        write_rollout_report(store.load_rollout(args.run_id), out)
+        print(f"wrote {out}")
+        return 0
+    run = store.load(args.run_id)
     if out.suffix.lower() == ".json":
         write_json(out, [run])
     elif out.suffix.lower() in (".html", ".htm"):
@@ -247,21 +333,27 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def _add_spec_args(c: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS) -> None:
+def _add_spec_args(c: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS, rollout: bool = False) -> None:
+    """The flags every analysis shares; a rollout's --top-k is its sampling cut, not a top-k list."""
     c.add_argument("--model", default=None, help="hub id or local folder (default: the embedded demo model)")
     c.add_argument("--revision", default=None)
     c.add_argument("--dtype", default="float32", help="float16, bfloat16, float32, comma-separated")
     c.add_argument("--prompt", default=None)
     c.add_argument("--prompts", default=None, help=".txt (a prompt a line), .jsonl ({'text': ...}) or .csv (text column)")
-    c.add_argument("--backends", default="hf,vllm")
-    c.add_argument("--top-k", type=int, default=5)
+    if not rollout:
+        c.add_argument("--backends", default="hf,vllm")
+        c.add_argument("--top-k", type=int, default=5)
     c.add_argument("--device", choices=DEVICES, default="auto")
     c.add_argument("--bos", choices=BOS_POLICIES, default="auto")
     c.add_argument("--json", default=None, metavar="OUT")
     c.add_argument("--no-cache", action="store_true", help="recompute even if the store has this run")
     c.add_argument("--truncate", action="store_true", help="keep the first positions of prompts longer than the model allows")
     c.add_argument("--quiet", action="store_true", help="no progress output")
-    add_setting_flags(c, registry)
+    if rollout:  # a rollout engine decodes with CUDA graphs unless told otherwise (core.analysis.rollout)
+        add_setting_flags(c, registry, skip=("seed",), defaults={"enforce_eager": None,
+                                                                 "enforce_eager_words": "off on a GPU (CUDA graphs), on on a CPU"})
+    else:
+        add_setting_flags(c, registry)
 
 
 def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentParser:
@@ -279,6 +371,19 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     g.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens to generate for the downstream check")
     g.add_argument("--slow-knobs", action="store_true", help="also ablate knobs that are slow here (torch.compile on CPU)")
     g.set_defaults(func=cmd_diagnose)
+
+    ro = sub.add_parser("rollout", help="sample with vLLM's decode path; rescore with vLLM prefill and HF (the trainer)")
+    _add_spec_args(ro, registry, rollout=True)
+    ro.add_argument("--samples", type=int, default=1, help="completions per prompt (each its own seed: seed + its index)")
+    ro.add_argument("--max-tokens", type=int, default=32, help="new tokens per completion at most")
+    ro.add_argument("--temperature", type=float, default=1.0)
+    ro.add_argument("--top-p", type=float, default=1.0)
+    ro.add_argument("--top-k", type=int, default=-1, help="sampling cut: -1 keeps the whole vocabulary")
+    ro.add_argument("--seed", dest="sampling_seed", type=int, default=0,
+                    help="sampling seed: sample k of the run uses seed + k, so each is reproducible alone")
+    ro.add_argument("--ignore-eos", action="store_true", help="always sample --max-tokens tokens (benchmarks)")
+    ro.add_argument("--noise-samples", type=int, default=2, help="samples re-decoded alone and rescored in chunks (noise floors)")
+    ro.set_defaults(func=cmd_rollout)
 
     sub.add_parser("runs", help="list stored runs").set_defaults(func=cmd_runs)
 

@@ -160,3 +160,70 @@ def test_hostile_text_never_executes(server, home, tmp_path):
             _check_page(page, dialogs)
             page.close()
         browser.close()
+
+
+@pytest.mark.engine
+def test_rollout_page_samples_rescores_and_explains(server, demo_model):
+    """The Rollout page in Chromium with the real engines on the demo model: prompts in emoji,
+    Arabic and CJK; Run; the verdict comes first; every token hovers to all its values; the charts
+    draw; a bad input is said at once; the stored rollout opens from the Runs page."""
+    from playwright.sync_api import expect, sync_playwright
+
+    out = ARTIFACTS / "rollout"
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = "The sea 🌊 is\nمرحبا بالعالم\n海は"
+    dialogs = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(f"{server}/rollout")
+        page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
+        page.get_by_role("textbox", name="Prompts, one a line").fill("  ")
+        page.get_by_role("button", name="Run", exact=True).click()
+        expect(page.get_by_text("Enter at least one prompt")).to_be_visible(timeout=30_000)
+        page.get_by_role("textbox", name="Prompts, one a line").fill(prompts)
+        page.get_by_role("spinbutton", name="samples a prompt").fill("1")
+        page.get_by_role("spinbutton", name="max new tokens").fill("8")
+        page.get_by_role("spinbutton", name="top-p").fill("0.9")
+        page.get_by_text("bfloat16", exact=True).click()  # float32 only: one engine pair
+        page.get_by_role("button", name="Run", exact=True).click()
+        expect(page.get_by_text("Enter at least one prompt")).to_have_count(0, timeout=30_000)
+        page.locator(".lpp-tok").first.wait_for(timeout=600_000)
+        settled(page, 600_000)
+        verdict = page.get_by_test_id("stAlertContainer").filter(has_text="Rollout float32").first
+        expect(verdict).to_be_visible()
+        assert verdict.bounding_box()["y"] < page.locator(".lpp-tv").first.bounding_box()["y"]
+        assert "computed now, in" in " ".join(page.get_by_test_id("stCaptionContainer").all_inner_texts())
+        prompts_shown = page.locator(".lpp-prompt").all_inner_texts()
+        assert prompts_shown == ["The sea 🌊 is"]  # sample 1 is of the first prompt
+        tok = page.locator(".lpp-tok").nth(2)
+        tok.hover()
+        tip = tok.locator(".lpp-tip")
+        expect(tip).to_be_visible()
+        text = tip.inner_text()
+        for words in ("vLLM decode (raw)", "vLLM decode (processed)", "vLLM prefill", "HF (trainer)", "log(kept mass)",
+                      "importance ratio"):
+            assert words in text, words
+        box, view = tip.bounding_box(), page.viewport_size
+        assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= view["width"] and box["y"] + box["height"] <= view["height"]
+        page.screenshot(path=str(out / "rollout-top.png"))
+        page.mouse.move(5, 5)
+        expect(tip).to_be_hidden()
+        # other samples: the Arabic and the CJK prompt read back as written
+        page.get_by_test_id("stSelectbox").filter(has_text="Sample").click()
+        page.get_by_role("option").filter(has_text="مرحبا").click()
+        expect(page.locator(".lpp-prompt").first).to_have_text("مرحبا بالعالم", timeout=30_000)
+        page.get_by_text("Importance ratios, with the thresholds").first.scroll_into_view_if_needed()
+        expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(3, timeout=30_000)
+        page.screenshot(path=str(out / "rollout-charts.png"))
+        page.get_by_text("Noise floors").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(out / "rollout-tables.png"))
+        rid = page.evaluate("new URLSearchParams(location.search).get('rollout')")
+        assert rid
+        page.goto(f"{server}/runs")
+        expect(page.get_by_text("Rollouts", exact=True)).to_be_visible(timeout=60_000)
+        page.screenshot(path=str(out / "runs.png"))
+        assert page.get_by_test_id("stException").count() == 0
+        browser.close()
+    assert dialogs == []

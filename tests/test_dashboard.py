@@ -212,3 +212,71 @@ def test_runs_page_opens_a_comparison_where_all_its_prompts_show(home, texts, pa
     at.button[0].click().run()
     assert not at.exception
     assert at.title[0].value == page and at.query_params["runs"] == "0be1"
+
+
+def make_rollout(rollout_id: str = "abc123", text: str = "The sea <b>is</b> 🌊 مرحبا 海"):
+    """A stored rollout built by hand (plumbing for page tests; tests/test_rollout.py runs the engines)."""
+    import numpy as np
+
+    from core.analysis.offpolicy import mismatch_metrics
+    from core.analysis.verdict import rollout_verdict
+    from core.results.records import RunEnv
+    from core.results.rollout import PAIRS, Rollout, RolloutMeta, Sample
+
+    pieces = (" <script>x</script>", " 🌊", " مرحبا", " 海")
+    decode = np.log([0.5, 0.25, 0.9, 0.3])
+    hf = decode + np.array([0.0, 0.05, -0.003, 0.3])
+    lp = {"decode_raw": decode, "decode_processed": decode, "prefill": decode.copy(), "hf": hf, "hf_tempered": hf,
+          "log_kept_mass": np.zeros(4)}
+    smp = Sample(0, 0, (1, 2, 3), (10, 11, 12, 13), pieces, "length", lp)
+    summary = {p: mismatch_metrics([lp[a]], [lp[b]]) for p, (a, b, _) in PAIRS.items()}
+    floors = {"hf_incremental": {"mean": 1e-6, "max": 2e-6, "n": 4, "side": "hf", "what": "HF: one token a forward"},
+              "decode_batch": {"mean": 0.0, "max": 0.0, "n": 4, "same_tokens": 1, "of": 1, "side": "vllm", "what": "alone"}}
+    meta = RolloutMeta(rollout_id=rollout_id, created="2026-12-03T00:00:00+00:00", created_ts=1.0, model="demo:tiny",
+                       model_path="/m", revision=None, model_identity={}, dtype="bfloat16", device="cpu", bos="auto",
+                       settings={}, sampling={"samples": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4,
+                                              "seed": 0, "ignore_eos": False}, prompts=(text,), processed="equal to raw",
+                       env=RunEnv("cpu", "t", "tf", "v"), timing={}, summary=summary, floors=floors,
+                       samples=(smp.info(),))
+    import dataclasses
+
+    meta = dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict())
+    return Rollout(meta=meta, samples=(smp,))
+
+
+def test_rollout_page_opens_a_stored_rollout_escaped_with_its_verdict_first(home):
+    Store(home).save_rollout(make_rollout())
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.switch_page("views/rollout.py")
+    at.query_params["rollout"] = "abc123"
+    at.run()
+    assert not at.exception
+    body = _html(at)
+    assert body.count('class="lpp-tok') == 4 and "<script>x" not in body and "&lt;script&gt;x" in body
+    assert " 🌊" in body and " مرحبا" in body and " 海" in body and "The sea &lt;b&gt;is&lt;/b&gt;" in body
+    assert "vLLM decode (raw)" in body and "importance ratio HF/decode" in body
+    boxes = [e.value for e in [*at.error, *at.warning, *at.success]]
+    assert any(b.startswith("**Close.** Rollout bfloat16") for b in boxes), boxes  # a 0.3 gap: beyond tolerance
+    assert "decode vs HF" in at.dataframe[0].value.columns and len(at.dataframe) >= 2
+
+
+def test_rollout_page_says_what_is_wrong_with_bad_input(home):
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.switch_page("views/rollout.py")
+    at.run()
+    at.text_area(key="rollout-text").set_value("   \n  ")
+    at.get("form_submit_button")[0].click()
+    at.run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["Enter at least one prompt: one a line, each a text the model continues."]
+    assert at.query_params.get("rollout") is None
+
+
+def test_runs_page_lists_rollouts_and_opens_one(home):
+    Store(home).save_rollout(make_rollout("abc124"))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.switch_page("views/runs.py")
+    at.run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert table["id"].tolist() == ["abc124"] and "n=1 T=1" in table["sampling"].iloc[0]

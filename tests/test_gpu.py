@@ -81,3 +81,45 @@ def test_float32_attention_backends(gpu_model, store):
             _row(label, run)
             best = min(best or 1.0, run.summary["max_abs_delta"])
     assert best is not None and best <= 1e-4, best
+
+
+ROLLOUT_RESULTS = RESULTS.with_name(RESULTS.stem + "-rollout.md")
+ROLLOUT_ROWS: list[str] = []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rollout_three_way_on_cuda(gpu_model, store, dtype):
+    """vLLM decode (CUDA graphs on, all requests together) against vLLM prefill and HF, per dtype:
+    the three-way table for the closing note."""
+    from core.analysis.rollout import rollout
+    from core.results.rollout import Sampling
+
+    prompts = tuple(SENTENCES[:16])
+    sampling = Sampling(samples=4, temperature=1.0, max_tokens=128, seed=0)
+    graphs = EngineSettings(enforce_eager=None)  # the rollout default, as the CLI and the page give it: CUDA graphs
+    (ro,) = rollout(RunSpec(texts=prompts, model=gpu_model, dtypes=(dtype,), device="cuda", settings=graphs), sampling,
+                    __import__("core.analysis.request", fromlist=["Context"]).Context.of(store=store), use_cache=False)
+    m = ro.meta
+    assert m.settings["enforce_eager"] is False and m.env.vllm_engine["device"] != "cpu"  # CUDA graphs by default
+    s = m.summary
+    assert s["decode_vs_hf"]["n_tokens"] > 1000
+    if dtype == "float32":
+        assert s["decode_vs_hf"]["max_abs_delta"] < 0.05
+    if not ROLLOUT_ROWS:
+        ROLLOUT_ROWS.extend([
+            f"GPU: {m.env.device} · torch {m.env.torch} · transformers {m.env.transformers} · vLLM {m.env.vllm}; "
+            f"{len(prompts)} prompts x {sampling.samples} samples x up to {sampling.max_tokens} tokens, temperature 1, CUDA graphs on",
+            "", "| dtype | pair | tokens | mean abs Δ | max abs Δ | k3 KL | χ² token | IS min | IS max | outside 0.8-1.25 | "
+                "token_mult_prob_error |", "|---|---|---|---|---|---|---|---|---|---|---|"])
+    for pair in ("decode_vs_hf", "decode_vs_prefill", "prefill_vs_hf"):
+        x = s[pair]
+        ROLLOUT_ROWS.append(f"| {dtype} | {pair} | {x['n_tokens']} | {x['mean_abs_delta']:.3e} | {x['max_abs_delta']:.3e} | "
+                            f"{x['k3_kl']:.3e} | {x['chi2_token']:.3e} | {x['rollout_is_min']:.4f} | {x['rollout_is_max']:.4f} | "
+                            f"{x['frac_ratio_outside_0.8_1.25']:.4f} | {x['token_mult_prob_error']:.5f} |")
+    f = m.floors
+    ROLLOUT_ROWS.append(f"| {dtype} | floors | decode alone vs batch: same tokens {f['decode_batch']['same_tokens']}/"
+                        f"{f['decode_batch']['of']}, max {f['decode_batch']['max'] if f['decode_batch']['max'] is not None else float('nan'):.3e}"
+                        f" · HF micro-batch max {f['hf_micro_batch']['max']:.3e} · HF chunked max {f['hf_chunked']['max']:.3e}"
+                        f" · HF incremental max {f['hf_incremental']['max']:.3e} | | | | | | | | |")
+    ROLLOUT_RESULTS.write_text("\n".join(ROLLOUT_ROWS) + "\n")
+    print("\n".join(ROLLOUT_ROWS[-4:]))

@@ -77,3 +77,17 @@ def test_displayed_pieces_concatenate_back_to_the_input(demo_model, text):
         assert s["text"] == "" and "part of a character that a later token completes" in s["tip"]
     if any(ord(c) > 0xFFFF for c in text):  # emoji span several byte-level tokens
         assert partial
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_completion_pieces_in_linear_time_equal_the_exact_pieces(demo_model, text):
+    """A rollout's completion pieces (decode_tail_pieces, a window a token) are exactly the pieces
+    the quadratic decode_pieces gives, for emoji, RTL and CJK text, whatever token the completion
+    starts at and wherever it is cut (inside a character too)."""
+    from core.inputs.tokens import decode_pieces, decode_tail_pieces
+
+    tok = load_tokenizer(str(demo_model))
+    ids = tok(text * 4)["input_ids"]
+    for cut in (len(ids), len(ids) - 1, len(ids) - 2):
+        for start in (1, 3, len(ids) // 2):
+            assert decode_tail_pieces(tok, ids[:cut], start) == decode_pieces(tok, ids[:cut])[start:], (cut, start)

@@ -214,3 +214,44 @@ def _summary_of(out: Any) -> dict[str, Any]:
     """The comparison summary a diagnosis carries (its gap), with the argmax agreement when stored."""
     return {"max_abs_delta": out.gap.get("max"), "mean_abs_delta": out.gap.get("mean"),
             "argmax_agreement": out.gap.get("argmax_agreement")}
+
+
+def rollout_verdict(meta: Any) -> Verdict:
+    """The verdict of a rollout, in the same words as a comparison's: the gap RL sees (vLLM decode vs
+    HF) judged against the same tolerances and against HF's own measured noise, then what is
+    particular to a rollout: the importance ratios, decode against vLLM's own prefill, decoding
+    alone against in a batch, and the bias top-k/top-p add."""
+    from core.analysis.rollout import hf_floor
+
+    s = meta.summary.get("decode_vs_hf") or {}
+    floor = hf_floor(meta)
+    mean = s.get("mean_abs_delta")
+    ratio = mean / floor if (mean is not None and floor) else None
+    base = verdict(s, meta.dtype, Evidence(noise_ratio=ratio, hf_noise=floor))
+    if s.get("n_tokens", 0) == 0:
+        return base
+    reasons = list(base.reasons)
+    reasons.append(
+        f"Importance ratio (trainer probability / rollout probability) per token: from {s['rollout_is_min']:.4g} to "
+        f"{s['rollout_is_max']:.4g}; {s['frac_ratio_outside_0.8_1.25']:.1%} of tokens fall outside 0.8-1.25 and "
+        f"{s['tis_clip_fraction']:.1%} would be clipped at the TIS cap of {s['tis_cap']:g}. Effective sample size "
+        f"{s['rollout_is_eff_sample_size']:.2%} of the tokens.")
+    dp = meta.summary.get("decode_vs_prefill") or {}
+    if dp.get("mean_abs_delta") is not None:
+        share = dp["mean_abs_delta"] / mean if mean else 0.0
+        own = "a source of its own" if share >= 0.1 else "not where the gap comes from"
+        reasons.append(f"vLLM's decode path against its own prefill on the same tokens: mean gap {dp['mean_abs_delta']:.2g} "
+                       f"(largest {dp['max_abs_delta']:.2g}), {share:.0%} of the decode-HF gap: decoding is {own}.")
+    batch = (meta.floors or {}).get("decode_batch") or {}
+    if batch.get("of"):
+        moved = f"moved their logprobs by up to {batch['max']:.2g}" if batch.get("max") is not None else "could not be compared"
+        reasons.append(f"Decoding {batch['of']} sample(s) alone instead of in the batch gave the same tokens for "
+                       f"{batch['same_tokens']} of them and {moved}.")
+    kept = meta.sampling
+    if kept.get("top_p", 1) < 1 or kept.get("top_k", -1) > 0:
+        pv = meta.summary.get("processed_vs_trainer") or {}
+        if pv.get("mean_delta") is not None:
+            reasons.append(f"Top-k/top-p renormalise the rollout's probabilities over the tokens they keep: its processed "
+                           f"logprobs sit {pv['mean_delta']:.3g} above the trainer's on average, the log of the kept mass. "
+                           "A trainer that rescores without the cut sees this as mismatch.")
+    return Verdict(base.level, "Rollout " + base.headline, tuple(reasons))

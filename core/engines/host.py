@@ -29,6 +29,9 @@ ADDRESS_ENV = "LPP_WORKER_ADDRESS"
 AUTHKEY_ENV = "LPP_WORKER_AUTHKEY"
 PARENT_ENV = "LPP_HOST_PARENT"  # the pid that started the host; it exits when re-parented
 LOG_TAIL_CHARS = 2000
+# The backend methods a host answers (core.engines.backends.base): score and generate on every
+# backend; sample (vLLM) and rollout_score (HF) for rollouts.
+BACKEND_OPS = ("score", "generate", "sample", "rollout_score")
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
 # Root causes vLLM's engine core logs but does not raise to the caller, as (pattern, message).
@@ -100,9 +103,11 @@ def serve() -> None:
                     backend = cls(**msg.load.backend_kwargs())
                     timing = {"import_s": round(t1 - t0, 2), "init_s": round(time.monotonic() - t1, 2)}
                     conn.send(HostReply(True, {**backend.info(), "load_timing": timing}))
-                elif op in ("score", "generate") and backend is not None:
+                elif op in BACKEND_OPS and backend is not None and hasattr(backend, op):
                     conn.send(HostReply(True, getattr(backend, op)(*msg.args)))
-                elif op in ("score", "generate"):
+                elif op in BACKEND_OPS and backend is not None:
+                    conn.send(HostReply(False, kind="user", text=f"the {backend.name} backend cannot {op}"))
+                elif op in BACKEND_OPS:
                     conn.send(HostReply(False, kind="protocol", text=f"{op} request before the engine loaded"))
                 else:
                     conn.send(HostReply(False, kind="protocol", text=f"unknown request {op!r}"))
@@ -278,6 +283,15 @@ class HostClient:
 
     def generate(self, sequences: list[list[int]], max_new_tokens: int, timeout: float = 3600.0) -> list[list[int]]:
         return self._request(HostRequest("generate", (sequences, max_new_tokens)), "generating", timeout)
+
+    def sample(self, prompts: list[list[int]], seeds: list[int], sampling: dict[str, Any], modes: tuple[str, ...],
+               timeout: float = 3600.0) -> list[dict[str, Any]]:
+        return self._request(HostRequest("sample", (prompts, seeds, sampling, modes)), "sampling", timeout)
+
+    def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
+                      top_p: float = 1.0, chunk: int | None = None, timeout: float = 3600.0) -> list[dict[str, Any]]:
+        return self._request(HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk)),
+                             "scoring the rollout", timeout)
 
     def stop(self, grace: float = 20.0) -> None:
         """Ask the host to exit, then make sure it and its engine processes are gone."""

@@ -101,3 +101,33 @@ def truncate(tok: TokenizedText, limit: int) -> TokenizedText:
         bos_added=tok.bos_added,
         cut_from=len(tok.token_ids),
     )
+
+
+def decode_tail_pieces(tokenizer: Any, ids: list[int], start: int, window: int = 8) -> list[str]:
+    """The pieces of ids[start:] (a completion after its prompt) in linear time: each token's text is
+    read from a window of the `window` tokens before it, so a long rollout does not decode every
+    prefix. A token that ends inside a multi-byte character adds "" and the token that completes it
+    adds the character. Checked against decoding the whole: if the pieces do not join to the
+    completion's text (an unusual tokenizer), the exact quadratic `decode_pieces` is used instead."""
+    pieces: list[str | None] = []
+    first = None  # the first token of a run that ends inside a character, not yet shown
+    for t in range(start, len(ids)):
+        since = t if first is None else first
+        lo = max(0, since - window)
+        before, now = tokenizer.decode(ids[lo:since]), tokenizer.decode(ids[lo : t + 1])
+        if now.endswith("\ufffd"):
+            pieces.append("")
+            first = since
+            continue
+        pieces.append(now[len(before) :] if now.startswith(before) else None)
+        first = None
+    whole, head = tokenizer.decode(ids), tokenizer.decode(ids[:start])
+    tail = whole[len(head) :]
+    if None not in pieces and pieces and whole.startswith(head):
+        joined = "".join(pieces)  # type: ignore[arg-type]
+        if first is not None and tail.startswith(joined):  # it ends inside a character: as decode_pieces shows it
+            pieces[-1] = (pieces[-1] or "") + tail[len(joined) :]
+            joined = tail
+        if joined == tail:
+            return pieces  # type: ignore[return-value]
+    return decode_pieces(tokenizer, ids)[start:]

@@ -73,13 +73,17 @@ class MeaningScale:
 
     def rgb(self, value: float) -> tuple[int, int, int]:
         tight, loose = VLLM_TEST_TOL
-        if not math.isfinite(value) or value <= self.floor:
+        # tolerance first: red means beyond vLLM's tolerance even where the measured noise floor is
+        # above it (bfloat16 can be), so a red token and the verdict's "red tokens" always agree
+        if not math.isfinite(value):
             return NEUTRAL
-        if value <= tight:
-            return _mix(AMBER_LO, AMBER_HI, _log_share(value, self.floor, tight))
-        if value <= loose:
+        if value > loose:
+            return _mix(RED_LO, RED_HI, _log_share(value, loose, math.log(RATIO_BANDS[1])))
+        if value > tight:
             return ORANGE
-        return _mix(RED_LO, RED_HI, _log_share(value, loose, math.log(RATIO_BANDS[1])))
+        if value <= self.floor:
+            return NEUTRAL
+        return _mix(AMBER_LO, AMBER_HI, _log_share(value, self.floor, tight))
 
     def dark(self, value: float) -> bool:
         return math.isfinite(value) and value > VLLM_TEST_TOL[1]

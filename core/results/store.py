@@ -55,7 +55,21 @@ CREATE TABLE IF NOT EXISTS diagnostics (
     first_text TEXT NOT NULL,
     sha256 TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    model TEXT NOT NULL,
+    dtype TEXT NOT NULL,
+    n_samples INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    max_abs_delta REAL,
+    mean_abs_delta REAL,
+    meta TEXT NOT NULL,
+    sha256 TEXT NOT NULL
+);
 """
+ROLLOUT_COLUMNS = {"sample", "prompt", "position", "token_id", "piece", "decode_raw", "decode_processed", "prefill", "hf",
+                   "hf_tempered", "log_kept_mass"}
 
 
 class Store:
@@ -280,6 +294,99 @@ class Store:
             db.execute("DELETE FROM diagnostics WHERE diagnostics_id=?", (diag_id,))
         (self.diagnostics_dir / f"{diag_id}.json").unlink(missing_ok=True)
 
+    # -- rollouts ------------------------------------------------------------------------------
+    @property
+    def rollouts_dir(self) -> Path:
+        return self.root / "rollouts"
+
+    def save_rollout(self, ro: Any) -> None:
+        """A rollout as Parquet (a row per completion token) with its metadata as JSON in the file,
+        written like a run: temp file, fsync, rename, then the index row with the checksum."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from core.results.rollout import MAIN_PAIR, ROLLOUT_SCHEMA
+
+        folder = self.rollouts_dir
+        folder.mkdir(exist_ok=True)
+        meta = dict(ro.meta.to_dict(), schema_version=ROLLOUT_SCHEMA)
+        table = pa.Table.from_pandas(ro.to_frame(), preserve_index=False)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: json.dumps(meta, allow_nan=False)})
+        fd, tmp = tempfile.mkstemp(prefix=f".{ro.rollout_id}-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pq.write_table(table, f)
+                f.flush()
+                os.fsync(f.fileno())
+            digest = _sha256(Path(tmp))
+            os.replace(tmp, folder / f"{ro.rollout_id}.parquet")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        s = ro.meta.summary.get(MAIN_PAIR, {})
+        with closing(self._db()) as db, db:
+            db.execute("INSERT OR REPLACE INTO rollouts VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       (ro.rollout_id, ro.meta.created_ts or time.time(), ro.meta.model, ro.meta.dtype, len(ro.samples),
+                        int(s.get("n_tokens") or 0), s.get("max_abs_delta"), s.get("mean_abs_delta"), json.dumps(meta), digest))
+
+    def has_rollout(self, rollout_id: str) -> bool:
+        with closing(self._db()) as db:
+            row = db.execute("SELECT 1 FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
+        return row is not None and (self.rollouts_dir / f"{rollout_id}.parquet").is_file()
+
+    def resolve_rollout_id(self, prefix: str) -> str:
+        return self._by_prefix("rollouts", "rollout_id", prefix, "rollout", "rollouts")[0]
+
+    def is_rollout(self, any_id: str) -> bool:
+        """Whether a (prefix of an) id names a stored rollout rather than a comparison run."""
+        try:
+            self.resolve_rollout_id(any_id)
+        except UserError:
+            return False
+        return True
+
+    def load_rollout(self, rollout_id: str) -> Any:
+        import pyarrow.parquet as pq
+
+        from core.results.rollout import ROLLOUT_SCHEMA, Rollout, RolloutMeta
+
+        rid, expected = self._by_prefix("rollouts", "rollout_id", rollout_id, "rollout", "rollouts", ", sha256")
+        path = self.rollouts_dir / f"{rid}.parquet"
+        if not path.is_file():
+            raise UserError(f"no stored rollout {rid}: its file is missing from {self.rollouts_dir}")
+        try:
+            if _sha256(path) != expected:
+                raise UserError(f"stored rollout {rid} failed its integrity check (file changed since it was written)")
+            table = pq.read_table(path)
+            raw = json.loads(table.schema.metadata[META_KEY])
+            if raw.get("rollout_id") != rid or raw.get("schema_version") != ROLLOUT_SCHEMA:
+                raise UserError(f"stored rollout {rid} does not match its index entry (schema or id); delete and re-run it")
+            missing = ROLLOUT_COLUMNS - set(table.column_names)
+            if missing:
+                raise UserError(f"stored rollout {rid} lacks columns {sorted(missing)}; delete and re-run it")
+            return Rollout.from_frame(RolloutMeta.from_dict(raw), table.to_pandas())
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise UserError(f"stored rollout {rid} is unreadable ({type(exc).__name__}: {exc})") from exc
+
+    def list_rollouts(self) -> pd.DataFrame:
+        with closing(self._db()) as db:
+            rows = db.execute("SELECT rollout_id, created, model, dtype, n_samples, n_tokens, max_abs_delta, mean_abs_delta, meta "
+                              "FROM rollouts ORDER BY created DESC").fetchall()
+        cols = ["rollout_id", "created", "model", "dtype", "n_samples", "n_tokens", "max_abs_delta", "mean_abs_delta"]
+        df = pd.DataFrame([r[:-1] for r in rows], columns=cols)
+        df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
+        metas = [json.loads(r[-1]) for r in rows]
+        df["first_text"] = [str((m.get("prompts") or [""])[0])[:80] for m in metas]
+        df["sampling"] = [_sampling_words(m.get("sampling") or {}) for m in metas]
+        df["level"] = [(m.get("verdict") or {}).get("level", "") for m in metas]
+        return df
+
+    def delete_rollout(self, rollout_id: str) -> None:
+        rid = self.resolve_rollout_id(rollout_id)
+        with closing(self._db()) as db, db:
+            db.execute("DELETE FROM rollouts WHERE rollout_id=?", (rid,))
+        (self.rollouts_dir / f"{rid}.parquet").unlink(missing_ok=True)
+
     def list_runs(self) -> pd.DataFrame:
         with closing(self._db()) as db:
             rows = db.execute(
@@ -293,6 +400,13 @@ class Store:
         df["first_text"] = [_first_text(m) for m in metas]
         df["comparison"] = [_comparison_key(m) for m in metas]
         return df
+
+
+def _sampling_words(s: dict[str, Any]) -> str:
+    if not s:
+        return ""
+    k = "" if s.get("top_k", -1) < 0 else f" top-k {s['top_k']}"
+    return f"n={s.get('samples')} T={s.get('temperature'):g} top-p {s.get('top_p'):g}{k} ≤{s.get('max_tokens')} tok seed {s.get('seed')}"
 
 
 def _sha256(path: Path) -> str:

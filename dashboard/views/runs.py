@@ -8,11 +8,12 @@ from core.errors import UserError
 from dashboard.state import get_store, load_run
 
 st.title("Stored runs")
-st.caption("Every comparison and diagnosis run on this server is kept. Open one to see it again without recomputing.")
+st.caption("Every comparison, rollout and diagnosis run on this server is kept. Open one to see it again without recomputing.")
 store = get_store()
 df = store.list_runs()
 diags = store.list_diagnostics()
-if df.empty and diags.empty:
+ros = store.list_rollouts()
+if df.empty and diags.empty and ros.empty:
     st.info("No stored runs yet. Run a comparison on the Compare page.", icon=":material/info:")
     st.stop()
 
@@ -60,6 +61,29 @@ if not df.empty:
                 st.error(str(exc), icon=":material/error:")
         load_run.clear()
         st.session_state.pop("runs-table", None)
+        st.rerun()
+
+if not ros.empty:
+    st.subheader("Rollouts")
+    st.caption("vLLM's generation path against the trainer's scoring: the gap shown is vLLM decode against HF.")
+    shown_ro = ros.rename(columns={"first_text": "prompt", "n_samples": "samples", "max_abs_delta": "largest gap",
+                                   "mean_abs_delta": "mean gap", "rollout_id": "id", "level": "verdict"})[
+        ["prompt", "model", "dtype", "sampling", "samples", "tokens" if "tokens" in ros else "n_tokens", "largest gap",
+         "mean gap", "verdict", "created", "id"]]
+    event = st.dataframe(shown_ro, hide_index=True, width="stretch", on_select="rerun",
+                         selection_mode=["multi-row", "single-cell"], key="rollout-table",
+                         column_config={"prompt": st.column_config.TextColumn("prompt", width="large"),
+                                        "largest gap": st.column_config.NumberColumn(format="%.2e"),
+                                        "mean gap": st.column_config.NumberColumn(format="%.2e")})
+    picked_ro = sorted(set(event.selection.rows) | {c[0] for c in event.selection.cells}) if event else []
+    ids = [shown_ro.iloc[i]["id"] for i in picked_ro][:4]
+    r1, r2 = st.columns(2)
+    if r1.button("Open rollouts", disabled=not ids, type="primary", icon=":material/model_training:", key="rollout-open"):
+        st.switch_page("views/rollout.py", query_params={"rollout": ",".join(ids), "sample": "0"})
+    if r2.button("Delete rollouts", disabled=not ids, icon=":material/delete:", key="rollout-delete"):
+        for rid in ids:
+            store.delete_rollout(rid)
+        st.session_state.pop("rollout-table", None)
         st.rerun()
 
 if not diags.empty:

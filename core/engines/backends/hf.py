@@ -144,6 +144,57 @@ class HFBackend(Backend):
             at += m
         return out
 
+    @torch.inference_mode()
+    def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
+                      top_p: float = 1.0, chunk: int | None = None) -> list[dict[str, np.ndarray]]:
+        """The trainer's side of a rollout: teacher-forced logprobs of tokens [start, end) of each
+        sequence (the completion), in passes of hf_batch_size sequences (default 1: no padding).
+
+        Per token: `logprob` (log_softmax of the logits, float32, as everywhere), `tempered` (of the
+        logits divided by the sampling temperature, as an RL trainer scores its rollouts) and
+        `log_kept_mass` (log of the probability mass that vLLM's top-k then top-p keep at that
+        temperature; 0 when nothing is cut), computed from the full distribution.
+
+        chunk: feed each sequence `chunk` tokens at a time through the KV cache (1 = a per-token
+        incremental loop), for the trainer-side noise floors; only `logprob` is returned then."""
+        if chunk is not None:
+            return [self._incremental(ids, start, chunk) for ids, start in zip(sequences, starts)]
+        bs = self.batch_size  # the hf_batch_size setting: 1 (default) = one sequence a pass, no padding
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
+        out: list[dict[str, np.ndarray] | None] = [None] * len(sequences)
+        for lo in range(0, len(order), bs):
+            idx = order[lo : lo + bs]
+            rows = self._forward([sequences[i] for i in idx], "right")
+            for i, r in zip(idx, rows):
+                ids, start = sequences[i], starts[i]
+                target = torch.tensor(ids[start:], dtype=torch.long, device=r.device)[:, None]
+                f32 = r[start - 1 :]
+                f32 = f32 if f32.dtype == torch.float64 else f32.float()
+                lp = torch.log_softmax(f32, dim=-1)
+                scaled = lp if temperature == 1.0 else torch.log_softmax(f32 / temperature, dim=-1)
+                cut = 0 < top_k < lp.shape[-1] or top_p < 1.0
+                out[i] = {
+                    "logprob": lp.gather(1, target)[:, 0].double().cpu().numpy(),
+                    "tempered": scaled.gather(1, target)[:, 0].double().cpu().numpy(),
+                    "log_kept_mass": (_log_kept_mass(scaled, top_k, top_p).double().cpu().numpy() if cut
+                                      else np.zeros(len(ids) - start)),
+                }
+        return out  # type: ignore[return-value]
+
+    def _incremental(self, ids: list[int], start: int, chunk: int) -> dict[str, np.ndarray]:
+        """Teacher-forced logprobs of ids[start:] fed `chunk` tokens a forward through the KV cache."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        rows, past = [], None
+        for lo in range(0, len(ids), chunk):
+            hi = min(lo + chunk, len(ids))
+            pos = torch.arange(lo, hi, device=self.device)[None]
+            res = self.model(input_ids=x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            rows.append(res.logits[0])
+        f32 = torch.cat(rows)[start - 1 : len(ids) - 1]
+        f32 = f32 if f32.dtype == torch.float64 else f32.float()
+        return {"logprob": torch.log_softmax(f32, dim=-1).gather(1, x[0, start:, None])[:, 0].double().cpu().numpy()}
+
     def info(self) -> dict[str, Any]:
         dev = torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else "cpu"
         return {
@@ -163,3 +214,20 @@ def _block_stats(block: torch.Tensor, target: torch.Tensor, cols: torch.Tensor) 
     t_lp = lp.gather(1, target[:, None])[:, 0]
     # vLLM's rule: rank = number of vocabulary entries >= the target's logprob.
     return t_lp, (lp >= t_lp[:, None]).sum(dim=-1), lp.gather(1, cols)
+
+
+def _log_kept_mass(lp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """log of the mass vLLM's sampler keeps of each row of logprobs `lp` [n, V]: top-k first (ties
+    at the k-th value kept), then top-p over the renormalised rest (ascending cumulative sums <= 1-p
+    are cut; the most likely token always stays), as vllm.v1.sample.ops.topk_topp_sampler does."""
+    keep = torch.ones_like(lp, dtype=torch.bool)
+    if 0 < top_k < lp.shape[-1]:
+        kth = lp.topk(top_k, dim=-1).values[:, -1:]
+        keep &= lp >= kth
+    if top_p < 1.0:
+        masked = lp.masked_fill(~keep, float("-inf"))
+        probs_sort, idx = torch.softmax(masked, dim=-1).sort(dim=-1, descending=False)
+        cut = probs_sort.cumsum(dim=-1) <= 1 - top_p
+        cut[:, -1] = False
+        keep &= ~torch.zeros_like(keep).scatter(1, idx, cut)
+    return torch.logsumexp(lp.masked_fill(~keep, float("-inf")), dim=-1)

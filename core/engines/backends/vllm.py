@@ -66,6 +66,66 @@ class VLLMBackend(Backend):
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
+    def sample(self, prompts: list[list[int]], seeds: list[int], sampling: dict[str, Any],
+               modes: tuple[str, ...] = ("raw_logprobs",)) -> list[dict[str, Any]]:
+        """Rollout: one request per (prompt, seed), all submitted in one generate call as a rollout
+        engine submits them (so they decode in one batch), each with logprobs=0: the sampled token's
+        decode-time logprob. Each mode in `modes` ("raw_logprobs", "processed_logprobs") is one pass
+        with the same seeds; the caller checks the passes sampled the same tokens.
+
+        Why passes and not one: vLLM's logprobs_mode is an engine setting read by its sampler; we
+        switch it on our own (in-process) worker between passes and switch it back after."""
+        out: list[dict[str, Any]] = [{"completion_ids": None, "logprobs": {}} for _ in prompts]
+        try:
+            for mode in modes:
+                self._logprobs_mode(mode)
+                params = [self._sampling_params(sampling, seed) for seed in seeds]
+                results = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts], params, use_tqdm=False)
+                for slot, ids, res in zip(out, prompts, results):
+                    if list(res.prompt_token_ids) != list(ids):
+                        raise AssertionError("vLLM sampled from other prompt ids than it was given")
+                    comp = res.outputs[0]
+                    ids_out = [int(t) for t in comp.token_ids]
+                    flat = comp.logprobs
+                    # FlatLogprobs: one entry per position with logprobs=0, the sampled token's own
+                    lp = [float(x) for x in flat.logprobs]
+                    tid = [int(x) for x in flat.token_ids]
+                    if tid != ids_out or len(lp) != len(ids_out):
+                        raise AssertionError("vLLM's sample logprobs are not for the tokens it sampled")
+                    if slot["completion_ids"] is None:
+                        slot["completion_ids"] = ids_out
+                    slot["logprobs"][mode] = lp
+                    slot.setdefault("tokens_by_mode", {})[mode] = ids_out
+                    slot["finish_reason"] = comp.finish_reason
+        finally:
+            self._logprobs_mode(self.engine_kwargs["logprobs_mode"])
+        return out
+
+    @staticmethod
+    def _sampling_params(s: dict[str, Any], seed: int) -> SamplingParams:
+        return SamplingParams(
+            n=1, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"] if s["top_k"] > 0 else 0,
+            max_tokens=s["max_tokens"], seed=seed, logprobs=0, ignore_eos=s.get("ignore_eos", False),
+            detokenize=False, flat_logprobs=True,
+        )
+
+    def _logprobs_mode(self, mode: str) -> None:
+        """Set the sampler's logprobs mode on our worker (the engine core runs in this process)."""
+
+        def apply(worker: Any, mode: str = mode) -> str:
+            # the sampler reads its mode when it runs (vLLM 0.26's GPU model runner and 0.32's CPU
+            # one alike); the older sampler also keeps a copy in its top-k/top-p part
+            sampler = worker.model_runner.sampler
+            sampler.logprobs_mode = mode
+            inner = getattr(sampler, "topk_topp_sampler", None)
+            if inner is not None:
+                inner.logprobs_mode = mode
+            return type(sampler).__module__
+
+        if mode != getattr(self, "_mode", self.engine_kwargs["logprobs_mode"]):
+            self.llm.collective_rpc(apply)
+            self._mode = mode
+
     @staticmethod
     def _parse(ids: list[int], out: Any, k: int) -> TokenScores:
         """FlatLogprobs: per position, the target first (with vLLM's own rank), then the top-k in rank order."""

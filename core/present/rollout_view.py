@@ -1,0 +1,252 @@
+"""Views of a rollout without Streamlit: completions as coloured token text, the ratio strip, the
+Δ and ratio histograms with the clip thresholds, the metrics table in words, and the report.
+
+Token text is untrusted: every piece and tooltip is escaped here before any page shows it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from core.analysis.offpolicy import MIS_BAND, RATIO_BANDS, TIS_CAP
+from core.present.render import CSS, meaning_legend_html, meaning_scale
+from core.results.rollout import PAIRS, Rollout
+
+# The rollout metrics a reader sees, in words (key -> label, how to show it).
+METRIC_WORDS: tuple[tuple[str, str, str], ...] = (
+    ("n_tokens", "tokens compared", "d"),
+    ("mean_abs_delta", "mean |Δ logp| (TRL sampling_logp_difference, slime abs diff)", "e"),
+    ("max_abs_delta", "largest |Δ logp|", "e"),
+    ("kl", "KL estimate k1 (verl rollout_corr/kl)", "e"),
+    ("k2_kl", "KL estimate k2", "e"),
+    ("k3_kl", "KL estimate k3 (verl k3_kl)", "e"),
+    ("chi2_token", "χ² per token (verl chi2_token)", "e"),
+    ("chi2_seq", "χ² per sequence (verl chi2_seq)", "e"),
+    ("rollout_is_mean", "importance ratio, mean", "f"),
+    ("rollout_is_min", "importance ratio, smallest", "f"),
+    ("rollout_is_max", "importance ratio, largest", "f"),
+    ("rollout_is_eff_sample_size", "effective sample size (share of tokens)", "%"),
+    ("frac_ratio_outside_0.8_1.25", "tokens with ratio outside 0.8–1.25", "%"),
+    ("frac_ratio_outside_0.5_2", "tokens with ratio outside 0.5–2", "%"),
+    ("seq_log_ratio_mean", "sequence log-ratio, mean", "e"),
+    ("seq_log_ratio_max", "sequence log-ratio, largest", "e"),
+    ("ppl_ratio", "perplexity ratio, trainer / rollout (verl ppl_ratio)", "f"),
+    ("token_mult_prob_error", "token_mult_prob_error (NeMo-RL; 1 is perfect)", "f"),
+    ("tis_clip_fraction", "clipped by TIS (ratio above the cap)", "%"),
+    ("mis_mask_fraction", "masked by MIS/IcePop (ratio outside the band)", "%"),
+)
+
+
+def fmt(value: Any, kind: str) -> str:
+    """Display only; stored values keep full precision."""
+    if value is None:
+        return "–"
+    if kind == "d":
+        return f"{int(value):,}"
+    if kind == "%":
+        return f"{value:.2%}"
+    if kind == "f":
+        return f"{value:.6g}"
+    return f"{value:.3e}"
+
+
+def shown_pairs(ro: Rollout) -> list[str]:
+    """The pairs that say something: the processed pair only when processing changed the values."""
+    return [p for p in PAIRS if p != "processed_vs_trainer" or ro.meta.processed.startswith("vLLM's own")]
+
+
+SHORT = {"decode_vs_hf": "decode vs HF", "decode_vs_prefill": "decode vs prefill", "prefill_vs_hf": "prefill vs HF",
+         "processed_vs_trainer": "processed vs trainer"}
+
+
+def metrics_table(ro: Rollout) -> pd.DataFrame:
+    """Rows: metrics in words; columns: the pairs (Δ = the first side − the second)."""
+    pairs = shown_pairs(ro)
+    rows = []
+    for key, label, kind in METRIC_WORDS:
+        rows.append({"metric": label, **{SHORT[p]: fmt(ro.meta.summary[p].get(key), kind) for p in pairs}})
+    return pd.DataFrame(rows)
+
+
+def floors_table(ro: Rollout) -> pd.DataFrame:
+    rows = []
+    for name, f in ro.meta.floors.items():
+        rows.append({"what changes": f["what"], "mean |Δ logp|": fmt(f.get("mean"), "e"), "largest": fmt(f.get("max"), "e"),
+                     "tokens": fmt(f.get("n"), "d"),
+                     "same tokens": f"{f['same_tokens']} of {f['of']}" if "same_tokens" in f else ""})
+    return pd.DataFrame(rows)
+
+
+def _tip(ro: Rollout, i: int, t: int) -> str:
+    s = ro.samples[i]
+    lp = {c: float(s.logprob[c][t]) for c in s.logprob}
+    piece = s.pieces[t]
+    what = repr(piece) if piece != "" else "part of a character that a later token completes"
+    rho = math.exp(-(lp["decode_raw"] - lp["hf"]))
+    lines = [
+        f"completion token #{t}  {what}  id {s.completion_token_ids[t]}",
+        f"vLLM decode (raw)       {lp['decode_raw']:+.9f}",
+        f"vLLM decode (processed) {lp['decode_processed']:+.9f}",
+        f"vLLM prefill            {lp['prefill']:+.9f}",
+        f"HF (trainer)            {lp['hf']:+.9f}",
+        f"HF at temperature {ro.meta.sampling.get('temperature', 1):g}    {lp['hf_tempered']:+.9f}",
+        f"log(kept mass)          {lp['log_kept_mass']:+.6f}",
+        f"decode−HF {lp['decode_raw'] - lp['hf']:+.3e}  decode−prefill {lp['decode_raw'] - lp['prefill']:+.3e}  "
+        f"prefill−HF {lp['prefill'] - lp['hf']:+.3e}",
+        f"importance ratio HF/decode {rho:.6f}",
+    ]
+    return "\n".join(lines)
+
+
+def completion_html(ro: Rollout, i: int, pair: str = "decode_vs_hf", floor: float | None = None) -> str:
+    """One sample: its prompt (plain) and its completion as tokens coloured by |Δ| of `pair` on the
+    meaning scale (neutral within the noise floor, amber to vLLM's tolerance, red beyond)."""
+    s = ro.samples[i]
+    scale = meaning_scale(ro.dtype, floor)
+    vals = np.abs(s.delta(pair))
+    spans = []
+    for t in range(len(s.completion_token_ids)):
+        v = float(vals[t])
+        r, g, b = scale.rgb(v)
+        style = f"background:rgb({r},{g},{b});color:{'#fff' if scale.dark(v) else '#111'}"
+        piece = html.escape(s.pieces[t], quote=True).replace("\n", '<span class="lpp-nl">↵</span>\n')
+        cls = "lpp-tok" + (" lpp-partial" if s.pieces[t] == "" else "")
+        tip = html.escape(_tip(ro, i, t), quote=True)
+        spans.append(f'<span class="{cls}" style="{style}" data-index="{t}" data-value="{v!r}">{piece}'
+                     f'<span class="lpp-tip">{tip}</span></span>')
+    prompt = html.escape(ro.meta.prompts[s.prompt_index], quote=True)
+    label = html.escape(f"sample {i + 1}", quote=True)
+    stop = {"length": "reached max tokens", "stop": "the model ended it"}.get(s.finish_reason or "", s.finish_reason or "")
+    note = html.escape(f"seed {s.seed} · {len(s.completion_token_ids)} tokens{' · ' + stop if stop else ''} · "
+                       "grey: the prompt (not compared)", quote=True)
+    legend = meaning_legend_html({ro.dtype: scale}, None)
+    return (f"<style>{CSS}</style><div class=\"lpp-tv\" data-pair=\"{html.escape(pair)}\">{legend}"
+            f'<div class="lpp-row"><div class="lpp-label">{label}</div><div class="lpp-text">'
+            f'<span class="lpp-prompt" style="color:#6b7280">{prompt}</span>{"".join(spans)}</div></div>'
+            f'<div style="font-size:12px;color:#6b7280;margin:.2em 0 .6em">{note}</div></div>')
+
+
+def token_frame(ro: Rollout, pair: str, sample: int | None = None) -> pd.DataFrame:
+    """Per completion token: Δ of `pair`, |Δ| and the importance ratio ρ = exp(trainer − rollout)."""
+    df = ro.to_frame()
+    if sample is not None:
+        df = df[df["sample"] == sample]
+    d = df[f"delta_{pair}"].to_numpy(dtype=np.float64)
+    return df.assign(delta=d, abs_delta=np.abs(d), ratio=np.exp(np.clip(-d, -20, 20)),
+                     abs_delta_plot=np.clip(np.abs(d), 1e-10, None))
+
+
+def ratio_strip(df: pd.DataFrame) -> Any:
+    """One cell per token, coloured by log ρ (blue: the trainer gives it more probability, red: less)."""
+    import altair as alt
+
+    lim = float(max(np.log(2.0), np.nanmax(np.abs(np.log(df["ratio"]))) if len(df) else 0.0))
+    return (
+        alt.Chart(df.assign(log_ratio=np.log(df["ratio"]), sample_no=df["sample"] + 1), title="Importance ratio per token (trainer / rollout probability)")
+        .mark_rect()
+        .encode(
+            x=alt.X("position:O", title="completion token", axis=alt.Axis(labels=False, ticks=False)),
+            y=alt.Y("sample_no:O", title="sample", axis=alt.Axis(labelOverlap=False)),
+            color=alt.Color("log_ratio:Q", title="log ratio", scale=alt.Scale(scheme="redblue", domain=[-lim, lim])),
+            tooltip=[alt.Tooltip("sample:Q"), alt.Tooltip("position:Q"), alt.Tooltip("piece:N", title="token"),
+                     alt.Tooltip("ratio:Q", format=".6f"), alt.Tooltip("delta:Q", title="Δ logp", format=".3e")],
+        )
+        .properties(height=alt.Step(20))
+    )
+
+
+def delta_histogram(df: pd.DataFrame) -> Any:
+    import altair as alt
+
+    return (
+        alt.Chart(df, title="How big the gaps are: tokens per |Δ logp| (log scale)")
+        .transform_calculate(log_abs="log(datum.abs_delta_plot) / LN10")
+        .mark_bar(binSpacing=0, color="#0072B2")
+        .encode(x=alt.X("log_abs:Q", bin=alt.Bin(maxbins=40), title="|Δ logp| (log scale)",
+                        axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')")),
+                y=alt.Y("count():Q", title="tokens"))
+    )
+
+
+def ratio_histogram(df: pd.DataFrame, tis_cap: float = TIS_CAP, mis_band: tuple[float, float] = MIS_BAND) -> Any:
+    """Tokens per importance ratio, with the thresholds drawn: the 0.8–1.25 band, the MIS/IcePop
+    band and the TIS cap."""
+    import altair as alt
+
+    marks = pd.DataFrame([
+        {"x": RATIO_BANDS[0][0], "what": "0.8–1.25 band"}, {"x": RATIO_BANDS[0][1], "what": "0.8–1.25 band"},
+        {"x": mis_band[0], "what": f"MIS band {mis_band[0]:g}–{mis_band[1]:g}"},
+        {"x": mis_band[1], "what": f"MIS band {mis_band[0]:g}–{mis_band[1]:g}"},
+        {"x": tis_cap, "what": f"TIS cap {tis_cap:g}"},
+    ])
+    lo = float(min(df["ratio"].min() if len(df) else 1.0, mis_band[0]) * 0.95)
+    hi = float(max(df["ratio"].max() if len(df) else 1.0, tis_cap) * 1.05)
+    bars = (alt.Chart(df).mark_bar(binSpacing=0, color="#CC79A7")
+            .encode(x=alt.X("ratio:Q", bin=alt.Bin(maxbins=60, extent=[lo, hi]), title="importance ratio (trainer / rollout)",
+                            scale=alt.Scale(domain=[lo, hi])),
+                    y=alt.Y("count():Q", title="tokens")))
+    rules = (alt.Chart(marks).mark_rule(strokeDash=[4, 3], strokeWidth=2)
+             .encode(x="x:Q", color=alt.Color("what:N", title="thresholds",
+                                              scale=alt.Scale(range=["#E69F00", "#009E73", "#D55E00"]))))
+    return alt.layer(bars, rules, title="Importance ratios, with the thresholds RL trainers clip or mask at")
+
+
+def _svg(chart: Any) -> str:
+    try:
+        import vl_convert as vlc
+    except ImportError:
+        return "<p>(charts need vl-convert-python)</p>"
+    return vlc.vegalite_to_svg(chart.to_json())
+
+
+def _df_html(df: pd.DataFrame) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in df.itertuples(index=False))
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
+    from core.analysis.rollout import hf_floor
+    from core.present.report import _PAGE_CSS
+    from core.present.render import verdict_html
+
+    m = ro.meta
+    floor = hf_floor(m)
+    df = token_frame(ro, "decode_vs_hf")
+    meta_rows = [("rollout", m.rollout_id), ("model", m.model), ("dtype", m.dtype), ("device", m.env.device),
+                 ("torch / transformers / vLLM", f"{m.env.torch} / {m.env.transformers} / {m.env.vllm}"),
+                 ("sampling", json.dumps(m.sampling)), ("decode_processed", m.processed), ("created", m.created)]
+    meta = "".join(f"<tr><th class=l>{html.escape(k)}</th><td class=l>{html.escape(str(v))}</td></tr>" for k, v in meta_rows)
+    samples = "".join(completion_html(ro, i, "decode_vs_hf", floor) for i in range(min(len(ro.samples), max_samples)))
+    charts = "".join(f"<div>{_svg(c)}</div>" for c in (delta_histogram(df), ratio_histogram(df)))
+    return (f"<!doctype html><html><head><meta charset=utf-8><title>logprob-parity rollout {html.escape(m.rollout_id)}</title>"
+            f"<style>{_PAGE_CSS}</style></head><body><h1>Rollout: {html.escape(m.model)} · {html.escape(m.dtype)}</h1>"
+            f"{verdict_html([m.verdict]) if m.verdict else ''}<table class=meta>{meta}</table>"
+            f"<h2>Three-way comparison</h2>{_df_html(metrics_table(ro))}<h2>Noise floors</h2>{_df_html(floors_table(ro))}"
+            f"<h2>Completions (coloured by vLLM decode vs HF)</h2>{samples}<h2>Distributions</h2><div class=charts>{charts}</div>"
+            "</body></html>")
+
+
+def write_rollout_report(ro: Rollout, out: Path) -> None:
+    """.html (self-contained), .json (the --json shape) or .parquet (the stored table)."""
+    from core.errors import UserError
+
+    suffix = out.suffix.lower()
+    tmp = out.with_name(f".{out.name}.tmp")
+    if suffix in (".html", ".htm"):
+        tmp.write_text(rollout_report_html(ro), encoding="utf-8")
+    elif suffix == ".json":
+        tmp.write_text(json.dumps(ro.to_json_dict(), indent=1, allow_nan=False), encoding="utf-8")
+    elif suffix == ".parquet":
+        ro.to_frame().to_parquet(tmp, index=False)
+    else:
+        raise UserError(f"report output must end in .html, .json or .parquet (got {out.name})")
+    os.replace(tmp, out)

@@ -1,0 +1,219 @@
+"""What a rollout run is: sampled completions with each token's logprob from three scorings.
+
+A rollout (`core/analysis/rollout.py`) samples completions with vLLM's decode path and then
+rescores the same ids with vLLM's prefill and with HF, teacher-forced. This module holds the
+result as frozen records; the store writes it as Parquet (a row per completion token) with this
+metadata as JSON beside it, like a comparison run. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from core.results.records import RunEnv, _pick
+
+ROLLOUT_SCHEMA = 1
+
+# Per completion token, one logprob each:
+COLUMNS = (
+    "decode_raw",  # vLLM decode, logprobs_mode=raw_logprobs: log_softmax of the model's logits
+    "decode_processed",  # vLLM decode, processed_logprobs: after temperature and top-k/top-p
+    "prefill",  # vLLM prefill (prompt_logprobs) of prompt+completion
+    "hf",  # HF teacher-forced, log_softmax of the logits (float32)
+    "hf_tempered",  # HF at the sampling temperature, as an RL trainer rescores
+    "log_kept_mass",  # log of the mass top-k/top-p keep at that temperature (HF's full distribution); 0: none cut
+)
+
+# name -> (rollout side, trainer side, words). Δ = rollout side − trainer side.
+PAIRS: dict[str, tuple[str, str, str]] = {
+    "decode_vs_hf": ("decode_raw", "hf", "vLLM decode vs HF (what RL sees)"),
+    "decode_vs_prefill": ("decode_raw", "prefill", "vLLM decode vs vLLM prefill (vLLM against itself)"),
+    "prefill_vs_hf": ("prefill", "hf", "vLLM prefill vs HF (the Compare page's comparison)"),
+    "processed_vs_trainer": ("decode_processed", "hf_tempered",
+                             "vLLM's processed logprobs vs HF at the sampling temperature (the trainer's view of a tempered or truncated rollout)"),
+}
+MAIN_PAIR = "decode_vs_hf"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are sampled: `samples` per prompt, seeded per sample (seed + its index)."""
+
+    samples: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
+    max_tokens: int = 32
+    seed: int = 0
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        from core.errors import UserError
+
+        if not isinstance(self.samples, int) or not 1 <= self.samples <= 1024:
+            raise UserError(f"samples must be a whole number from 1 to 1024 (got {self.samples})")
+        if not self.temperature > 0:
+            raise UserError(f"temperature must be above 0 (got {self.temperature}); a rollout samples, it does not decode greedily")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top-p must be in (0, 1] (got {self.top_p})")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise UserError(f"top-k must be -1 (the whole vocabulary) or a positive whole number (got {self.top_k})")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise UserError(f"max tokens must be a positive whole number (got {self.max_tokens})")
+
+    def processes(self, vocab: int | None) -> bool:
+        """Whether vLLM's processed logprobs can differ from its raw ones: temperature, or a cut."""
+        cut_k = self.top_k > 0 and (vocab is None or self.top_k < vocab)
+        return self.temperature != 1.0 or self.top_p < 1.0 or cut_k
+
+    def seeds(self, n_prompts: int) -> list[int]:
+        """One seed per sample, prompt-major: sample j of prompt i is number i * samples + j."""
+        return [self.seed + k for k in range(n_prompts * self.samples)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def words(self) -> str:
+        k = "all tokens" if self.top_k < 0 else f"top-k {self.top_k}"
+        return (f"{self.samples} sample(s) a prompt, temperature {self.temperature:g}, top-p {self.top_p:g}, {k}, "
+                f"up to {self.max_tokens} tokens, seed {self.seed}")
+
+
+@dataclass(frozen=True, eq=False)
+class Sample:
+    """One sampled completion and each of its tokens' logprobs (arrays over completion tokens)."""
+
+    prompt_index: int
+    seed: int
+    prompt_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[int, ...]
+    pieces: tuple[str, ...]
+    finish_reason: str | None
+    logprob: dict[str, np.ndarray]  # COLUMNS -> float64 [n]
+
+    def delta(self, pair: str) -> np.ndarray:
+        a, b, _ = PAIRS[pair]
+        return self.logprob[a] - self.logprob[b]
+
+    def info(self) -> dict[str, Any]:
+        return {"prompt_index": self.prompt_index, "seed": self.seed, "prompt_token_ids": list(self.prompt_token_ids),
+                "finish_reason": self.finish_reason, "n_tokens": len(self.completion_token_ids)}
+
+
+@dataclass(frozen=True)
+class RolloutMeta:
+    """Everything about one rollout but its per-token data."""
+
+    rollout_id: str
+    created: str
+    created_ts: float
+    model: str
+    model_path: str
+    revision: str | None
+    model_identity: dict[str, Any]
+    dtype: str
+    device: str
+    bos: str
+    settings: dict[str, Any]
+    sampling: dict[str, Any]
+    prompts: tuple[str, ...]
+    processed: str  # how decode_processed was obtained (its own pass, or equal to raw by definition)
+    env: RunEnv
+    timing: dict[str, Any]
+    summary: dict[str, dict[str, Any]]  # pair -> mismatch metrics (core.analysis.offpolicy)
+    floors: dict[str, dict[str, Any]]  # noise floor name -> {"mean", "max", "n", "what", ...}
+    samples: tuple[dict[str, Any], ...] = ()  # Sample.info() per sample
+    verdict: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prompts"] = list(self.prompts)
+        d["samples"] = list(self.samples)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RolloutMeta":
+        d = _pick(cls, data)
+        d["env"] = RunEnv.from_dict(data.get("env", {}))
+        d["prompts"] = tuple(d.get("prompts", ()))
+        d["samples"] = tuple(d.get("samples", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True, eq=False)
+class Rollout:
+    meta: RolloutMeta
+    samples: tuple[Sample, ...]
+    from_store: bool = False
+
+    @property
+    def rollout_id(self) -> str:
+        return self.meta.rollout_id
+
+    @property
+    def dtype(self) -> str:
+        return self.meta.dtype
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per completion token (what the store writes as Parquet)."""
+        parts = []
+        for i, s in enumerate(self.samples):
+            n = len(s.completion_token_ids)
+            df = pd.DataFrame({
+                "sample": np.full(n, i, dtype=np.int64),
+                "prompt": np.full(n, s.prompt_index, dtype=np.int64),
+                "position": np.arange(n, dtype=np.int64),
+                "token_id": np.asarray(s.completion_token_ids, dtype=np.int64),
+                "piece": list(s.pieces),
+                **{c: np.asarray(s.logprob[c], dtype=np.float64) for c in COLUMNS},
+            })
+            for pair in PAIRS:
+                df[f"delta_{pair}"] = s.delta(pair)
+            parts.append(df)
+        if not parts:
+            return pd.DataFrame(columns=["sample", "prompt", "position", "token_id", "piece", *COLUMNS])
+        return pd.concat(parts, ignore_index=True)
+
+    @classmethod
+    def from_frame(cls, meta: RolloutMeta, df: pd.DataFrame, from_store: bool = True) -> "Rollout":
+        samples = []
+        for i, info in enumerate(meta.samples):
+            rows = df[df["sample"] == i].sort_values("position")
+            samples.append(Sample(
+                prompt_index=int(info["prompt_index"]), seed=int(info["seed"]),
+                prompt_token_ids=tuple(int(x) for x in info["prompt_token_ids"]),
+                completion_token_ids=tuple(int(x) for x in rows["token_id"]), pieces=tuple(str(x) for x in rows["piece"]),
+                finish_reason=info.get("finish_reason"),
+                logprob={c: rows[c].to_numpy(dtype=np.float64) for c in COLUMNS},
+            ))
+        return cls(meta=meta, samples=tuple(samples), from_store=from_store)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The `--json` shape: per sample its ids and, per completion position, every logprob and Δ."""
+        from core.analysis.offpolicy import mismatch_metrics
+
+        out = self.meta.to_dict()
+        out["samples"] = []
+        for s in self.samples:
+            positions = []
+            for t in range(len(s.completion_token_ids)):
+                lp = {c: _num(s.logprob[c][t]) for c in COLUMNS}
+                positions.append({
+                    "position": t, "token_id": s.completion_token_ids[t], "piece": s.pieces[t],
+                    "logprob": {k: lp[k] for k in ("decode_raw", "decode_processed", "prefill", "hf")},
+                    "hf_tempered": lp["hf_tempered"], "log_kept_mass": lp["log_kept_mass"],
+                    "delta": {pair: _num(s.delta(pair)[t]) for pair in PAIRS},
+                })
+            metrics = {pair: mismatch_metrics([s.logprob[a]], [s.logprob[b]]) for pair, (a, b, _) in PAIRS.items()}
+            out["samples"].append({**s.info(), "completion_token_ids": list(s.completion_token_ids), "metrics": metrics,
+                                   "positions": positions})
+        return out
+
+
+def _num(x: Any) -> float | None:
+    x = float(x)
+    return x if np.isfinite(x) else None

@@ -1,0 +1,180 @@
+"""The Rollout page's parts: its form (prompts, model, dtypes, sampling) and the display of stored
+rollouts (verdict, coloured completions, ratio strip, histograms, three-way table, floors, export)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import streamlit as st
+
+from core.analysis.rollout import STEPS_PER_DTYPE, hf_floor, rollout
+from core.errors import UserError
+from core.inputs.settings import EngineSettings
+from core.inputs.spec import BOS_POLICIES, DTYPES, RunSpec
+from core.present.rollout_view import (
+    SHORT, completion_html, delta_histogram, floors_table, metrics_table, ratio_histogram, ratio_strip, rollout_report_html,
+    shown_pairs, token_frame,
+)
+from core.results.rollout import PAIRS, Rollout, Sampling
+from core.analysis.verdict import Verdict
+from dashboard.components.run_view import verdict_cards
+from dashboard.components.runner import run_job
+from dashboard.components.spec_form import PRESETS
+from dashboard.state import dtype_reasons, engines_available, get_store, query_int, set_query
+
+KEY = "rollout"
+DEFAULT_PROMPTS = "The capital of France is\nWrite a haiku about the sea:"
+PAIR_WORDS = {p: w for p, (_, _, w) in PAIRS.items()}
+
+GLOSSARY = """
+- **rollout**: text an RL system samples from the model with vLLM; the trainer then rescores the same tokens with its own
+  model code (here: HF transformers). If the two disagree, the training signal is biased.
+- **decode vs prefill**: vLLM computes a sampled token's probability while generating (*decode*, one token at a time,
+  CUDA graphs, batches of requests) and can recompute it from the whole text at once (*prefill*). They use different code.
+- **importance ratio**: the trainer's probability of a token divided by the rollout's. 1 is a perfect match; RL trainers
+  clip it (TIS, at a cap) or mask tokens outside a band (MIS/IcePop).
+- **effective sample size**: how many of the tokens still count once weighted by their ratios (100% when all ratios agree).
+- **log(kept mass)**: with top-p or top-k, vLLM samples from the most likely tokens only and renormalises; a trainer
+  that rescores without the cut sees probabilities lower by this much.
+- **noise floor**: how much one side moves when only the batch or the way of scoring changes.
+"""
+
+
+def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
+    """The form; (spec, sampling) when Run was pressed with valid input, else (None, None)."""
+    blocked = engines_available()
+    reasons = dtype_reasons()
+    with st.form(f"{KEY}-form"):
+        c1, c2 = st.columns([3, 2])
+        preset = c1.selectbox("Model", list(PRESETS), key=f"{KEY}-preset")
+        custom = c1.text_input("Hub id or local folder", key=f"{KEY}-custom", placeholder="org/name or /path/to/model",
+                               help="Used when the model above is 'Other'.")
+        bos = c2.radio("BOS", BOS_POLICIES, key=f"{KEY}-bos", horizontal=True)
+        text = st.text_area("Prompts, one a line", DEFAULT_PROMPTS, key=f"{KEY}-text", height=90)
+        s1, s2, s3, s4, s5, s6 = st.columns(6)
+        samples = s1.number_input("samples a prompt", 1, 64, 2, key=f"{KEY}-samples")
+        max_tokens = s2.number_input("max new tokens", 1, 2048, 24, key=f"{KEY}-max")
+        temperature = s3.number_input("temperature", 0.05, 5.0, 1.0, step=0.1, key=f"{KEY}-temp")
+        top_p = s4.number_input("top-p", 0.01, 1.0, 1.0, step=0.05, key=f"{KEY}-topp")
+        top_k = s5.number_input("top-k (-1: all)", -1, 100_000, -1, key=f"{KEY}-topk")
+        seed = s6.number_input("seed", 0, 2**31 - 1, 0, key=f"{KEY}-seed")
+        st.markdown("**Dtypes**")
+        chosen = [d for col, d in zip(st.columns(len(DTYPES)), DTYPES)
+                  if col.checkbox(d, value=d in ("bfloat16", "float32") and reasons.get(d) is None, key=f"{KEY}-dt-{d}",
+                                  disabled=reasons.get(d) is not None, help=reasons.get(d) or f"roll out in {d}")]
+        graphs = st.checkbox("CUDA graphs for decoding (GPU only; a CPU always runs eager)", True, key=f"{KEY}-graphs")
+        submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
+    if blocked:
+        st.info(blocked)
+    if not submitted:
+        return None, None
+    model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
+    if PRESETS[preset] is None and not custom.strip():
+        st.error("Enter a Hub id or a local folder for 'Other'.", icon=":material/error:")
+        return None, None
+    prompts = tuple(line for line in text.splitlines() if line.strip())
+    if not prompts:
+        st.error("Enter at least one prompt: one a line, each a text the model continues.", icon=":material/error:")
+        return None, None
+    sampling = Sampling(samples=int(samples), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                        max_tokens=int(max_tokens), seed=int(seed))
+    try:
+        sampling.validate()
+        from core.env import resolve_device
+
+        eager = (not graphs) or resolve_device("auto") == "cpu"
+        spec = RunSpec(texts=prompts, model=model, dtypes=tuple(chosen), bos=bos,
+                       settings=dataclasses.replace(EngineSettings(), enforce_eager=eager))
+        spec.validate()
+    except UserError as exc:
+        st.error(str(exc), icon=":material/error:")
+        return None, None
+    return spec, sampling
+
+
+def run_rollout(spec: RunSpec, sampling: Sampling) -> list[Rollout] | None:
+    return run_job(lambda ctx: rollout(spec, sampling, ctx), "Sampling and rescoring",
+                   2 + STEPS_PER_DTYPE * max(1, len(spec.dtypes)), clear="rollout")
+
+
+@st.cache_resource(max_entries=32)
+def load_rollout(rollout_id: str) -> Rollout:
+    """Rollouts are content-addressed and immutable: one loaded copy serves every session."""
+    return get_store().load_rollout(rollout_id)
+
+
+def rollouts_from_query() -> list[Rollout]:
+    out = []
+    for rid in [r for r in st.query_params.get("rollout", "").split(",") if r][:4]:
+        try:
+            out.append(load_rollout(get_store().resolve_rollout_id(rid.strip())))
+        except UserError as exc:
+            st.warning(str(exc), icon=":material/warning:")
+    return out
+
+
+def _verdict(ro: Rollout) -> Verdict:
+    v = ro.meta.verdict
+    return Verdict(v.get("level", "differs"), v.get("headline", ""), tuple(v.get("reasons", ())), tuple(v.get("thresholds", ())))
+
+
+COMPUTED = "lpp-rollouts-computed"  # rollout id -> seconds, for rollouts this browser session computed
+
+
+def remember_computed(ros: list[Rollout]) -> None:
+    done = st.session_state.setdefault(COMPUTED, {})
+    for r in ros:
+        if not r.from_store:
+            done[r.rollout_id] = r.meta.timing.get("total_s")
+
+
+def _provenance(r: Rollout) -> str:
+    total = st.session_state.get(COMPUTED, {}).get(r.rollout_id, "stored")
+    if total == "stored":
+        return "from the store"
+    return f"computed now, in {total:.1f} s" if isinstance(total, (int, float)) else "computed now"
+
+
+def show_rollouts(ros: list[Rollout]) -> None:
+    verdict_cards([_verdict(r) for r in ros])
+    m = ros[0].meta
+    st.caption(f"{m.model} · device {m.env.device} · torch {m.env.torch} · transformers {m.env.transformers} · "
+               f"vLLM {m.env.vllm} · {Sampling(**m.sampling).words()} · "
+               + " · ".join(f"{r.dtype}: rollout `{r.rollout_id}`, {_provenance(r)}" for r in ros))
+    pairs = shown_pairs(ros[0])
+    pair = st.radio("Colour the tokens by", pairs, format_func=PAIR_WORDS.get, horizontal=True, key=f"{KEY}-pair")
+    n = len(ros[0].samples)
+    sample = st.selectbox("Sample", range(n), index=query_int("sample", 0, 0, max(n - 1, 0)),
+                          format_func=lambda i: f"{i + 1}: {ros[0].meta.prompts[ros[0].samples[i].prompt_index][:60]}",
+                          key=f"{KEY}-sample")
+    set_query(sample=sample)
+    for r in ros:
+        st.markdown(f"**{r.dtype}**")
+        if sample < len(r.samples):
+            st.html(completion_html(r, sample, pair, hf_floor(r.meta)))
+    tabs = st.tabs([r.dtype for r in ros])
+    for tab, r in zip(tabs, ros):
+        with tab:
+            one = token_frame(r, pair)
+            st.altair_chart(ratio_strip(one), width="stretch")
+            c1, c2 = st.columns(2)
+            c1.altair_chart(delta_histogram(one), width="stretch")
+            c2.altair_chart(ratio_histogram(one, r.meta.summary[pair].get("tis_cap", 2.0),
+                                            tuple(r.meta.summary[pair].get("mis_band", (0.5, 2.0)))), width="stretch")
+            st.markdown("**Three-way comparison**: " + "; ".join(f"*{SHORT[p]}*: {PAIR_WORDS[p]}" for p in shown_pairs(r))
+                        + ". Δ = the first side − the second; ratio = the second's probability / the first's.")
+            table = metrics_table(r)
+            st.dataframe(table, hide_index=True, width="stretch", height=35 * (len(table) + 1) + 3)
+            st.markdown("**Noise floors**: how much one side moves when only this changes")
+            st.dataframe(floors_table(r), hide_index=True, width="stretch")
+            d1, d2, d3 = st.columns(3)
+            d1.download_button("HTML report", lambda r=r: rollout_report_html(r), f"rollout-{r.rollout_id}.html", "text/html",
+                               icon=":material/download:", key=f"dl-html-{r.rollout_id}")
+            d2.download_button("JSON", lambda r=r: json.dumps(r.to_json_dict(), indent=1, allow_nan=False),
+                               f"rollout-{r.rollout_id}.json", "application/json", icon=":material/download:",
+                               key=f"dl-json-{r.rollout_id}")
+            d3.download_button("Parquet", lambda r=r: r.to_frame().to_parquet(index=False), f"rollout-{r.rollout_id}.parquet",
+                               "application/octet-stream", icon=":material/download:", key=f"dl-pq-{r.rollout_id}")
+    with st.expander("What do these words mean?", icon=":material/help:"):
+        st.markdown(GLOSSARY)

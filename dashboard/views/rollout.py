@@ -1,0 +1,24 @@
+"""Rollout page: vLLM samples completions (its decode path, as an RL rollout does); vLLM prefill and
+HF (the trainer) rescore the same tokens; every token compared three ways."""
+
+import streamlit as st
+
+from dashboard.components.rollout_panel import (
+    remember_computed, rollout_form, rollouts_from_query, run_rollout, show_rollouts,
+)
+from dashboard.state import set_query
+
+st.title("Rollout: vLLM's generation against the trainer")
+st.caption("In RL training, vLLM writes the text (a rollout) and a trainer rescores the same tokens. Do they agree? "
+           "vLLM samples, then vLLM (prefill) and HF transformers rescore exactly those tokens. Hover a token for every number.")
+spec, sampling = rollout_form()
+if spec is not None and sampling is not None:
+    done = run_rollout(spec, sampling)
+    if done:
+        remember_computed(done)
+        set_query(rollout=",".join(r.rollout_id for r in done), sample=0)
+ros = rollouts_from_query()
+if ros:
+    show_rollouts(ros)
+elif spec is None:
+    st.info("Press Run to sample on the embedded model, or open a stored rollout from the Runs page.", icon=":material/info:")
