@@ -29,6 +29,7 @@ STAGE_WORDS = {
     "load": "Engines",
     "queue": "Waiting for another job",
     "score": "Scoring every token",
+    "sample": "Sampling completions with vLLM's generation path",
     "compare": "Computing the differences",
     "store": "Saving the result",
     "cache": "Found in the store: no engine needed",

@@ -161,24 +161,29 @@ class HFBackend(Backend):
             return [self._incremental(ids, start, chunk) for ids, start in zip(sequences, starts)]
         bs = self.batch_size  # the hf_batch_size setting: 1 (default) = one sequence a pass, no padding
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
-        out: list[dict[str, np.ndarray] | None] = [None] * len(sequences)
+        cut = 0 < top_k or top_p < 1.0
+        got: list[torch.Tensor] = []  # per pass: [rows, 3] float64 on the device, read back once at the end
         for lo in range(0, len(order), bs):
             idx = order[lo : lo + bs]
             rows = self._forward([sequences[i] for i in idx], "right")
-            for i, r in zip(idx, rows):
-                ids, start = sequences[i], starts[i]
-                target = torch.tensor(ids[start:], dtype=torch.long, device=r.device)[:, None]
-                f32 = r[start - 1 :]
+            block = torch.cat([r[starts[i] - 1 :] for i, r in zip(idx, rows)])
+            target = torch.tensor([t for i in idx for t in sequences[i][starts[i] :]], dtype=torch.long, device=block.device)
+            for a in range(0, block.shape[0], self.ROW_CHUNK):  # float32 [rows, vocab] a block at a time
+                f32 = block[a : a + self.ROW_CHUNK]
                 f32 = f32 if f32.dtype == torch.float64 else f32.float()
+                tgt = target[a : a + self.ROW_CHUNK, None]
                 lp = torch.log_softmax(f32, dim=-1)
                 scaled = lp if temperature == 1.0 else torch.log_softmax(f32 / temperature, dim=-1)
-                cut = 0 < top_k < lp.shape[-1] or top_p < 1.0
-                out[i] = {
-                    "logprob": lp.gather(1, target)[:, 0].double().cpu().numpy(),
-                    "tempered": scaled.gather(1, target)[:, 0].double().cpu().numpy(),
-                    "log_kept_mass": (_log_kept_mass(scaled, top_k, top_p).double().cpu().numpy() if cut
-                                      else np.zeros(len(ids) - start)),
-                }
+                kept = (_log_kept_mass(scaled, top_k, top_p) if cut and (top_p < 1.0 or top_k < lp.shape[-1])
+                        else torch.zeros(lp.shape[0], device=lp.device))
+                got.append(torch.stack([lp.gather(1, tgt)[:, 0].double(), scaled.gather(1, tgt)[:, 0].double(), kept.double()], 1))
+        flat = torch.cat(got).cpu().numpy() if got else np.zeros((0, 3))
+        out: list[dict[str, np.ndarray] | None] = [None] * len(sequences)
+        at = 0
+        for i in order:
+            n = len(sequences[i]) - starts[i]
+            out[i] = {"logprob": flat[at : at + n, 0], "tempered": flat[at : at + n, 1], "log_kept_mass": flat[at : at + n, 2]}
+            at += n
         return out  # type: ignore[return-value]
 
     def _incremental(self, ids: list[int], start: int, chunk: int) -> dict[str, np.ndarray]:
