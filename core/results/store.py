@@ -100,17 +100,7 @@ class Store:
         table = pa.Table.from_pandas(run.to_frame(), preserve_index=False)
         meta = dict(run.meta.to_dict(), schema_version=SCHEMA_VERSION)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: json.dumps(meta)})
-        fd, tmp = tempfile.mkstemp(prefix=f".{run.run_id}-", suffix=".tmp", dir=self.runs_dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pq.write_table(table, f)
-                f.flush()
-                os.fsync(f.fileno())
-            digest = _sha256(Path(tmp))
-            os.replace(tmp, self.path_of(run.run_id))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        digest = _atomic_write(self.path_of(run.run_id), lambda f: pq.write_table(table, f))
         s = run.summary
         with closing(self._db()) as db, db:
             db.execute(
@@ -212,17 +202,8 @@ class Store:
         with the file's checksum."""
         folder = self.diagnostics_dir
         folder.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{result.diagnostics_id}-", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(result.to_dict(), f, allow_nan=False)
-                f.flush()
-                os.fsync(f.fileno())
-            digest = _sha256(Path(tmp))
-            os.replace(tmp, folder / f"{result.diagnostics_id}.json")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        data = json.dumps(result.to_dict(), allow_nan=False).encode("utf-8")
+        digest = _atomic_write(folder / f"{result.diagnostics_id}.json", lambda f: f.write(data))
         self._index_diagnostics(result, digest)
 
     def _index_diagnostics(self, result: DiagnosticsResult, digest: str) -> None:
@@ -312,17 +293,7 @@ class Store:
         meta = dict(ro.meta.to_dict(), schema_version=ROLLOUT_SCHEMA)
         table = pa.Table.from_pandas(ro.to_frame(), preserve_index=False)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: json.dumps(meta, allow_nan=False)})
-        fd, tmp = tempfile.mkstemp(prefix=f".{ro.rollout_id}-", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pq.write_table(table, f)
-                f.flush()
-                os.fsync(f.fileno())
-            digest = _sha256(Path(tmp))
-            os.replace(tmp, folder / f"{ro.rollout_id}.parquet")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        digest = _atomic_write(folder / f"{ro.rollout_id}.parquet", lambda f: pq.write_table(table, f))
         s = ro.meta.summary.get(MAIN_PAIR, {})
         with closing(self._db()) as db, db:
             db.execute("INSERT OR REPLACE INTO rollouts VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -407,6 +378,23 @@ def _sampling_words(s: dict[str, Any]) -> str:
         return ""
     k = "" if s.get("top_k", -1) < 0 else f" top-k {s['top_k']}"
     return f"n={s.get('samples')} T={s.get('temperature'):g} top-p {s.get('top_p'):g}{k} ≤{s.get('max_tokens')} tok seed {s.get('seed')}"
+
+
+def _atomic_write(target: Path, write: Any) -> str:
+    """write(binary file) into a temp file beside `target`, fsync, rename over it; return its sha256.
+    A half-written file is never found under the target's name."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = _sha256(Path(tmp))
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest
 
 
 def _sha256(path: Path) -> str:
