@@ -29,6 +29,12 @@ SUMMARY_ROWS = (
     ("pearson_prob", "f"),
     ("seq_logprob_delta", "e"),
     ("frac_ratio_outside_0.9_1.1", "f"),
+    ("kl_full_mean", "e"),
+    ("kl_full_p99", "e"),
+    ("kl_full_max", "e"),
+    ("same_top_p", "f"),
+    ("dp_rms", "e"),
+    ("ppl_ratio", "f"),
 )
 
 
@@ -227,6 +233,32 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_frontier(args: argparse.Namespace) -> int:
+    from core.analysis.frontier import default_grid, frontier, frontier_text, parse_configs
+    from core.analysis.request import Context
+    from core.env import resolve_device
+
+    args.dtype = "float32"  # each configuration names its own dtype
+    spec = _spec_from_args(args)
+    configs = parse_configs(args.configs) if args.configs else default_grid(resolve_device(args.device))
+    t0 = time.perf_counter()
+
+    def on_event(stage: str, dtype: str | None, detail: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
+
+    result = frontier(spec, configs, Context.of(on_event=on_event), tolerance=args.tolerance)
+    print(frontier_text(result))
+    print(f"elapsed {time.perf_counter() - t0:.2f} s")
+    if args.json:
+        out = Path(args.json)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False))
+        os.replace(tmp, out)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
     """One object per run: a single object for one run, a list for several."""
     data = [r.to_json_dict() for r in runs]
@@ -384,6 +416,17 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     ro.add_argument("--ignore-eos", action="store_true", help="always sample --max-tokens tokens (benchmarks)")
     ro.add_argument("--noise-samples", type=int, default=2, help="samples re-decoded alone and rescored in chunks (noise floors)")
     ro.set_defaults(func=cmd_rollout)
+
+    fr = sub.add_parser("frontier", help="accuracy against speed over dtypes, kernels and quantization, against HF float64")
+    _add_spec_args(fr, registry)
+    fr.add_argument("--configs", default=None,
+                    help="configurations separated by ';', each a dtype and setting=value pairs, e.g. "
+                         "'float32; bfloat16 kv_cache_dtype=fp8; float32 attention_backend=FLEX_ATTENTION' "
+                         "(default: the grid this platform can run)")
+    fr.add_argument("--tolerance", type=float, default=None,
+                    help="largest mean |Δ logp| to the float64 reference a recommendation may have "
+                         "(default: HF's own float32 gap to it, measured)")
+    fr.set_defaults(func=cmd_frontier)
 
     sub.add_parser("runs", help="list stored runs").set_defaults(func=cmd_runs)
 

@@ -16,6 +16,7 @@ pages = [
     st.Page(VIEWS / "compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare", default=True),
     st.Page(VIEWS / "prompt_set.py", title="Prompt set", icon=":material/library_books:", url_path="prompt-set"),
     st.Page(VIEWS / "rollout.py", title="Rollout", icon=":material/model_training:", url_path="rollout"),
+    st.Page(VIEWS / "frontier.py", title="Frontier", icon=":material/speed:", url_path="frontier"),
     st.Page(VIEWS / "diagnostics.py", title="Diagnostics", icon=":material/stethoscope:", url_path="diagnostics"),
     st.Page(VIEWS / "runs.py", title="Runs", icon=":material/folder_open:", url_path="runs"),
 ]

@@ -214,8 +214,10 @@ def test_rollout_page_samples_rescores_and_explains(server, demo_model):
         page.get_by_test_id("stSelectbox").filter(has_text="Sample").click()
         page.get_by_role("option").filter(has_text="مرحبا").click()
         expect(page.locator(".lpp-prompt").first).to_have_text("مرحبا بالعالم", timeout=30_000)
-        page.get_by_text("Importance ratios, with the thresholds").first.scroll_into_view_if_needed()
-        expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(3, timeout=30_000)
+        settled(page)  # the page has redrawn for the new sample: its charts are the ones to look at
+        charts = page.locator('[data-testid="stVegaLiteChart"]')
+        expect(charts).to_have_count(3, timeout=30_000)
+        charts.nth(2).scroll_into_view_if_needed()
         page.screenshot(path=str(out / "rollout-charts.png"))
         page.get_by_text("Noise floors").first.scroll_into_view_if_needed()
         page.screenshot(path=str(out / "rollout-tables.png"))
@@ -227,3 +229,32 @@ def test_rollout_page_samples_rescores_and_explains(server, demo_model):
         assert page.get_by_test_id("stException").count() == 0
         browser.close()
     assert dialogs == []
+
+
+def test_frontier_page_in_the_browser(server, home):
+    """A stored frontier opens from its link: the recommendation in words first, the skipped
+    configuration with its reason (escaped), the scatter drawn, no 'None' in the table."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from core.results.store import Store
+    from test_dashboard import make_frontier
+
+    Store(home).save_frontier(make_frontier("fee456"))
+    out = ARTIFACTS / "frontier"
+    out.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server}/frontier?frontier=fee456")
+        rec = page.get_by_text("Recommended: float32.")
+        expect(rec).to_be_visible(timeout=60_000)
+        settled(page)
+        expect(page.get_by_text("<b>no fp8 kernel</b>", exact=False)).to_be_visible()
+        chart = page.locator('[data-testid="stVegaLiteChart"]')
+        expect(chart).to_have_count(1)
+        assert rec.bounding_box()["y"] < chart.bounding_box()["y"]
+        page.screenshot(path=str(out / "frontier-top.png"))
+        chart.scroll_into_view_if_needed()
+        page.screenshot(path=str(out / "frontier-chart.png"))
+        assert page.get_by_test_id("stException").count() == 0
+        browser.close()

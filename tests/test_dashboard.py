@@ -280,3 +280,62 @@ def test_runs_page_lists_rollouts_and_opens_one(home):
     assert not at.exception
     table = at.dataframe[0].value
     assert table["id"].tolist() == ["abc124"] and "n=1 T=1" in table["sampling"].iloc[0]
+
+
+def make_frontier(frontier_id: str = "fee123"):
+    """A stored frontier built by hand (plumbing for page tests; tests/test_frontier.py runs the engines)."""
+    from core.analysis.frontier import FrontierResult, pareto, recommend
+
+    def row(name, dtype, gap, speed, skipped=None):
+        return {"name": name, "dtype": dtype, "settings": {}, "skipped": skipped, "start_s": 12.0,
+                "ref_gap": None if skipped else {"mean": gap, "max": 3 * gap, "kl_mean": gap / 10},
+                "hf_ref_gap": None if skipped else {"mean": gap / 2, "max": gap, "kl_mean": None},
+                "tokens_per_s": None if skipped else {"prefill": speed, "generate": speed / 10}}
+
+    rows = [row("float32", "float32", 9e-6, 40.0), row("bfloat16", "bfloat16", 4e-2, 600.0),
+            row("bfloat16 kv_cache_dtype=fp8", "bfloat16", 0.24, 90.0),
+            row("bfloat16 quantization=fp8", "bfloat16", None, None, skipped="vLLM could not start it: <b>no fp8 kernel</b>")]
+    for r in rows:
+        r["pareto"] = r["name"] in pareto(rows)
+    return FrontierResult(frontier_id=frontier_id, model="demo:tiny", device="cpu", versions={"torch": "t"}, texts=("Hi 🌊 مرحبا",),
+                          n_tokens=5, tolerance={"value": 2e-5, "source": "given"}, configs=tuple(rows),
+                          recommendation=recommend(rows, 2e-5, "given"), created="2026-12-03", created_ts=2.0)
+
+
+def test_frontier_page_opens_a_stored_frontier_with_its_recommendation_and_the_skipped_ones(home):
+    Store(home).save_frontier(make_frontier())
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.switch_page("views/frontier.py")
+    at.query_params["frontier"] = "fee123"
+    at.run()
+    assert not at.exception
+    assert [s.value for s in at.success][0].startswith("**Recommended: float32.**")
+    assert any("bfloat16 quantization=fp8" in w.value and "no fp8 kernel" in w.value for w in at.warning)
+    table = at.dataframe[0].value
+    assert list(table["configuration"]) == ["float32", "bfloat16", "bfloat16 kv_cache_dtype=fp8"]  # the skipped one is above
+    assert not table.isna().any().any()
+
+
+def test_frontier_page_refuses_a_bad_configuration_in_words(home):
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.switch_page("views/frontier.py")
+    at.run()
+    at.text_input(key="frontier-extra").set_value("float32 warp=9")
+    at.get("form_submit_button")[0].click()
+    at.run()
+    assert not at.exception
+    assert any("known setting" in e.value for e in at.error), [e.value for e in at.error]
+    assert at.query_params.get("frontier") is None
+
+
+def test_a_quantized_run_says_hf_is_the_unquantized_reference(home):
+    run = make_run("feed09")
+    import dataclasses
+
+    run = dataclasses.replace(run, meta=dataclasses.replace(run.meta, settings={**run.meta.settings, "kv_cache_dtype": "fp8"}))
+    Store(home).save(run)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["runs"] = "feed09"
+    at.run()
+    assert not at.exception
+    assert any("quantized (fp8 KV cache); HF is the unquantized reference" in i.value for i in at.info), [i.value for i in at.info]

@@ -128,24 +128,36 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
     t0 = time.perf_counter()
     infos, timing, scores = {}, {}, {}
     seqs = p.seqs
-    for req in requests:
-        b = req.backend
-        ctx.emit("load", dtype, f"{b}: warm engine" if lease.warm(req) else
-                 f"{b}: starting the engine (on a CPU about 20-60 s; it stays warm for the next run)")
-        t = time.perf_counter()
-        host = lease.host(req)
-        infos[b] = host.info
-        timing[f"{b}_load_s"] = round(time.perf_counter() - t, 3)
-        gather = [s.topk_ids for s in scores["vllm"]] if b == "hf" else None
-        with ctx.pool.device_turn(ctx.waiter(dtype), what=f"{b} scoring"):
-            ctx.emit("score", dtype, f"{b}: {sum(map(len, seqs))} tokens")
+    from core.engines import fullvocab
+
+    # the exact full-vocabulary KL: vLLM leaves its full logprobs in a shared-memory folder, HF reads them
+    too_big = fullvocab.fits(sum(len(s) - 1 for s in seqs), p.model.vocab_size)
+    folder = made = None if too_big else fullvocab.new_folder()
+    try:
+        for req in requests:
+            b = req.backend
+            ctx.emit("load", dtype, f"{b}: warm engine" if lease.warm(req) else
+                     f"{b}: starting the engine (on a CPU about 20-60 s; it stays warm for the next run)")
             t = time.perf_counter()
-            try:
-                scores[b] = host.score(seqs, spec.top_k, gather)
-            except BaseException:
-                lease.discard(req)  # a host that failed mid-run is not trusted again
-                raise
-        timing[f"{b}_score_s"] = round(time.perf_counter() - t, 3)
+            host = lease.host(req)
+            infos[b] = host.info
+            timing[f"{b}_load_s"] = round(time.perf_counter() - t, 3)
+            gather = [s.topk_ids for s in scores["vllm"]] if b == "hf" else None
+            if b == "hf" and folder is not None and fullvocab.problem(folder):
+                too_big, folder = fullvocab.problem(folder), None
+            with ctx.pool.device_turn(ctx.waiter(dtype), what=f"{b} scoring"):
+                ctx.emit("score", dtype, f"{b}: {sum(map(len, seqs))} tokens")
+                t = time.perf_counter()
+                try:
+                    scores[b] = host.score(seqs, spec.top_k, gather, None, "right", folder)
+                except BaseException:
+                    lease.discard(req)  # a host that failed mid-run is not trusted again
+                    raise
+            timing[f"{b}_score_s"] = round(time.perf_counter() - t, 3)
+    finally:
+        fullvocab.remove(made)
+    kl_full = "exact, every position" if too_big is None else f"not computed: {too_big}"
+    infos = {**infos, "vllm": {**(infos.get("vllm") or {}), "kl_full": kl_full}}
     ctx.emit("compare", dtype, "metrics")
     results = tuple(SequenceResult.build(t, h, v, p.decode) for t, h, v in zip(p.toks, scores["hf"], scores["vllm"]))
     summary = summarize(concat([r.metrics for r in results]))

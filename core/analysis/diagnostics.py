@@ -68,8 +68,8 @@ def ablation_knobs(device: str, slow: bool) -> list[tuple[str, dict[str, Any] | 
     if device == "cuda":
         for backend in ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER"):
             knobs.append((f"vLLM attention_backend={backend}", {"attention_backend": backend}, ""))
-        knobs.append(("HF TF32 matmuls", None, "skipped: not an engine setting yet (torch.backends.cuda.matmul.allow_tf32)"))
-        knobs.append(("vLLM batch-invariant mode", None, "skipped: needs VLLM_BATCH_INVARIANT=1 in the engine's environment (not wired yet)"))
+        knobs.append(("TF32 matmuls (both engines)", {"tf32": True}, ""))
+        knobs.append(("vLLM batch-invariant mode", {"batch_invariant": True}, ""))
     else:
         knobs.append(("vLLM attention backends", None, "skipped: vLLM's CPU build has one attention backend (CPU_ATTN)"))
         knobs.append(("HF TF32 matmuls", None, "skipped: TF32 exists on NVIDIA GPUs only"))

@@ -9,6 +9,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+# Percentiles of the exact full-vocabulary KL(HF || vLLM) per token, as llama.cpp reports them.
+KL_PERCENTILES = (("p99_9", 99.9), ("p99", 99.0), ("p95", 95.0), ("p90", 90.0), ("p50", 50.0), ("p10", 10.0), ("p5", 5.0),
+                  ("p1", 1.0), ("p0_1", 0.1))
+FULL_KL_KEYS = ("kl_full_mean", "kl_full_max", *(f"kl_full_{k}" for k, _ in KL_PERCENTILES))
+
 SUMMARY_KEYS = (
     "n_tokens",
     "max_abs_delta",
@@ -24,6 +29,14 @@ SUMMARY_KEYS = (
     "pearson_prob",
     "seq_logprob_delta",
     "frac_ratio_outside_0.9_1.1",
+    # llama.cpp's `perplexity --kl-divergence` set, HF the base and vLLM the other model:
+    *FULL_KL_KEYS,
+    "kl_full_mean_err",
+    "same_top_p",
+    "same_top_p_err",
+    "dp_mean",
+    "dp_rms",
+    "ppl_ratio",
 )
 
 
@@ -39,6 +52,9 @@ class TokenMetrics:
     prob_delta: np.ndarray
     kl_topk: np.ndarray
     argmax_agree: np.ndarray  # bool
+    # exact KL(HF || vLLM) over the whole vocabulary; NaN where it was not computed (older runs, or
+    # a run too large for it: core.analysis.compare.FULL_KL_MAX_BYTES)
+    kl_full: np.ndarray | None = None
 
 
 def token_metrics(
@@ -48,6 +64,7 @@ def token_metrics(
     vllm_top1: np.ndarray,
     vllm_topk_logprobs: np.ndarray,
     hf_at_vllm_topk: np.ndarray,
+    kl_full: np.ndarray | None = None,
 ) -> TokenMetrics:
     """l_h, l_v: each side's log p(token t) [T]; top1: each side's most likely id [T]; the last two
     [T, k]: vLLM's top-k logprobs and HF's logprobs of those same ids."""
@@ -59,7 +76,8 @@ def token_metrics(
     delta = np.where(scored, lv - lh, np.nan)
     kl = np.where(scored, kl_topk(hf_at_vllm_topk, vllm_topk_logprobs), np.nan)
     agree = scored & (np.asarray(hf_top1) == np.asarray(vllm_top1))
-    return TokenMetrics(scored, ph, pv, delta, np.abs(delta), np.abs(pv - ph), kl, agree)
+    full = np.full(len(lh), np.nan) if kl_full is None else np.where(scored, np.asarray(kl_full, dtype=np.float64), np.nan)
+    return TokenMetrics(scored, ph, pv, delta, np.abs(delta), np.abs(pv - ph), kl, agree, full)
 
 
 def kl_topk(hf_lp: np.ndarray, vllm_lp: np.ndarray) -> np.ndarray:
@@ -106,7 +124,39 @@ def summarize(m: TokenMetrics) -> dict[str, float | int | None]:
         "pearson_prob": _pearson(m.hf_prob[s], m.vllm_prob[s]),
         "seq_logprob_delta": float(d.sum()),
         "frac_ratio_outside_0.9_1.1": float(((ratio < 0.9) | (ratio > 1.1)).mean()),
+        **llama_cpp_stats(m),
     }
+
+
+def llama_cpp_stats(m: TokenMetrics) -> dict[str, float | None]:
+    """llama.cpp's KL-divergence statistics over the scored positions (HF the base, vLLM the other):
+    the exact KL's mean ± its standard error, max and percentiles; "same top p" (both engines' most
+    likely token agree) ± its binomial error sqrt(p(1−p)/(n−1)); Δp = p_vLLM − p_HF of the token,
+    its mean and RMS; and the perplexity ratio PPL(vLLM)/PPL(HF) = exp(mean(l_HF − l_vLLM))."""
+    s = m.scored
+    n = int(s.sum())
+    out: dict[str, float | None] = dict.fromkeys((*FULL_KL_KEYS, "kl_full_mean_err", "same_top_p", "same_top_p_err", "dp_mean",
+                                                  "dp_rms", "ppl_ratio"))
+    if n == 0:
+        return out
+    same = float(m.argmax_agree[s].mean())
+    dp = m.vllm_prob[s] - m.hf_prob[s]
+    out.update({
+        "same_top_p": same,
+        "same_top_p_err": float(np.sqrt(same * (1 - same) / (n - 1))) if n > 1 else None,
+        "dp_mean": float(dp.mean()),
+        "dp_rms": float(np.sqrt(np.mean(dp**2))),
+        "ppl_ratio": float(np.exp(-np.mean(m.delta[s]))),
+    })
+    kl = m.kl_full[s] if m.kl_full is not None else np.array([])
+    kl = kl[np.isfinite(kl)]
+    if len(kl) == n:  # every scored position has its exact KL
+        out["kl_full_mean"] = float(kl.mean())
+        out["kl_full_mean_err"] = float(kl.std(ddof=1) / np.sqrt(n)) if n > 1 else None
+        out["kl_full_max"] = float(kl.max())
+        for (key, q), v in zip(KL_PERCENTILES, np.percentile(kl, [q for _, q in KL_PERCENTILES])):
+            out[f"kl_full_{key}"] = float(v)
+    return out
 
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float | None:
@@ -117,4 +167,8 @@ def _pearson(x: np.ndarray, y: np.ndarray) -> float | None:
 
 def concat(parts: list[TokenMetrics]) -> TokenMetrics:
     """All sequences' positions as one, for the run-level summary."""
-    return TokenMetrics(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(TokenMetrics)))
+    def col(p: TokenMetrics, name: str) -> np.ndarray:
+        v = getattr(p, name)
+        return np.full(len(p.scored), np.nan) if v is None else v
+
+    return TokenMetrics(*(np.concatenate([col(p, f.name) for p in parts]) for f in fields(TokenMetrics)))

@@ -30,8 +30,8 @@ AUTHKEY_ENV = "LPP_WORKER_AUTHKEY"
 PARENT_ENV = "LPP_HOST_PARENT"  # the pid that started the host; it exits when re-parented
 LOG_TAIL_CHARS = 2000
 # The backend methods a host answers (core.engines.backends.base): score and generate on every
-# backend; sample (vLLM) and rollout_score (HF) for rollouts.
-BACKEND_OPS = ("score", "generate", "sample", "rollout_score")
+# backend; sample (vLLM) and rollout_score (HF) for rollouts; write_full (HF) for the frontier.
+BACKEND_OPS = ("score", "generate", "sample", "rollout_score", "write_full")
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
 # Root causes vLLM's engine core logs but does not raise to the caller, as (pattern, message).
@@ -278,8 +278,9 @@ class HostClient:
         return self.info
 
     def score(self, sequences: list[list[int]], top_k: int, gather_ids: Any = None, batch_size: int | None = None,
-              padding_side: str = "right", timeout: float = 3600.0) -> Any:
-        return self._request(HostRequest("score", (sequences, top_k, gather_ids, batch_size, padding_side)), "scoring", timeout)
+              padding_side: str = "right", full: Any = None, timeout: float = 3600.0) -> Any:
+        return self._request(HostRequest("score", (sequences, top_k, gather_ids, batch_size, padding_side, full)), "scoring",
+                             timeout)
 
     def generate(self, sequences: list[list[int]], max_new_tokens: int, timeout: float = 3600.0) -> list[list[int]]:
         return self._request(HostRequest("generate", (sequences, max_new_tokens)), "generating", timeout)
@@ -292,6 +293,9 @@ class HostClient:
                       top_p: float = 1.0, chunk: int | None = None, timeout: float = 3600.0) -> list[dict[str, Any]]:
         return self._request(HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk)),
                              "scoring the rollout", timeout)
+
+    def write_full(self, sequences: list[list[int]], folder: str, timeout: float = 3600.0) -> int:
+        return self._request(HostRequest("write_full", (sequences, folder)), "writing full logprobs", timeout)
 
     def stop(self, grace: float = 20.0) -> None:
         """Ask the host to exit, then make sure it and its engine processes are gone."""

@@ -135,7 +135,7 @@ class EnginePool:
                 key = r.key()
                 host = self._hosts.get(key)
                 if host is None:
-                    host = self._host_factory(r.label, device=r.device, need_bytes=engine_bytes(r)).start()
+                    host = self._host_factory(r.label, extra_env=r.host_env(), device=r.device, need_bytes=engine_bytes(r)).start()
                     host.begin_load(r)
                     self._hosts[key] = host
                 host.leases += 1

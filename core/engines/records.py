@@ -37,6 +37,12 @@ class LoadRequest:
     def label(self) -> str:
         return f"{self.backend} ({self.dtype})"
 
+    def host_env(self) -> dict[str, str]:
+        """Environment the engine's host process needs before it imports its engine."""
+        if self.backend == "vllm" and getattr(self.settings, "batch_invariant", False):
+            return {"VLLM_BATCH_INVARIANT": "1"}
+        return {}
+
     def backend_kwargs(self) -> dict[str, Any]:
         """The backend constructor's arguments."""
         return {"model_path": self.model_path, "dtype": self.dtype, "device": self.device, "settings": self.settings,

@@ -99,6 +99,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("distributed_executor_backend", str, None, "vllm",
             "vLLM's executor: ray runs across a Ray cluster's GPUs (default: vLLM's choice)",
             label="vLLM executor", passthrough=True, choices=("mp", "ray")),
+    Setting("batch_invariant", bool, False, "vllm",
+            "vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1 in that engine's environment): a sequence scores the "
+            "same alone or in any batch; NVIDIA GPUs only",
+            label="vLLM batch-invariant mode"),
+    Setting("quantization", str, None, "vllm",
+            "serve quantized: fp8 weights (vLLM quantizes at load); HF stays the unquantized reference",
+            label="vLLM quantization", passthrough=True, choices=("fp8",)),
+    Setting("kv_cache_dtype", str, None, "vllm",
+            "vLLM's KV-cache dtype: fp8 stores keys and values in 8 bits (default: the model's dtype)",
+            label="vLLM kv_cache_dtype", passthrough=True, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     # HF
     Setting("attn_implementation", str, None, "hf", "HF attention implementation (default: transformers' choice, sdpa)",
             label="HF attn_implementation", passthrough=True, choices=("sdpa", "eager", "flash_attention_2", "flex_attention")),
@@ -112,6 +122,9 @@ SETTINGS: tuple[Setting, ...] = (
             "torch.compile HF's forward and logprob blocks: faster on many prompts, the first call compiles, bfloat16 numerics move",
             label="HF torch.compile"),
     # both
+    Setting("tf32", bool, False, "both",
+            "TF32 matmuls for float32 on NVIDIA GPUs (torch.backends.cuda.matmul.allow_tf32) in that engine's process",
+            label="TF32 matmuls"),
     Setting("trust_remote_code", bool, False, "both", "run the model's own Python code (off unless you trust its authors)",
             label="trust_remote_code", passthrough=True),
 )

@@ -20,6 +20,23 @@ SUMMARY_LABELS = {
     "pearson_prob": "correlation of probabilities",
     "seq_logprob_delta": "whole-text Δ logp (sum)",
     "frac_ratio_outside_0.9_1.1": "share of tokens whose probability differs by >10%",
+    "kl_full_mean": "mean exact KL (whole vocabulary)",
+    "kl_full_mean_err": "± its standard error",
+    "kl_full_max": "largest exact KL",
+    "kl_full_p99_9": "exact KL, 99.9th percentile",
+    "kl_full_p99": "exact KL, 99th percentile",
+    "kl_full_p95": "exact KL, 95th percentile",
+    "kl_full_p90": "exact KL, 90th percentile",
+    "kl_full_p50": "exact KL, median",
+    "kl_full_p10": "exact KL, 10th percentile",
+    "kl_full_p5": "exact KL, 5th percentile",
+    "kl_full_p1": "exact KL, 1st percentile",
+    "kl_full_p0_1": "exact KL, 0.1th percentile",
+    "same_top_p": "same top token (llama.cpp's 'same top p')",
+    "same_top_p_err": "± its binomial error",
+    "dp_mean": "mean Δp (vLLM − HF probability of the token)",
+    "dp_rms": "RMS Δp",
+    "ppl_ratio": "perplexity ratio PPL(vLLM) / PPL(HF)",
 }
 
 
@@ -27,7 +44,7 @@ def summary_label(key: str) -> str:
     return SUMMARY_LABELS.get(key, key.replace("_", " "))
 
 
-SHARE_KEYS = ("argmax_agreement", "frac_ratio_outside_0.9_1.1")
+SHARE_KEYS = ("argmax_agreement", "frac_ratio_outside_0.9_1.1", "same_top_p", "same_top_p_err")
 
 
 def summary_value(key: str, v: object) -> str:
@@ -58,3 +75,16 @@ def cell_text(column: str, v: object) -> str:
     if isinstance(v, float):
         return f"{v:.3e}"
     return str(v)
+
+
+def quantized_words(settings: dict) -> str | None:
+    """What a run's vLLM side serves quantized, in words, or None: HF is then the unquantized
+    reference, and every page and report that shows the run says so."""
+    parts = []
+    if settings.get("quantization"):
+        parts.append(f"{settings['quantization']} weights")
+    if settings.get("kv_cache_dtype") not in (None, "auto"):
+        parts.append(f"{settings['kv_cache_dtype']} KV cache")
+    if not parts:
+        return None
+    return f"vLLM serves this model quantized ({', '.join(parts)}); HF is the unquantized reference it is measured against."

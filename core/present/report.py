@@ -15,7 +15,7 @@ from core.results.records import DiagnosticsResult
 from core.results.run import Run
 
 MAX_SEQUENCES = 50
-CARD_KEYS = ("n_tokens", "max_abs_delta", "mean_abs_delta", "p95_abs_delta", "argmax_agreement", "mean_kl_topk")
+CARD_KEYS = ("n_tokens", "max_abs_delta", "mean_abs_delta", "p95_abs_delta", "argmax_agreement", "kl_full_mean", "mean_kl_topk")
 
 _PAGE_CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#111;padding:0 1em}
@@ -95,6 +95,10 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
     parts.append(f"<h1>{_e(title)}</h1>")
     parts.append("<table class='meta'>" + "".join(f"<tr><th class='l'>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in meta_rows) + "</table>")
 
+    from core.present.labels import quantized_words
+
+    if quantized_words(m.settings):
+        parts.append(f"<p><b>{_e(quantized_words(m.settings))}</b></p>")
     parts.append("<h2>Verdict</h2>" + verdict_html([v.to_dict() for v in run_verdicts(runs, diagnostics)]))
     parts.append("<h2>Summary</h2><table><tr><th class='l'>metric</th>" + "".join(f"<th>{_e(r.dtype)}</th>" for r in runs) + "</tr>")
     for key in first.summary:

@@ -71,7 +71,8 @@ class SequenceResult:
         gathered = hf.gathered_logprobs
         if gathered is None:
             gathered = np.full(vllm.topk_logprobs.shape, np.nan)
-        m = token_metrics(hf.logprob, vllm.logprob, hf.topk_ids[:, 0], vllm.topk_ids[:, 0], vllm.topk_logprobs, gathered)
+        m = token_metrics(hf.logprob, vllm.logprob, hf.topk_ids[:, 0], vllm.topk_ids[:, 0], vllm.topk_logprobs, gathered,
+                          hf.kl_full)
         text = None
         if decode is not None:
             text = {
@@ -103,6 +104,7 @@ class SequenceResult:
                 "abs_delta": m.abs_delta,
                 "prob_delta": m.prob_delta,
                 "kl_topk": m.kl_topk,
+                "kl_full": m.kl_full if m.kl_full is not None else np.full(n, np.nan),
                 "argmax_agree": m.argmax_agree,
                 "hf_topk_ids": list(hf.topk_ids),
                 "hf_topk_logprobs": list(hf.topk_logprobs),
@@ -130,7 +132,9 @@ class SequenceResult:
                 gathered_logprobs=gathered,
             )
 
-        metrics = TokenMetrics(**{f: cols[f][rows] for f in TokenMetrics.__dataclass_fields__})
+        # runs stored before the exact KL existed have no kl_full column: NaN there
+        metrics = TokenMetrics(**{f: cols[f][rows] if f in cols else np.full(len(ids), np.nan)
+                                  for f in TokenMetrics.__dataclass_fields__})
         text = {side: cols[f"{side}_topk_text"][rows] for side in SIDES}
         return cls(
             text=info.text,
@@ -163,6 +167,7 @@ class SequenceResult:
                     "abs_delta": _num(m.abs_delta[t]) if ok else None,
                     "prob_delta": _num(m.prob_delta[t]) if ok else None,
                     "kl_topk": _num(m.kl_topk[t]) if ok else None,
+                    "kl_full": _num(m.kl_full[t]) if ok and m.kl_full is not None else None,
                     "argmax_agree": bool(m.argmax_agree[t]) if ok else None,
                 }
             )

@@ -22,6 +22,8 @@ class TokenScores:
     topk_logprobs: np.ndarray  # float64 [T, k]
     # HF only: HF's logprob of each id in the other side's top-k at each position (for kl_topk).
     gathered_logprobs: np.ndarray | None = None  # float64 [T, k]
+    # HF only: the exact KL(HF || vLLM) over the whole vocabulary at each position (NaN at 0)
+    kl_full: np.ndarray | None = None  # float64 [T]
 
     @classmethod
     def empty(cls, token_ids: list[int], k: int) -> "TokenScores":

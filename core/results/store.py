@@ -55,6 +55,15 @@ CREATE TABLE IF NOT EXISTS diagnostics (
     first_text TEXT NOT NULL,
     sha256 TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS frontiers (
+    frontier_id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    model TEXT NOT NULL,
+    n_configs INTEGER NOT NULL,
+    recommendation TEXT,
+    first_text TEXT NOT NULL,
+    sha256 TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id TEXT PRIMARY KEY,
     created REAL NOT NULL,
@@ -274,6 +283,43 @@ class Store:
         with closing(self._db()) as db, db:
             db.execute("DELETE FROM diagnostics WHERE diagnostics_id=?", (diag_id,))
         (self.diagnostics_dir / f"{diag_id}.json").unlink(missing_ok=True)
+
+    # -- frontiers -------------------------------------------------------------------------------
+    def save_frontier(self, result: Any) -> None:
+        """JSON (never pickle), written like a run: temp file, fsync, rename, then the index row."""
+        folder = self.root / "frontiers"
+        folder.mkdir(exist_ok=True)
+        data = json.dumps(result.to_dict(), allow_nan=False).encode("utf-8")
+        digest = _atomic_write(folder / f"{result.frontier_id}.json", lambda f: f.write(data))
+        with closing(self._db()) as db, db:
+            db.execute("INSERT OR REPLACE INTO frontiers VALUES (?,?,?,?,?,?,?)",
+                       (result.frontier_id, result.created_ts or time.time(), result.model, len(result.configs),
+                        result.recommendation.get("name"), (result.texts[0] if result.texts else "")[:80], digest))
+
+    def resolve_frontier_id(self, prefix: str) -> str:
+        return self._by_prefix("frontiers", "frontier_id", prefix, "frontier", "frontiers")[0]
+
+    def load_frontier(self, frontier_id: str) -> Any:
+        from core.analysis.frontier import FrontierResult
+
+        full, expected = self._by_prefix("frontiers", "frontier_id", frontier_id, "frontier", "frontiers", ", sha256")
+        path = self.root / "frontiers" / f"{full}.json"
+        try:
+            if _sha256(path) != expected:
+                raise UserError(f"stored frontier {full} failed its integrity check (file changed since it was written)")
+            return FrontierResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise UserError(f"no stored frontier {full}: its file is missing") from None
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"stored frontier {full} is unreadable ({type(exc).__name__}: {exc})") from exc
+
+    def list_frontiers(self) -> pd.DataFrame:
+        with closing(self._db()) as db:
+            rows = db.execute("SELECT frontier_id, created, model, n_configs, recommendation, first_text FROM frontiers "
+                              "ORDER BY created DESC").fetchall()
+        df = pd.DataFrame(rows, columns=["frontier_id", "created", "model", "n_configs", "recommendation", "first_text"])
+        df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
+        return df
 
     # -- rollouts ------------------------------------------------------------------------------
     @property

@@ -30,6 +30,8 @@ HELP = {
     "p95": "95% of tokens differ by less than this.",
     "argmax": "Share of positions where both engines rank the same token first: what greedy generation would pick.",
     "kl": "How different the two engines' top-k next-token choices are (KL divergence over the top-k tokens). 0 = identical.",
+    "kl_full": "How different the two engines' whole next-token distributions are, over every vocabulary entry "
+               "(exact KL(HF‖vLLM), llama.cpp's measure). 0 = identical; tiny negative values are float32 rounding.",
     "seq": "Difference in the log probability of the whole text (the sum over its tokens): what an evaluation harness compares.",
 }
 GLOSSARY = """
@@ -43,6 +45,8 @@ GLOSSARY = """
 - **systematic**: within tolerance but far above the noise floor: a consistent difference, with a cause (a setting, a kernel).
 - **same top token (argmax)**: whether both engines would pick the same next token greedily.
 - **top-k KL**: how different the two engines' lists of the k most likely next tokens are; 0 = identical.
+- **exact KL (whole vocabulary)**: the same over every possible next token, as llama.cpp measures quantized models;
+  the top-k KL is a lower bound of it.
 - **float64 reference**: HF run in double precision on the CPU; whichever engine is closer to it is closer to the exact answer.
 """
 
@@ -64,7 +68,10 @@ def metric_cards(runs: list[Run]) -> None:
             b.metric("mean gap, |Δ logp|", _fmt(s["mean_abs_delta"]), help=HELP["mean"])
             a.metric("95% of tokens below", _fmt(s["p95_abs_delta"]), help=HELP["p95"])
             b.metric("same top token", _fmt(s["argmax_agreement"], pct=True), help=HELP["argmax"])
-            a.metric("top-k KL (mean)", _fmt(s["mean_kl_topk"]), help=HELP["kl"])
+            if s.get("kl_full_mean") is not None:
+                a.metric("KL, whole vocabulary (mean)", _fmt(s["kl_full_mean"]), help=HELP["kl_full"])
+            else:
+                a.metric("top-k KL (mean)", _fmt(s["mean_kl_topk"]), help=HELP["kl"])
             b.metric("whole-text Δ logp", _fmt(s["seq_logprob_delta"]), help=HELP["seq"])
 
 
@@ -106,6 +113,11 @@ def _provenance(run: Run) -> str:
 
 def _header(runs: list[Run]) -> None:
     m = runs[0].meta
+    from core.present.labels import quantized_words
+
+    quantized = quantized_words(m.settings)
+    if quantized:
+        st.info(quantized, icon=":material/compress:")
     env = m.env
     st.caption(
         f"device {env.device} · torch {env.torch} · transformers {env.transformers} · vLLM {env.vllm} · "

@@ -45,7 +45,7 @@ runs = current_runs(just_run)
 if runs:
     st.subheader("Over all prompts, per dtype")
     keys = list(runs[0].summary)
-    agg = pd.DataFrame({r.dtype: [summary_value(k, r.summary[k]) for k in keys] for r in runs}, index=[summary_label(k) for k in keys])
+    agg = pd.DataFrame({r.dtype: [summary_value(k, r.summary.get(k)) for k in keys] for r in runs}, index=[summary_label(k) for k in keys])
     st.dataframe(agg, width="stretch")
     st.subheader("Per prompt: click a row to open it below")
     n = min(len(r.sequences) for r in runs)

@@ -8,12 +8,13 @@ from core.errors import UserError
 from dashboard.state import get_store, load_run
 
 st.title("Stored runs")
-st.caption("Every comparison, rollout and diagnosis run on this server is kept. Open one to see it again without recomputing.")
+st.caption("Every comparison, rollout, frontier and diagnosis run on this server is kept. Open one to see it again without recomputing.")
 store = get_store()
 df = store.list_runs()
 diags = store.list_diagnostics()
 ros = store.list_rollouts()
-if df.empty and diags.empty and ros.empty:
+frs = store.list_frontiers()
+if df.empty and diags.empty and ros.empty and frs.empty:
     st.info("No stored runs yet. Run a comparison on the Compare page.", icon=":material/info:")
     st.stop()
 
@@ -85,6 +86,16 @@ if not ros.empty:
             store.delete_rollout(rid)
         st.session_state.pop("rollout-table", None)
         st.rerun()
+
+if not frs.empty:
+    st.subheader("Frontiers")
+    shown_fr = frs.rename(columns={"first_text": "text", "n_configs": "configurations", "frontier_id": "id"})[
+        ["text", "model", "configurations", "recommendation", "created", "id"]]
+    event = st.dataframe(shown_fr, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
+                         key="frontier-table", column_config={"text": st.column_config.TextColumn("text", width="large")})
+    rows_fr = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
+    if st.button("Open frontier", disabled=not rows_fr, icon=":material/speed:", key="frontier-open"):
+        st.switch_page("views/frontier.py", query_params={"frontier": shown_fr.iloc[rows_fr[0]]["id"]})
 
 if not diags.empty:
     st.subheader("Diagnostics")

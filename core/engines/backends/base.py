@@ -53,10 +53,13 @@ class Backend(ABC):
         gather_ids: list[Any] | None = None,
         batch_size: int | None = None,
         padding_side: str = "right",
+        full: Any = None,
     ) -> list[TokenScores]:
         """Score every position of every sequence; `gather_ids[i]` is an int array [T, k] of extra
         ids whose logprobs to return (-1 where none). batch_size: sequences per engine call
-        (None: the engine's default)."""
+        (None: the engine's default). full: the folder of the exact full-vocabulary KL
+        (core.engines.fullvocab): vLLM writes its full logprobs there, HF reads them and returns
+        `kl_full`; None leaves it out."""
 
     @abstractmethod
     def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -91,3 +94,13 @@ def load_backend_class(name: str) -> Any:
     except ModuleNotFoundError as exc:
         raise UserError(f"backend {name!r} is not installed ({exc.name} missing): {INSTALL_HINTS[name]}") from exc
     return getattr(module, cls_name)
+
+
+def apply_tf32(settings: EngineSettings) -> None:
+    """The tf32 setting, in this engine's process (each engine has its own host process): TF32
+    matmuls and convolutions for float32 on NVIDIA GPUs. Off leaves PyTorch's defaults alone."""
+    if getattr(settings, "tf32", False):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True

@@ -11,7 +11,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from core.engines.backends.base import Backend
+from core.engines import fullvocab
+from core.engines.backends.base import Backend, apply_tf32
 from core.results.scores import TokenScores
 from core.inputs.spec import EngineSettings
 
@@ -24,6 +25,7 @@ class HFBackend(Backend):
 
     def __init__(self, model_path: str, dtype: str, device: str, settings: EngineSettings, max_model_len: int):
         super().__init__(model_path, dtype, device, settings, max_model_len)
+        apply_tf32(settings)
         # every registered HF setting that is set, under its own name (core.inputs.settings)
         kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), **settings.passthrough("hf")}
         if settings.hf_device_map:  # accelerate spreads the layers over every visible GPU
@@ -49,10 +51,12 @@ class HFBackend(Backend):
         gather_ids: list[np.ndarray] | None = None,
         batch_size: int | None = None,
         padding_side: str = "right",
+        full: str | None = None,
     ) -> list[TokenScores]:
         """Sequences in forward passes of `batch_size` (default: the hf_batch_size setting, 1 = one
         sequence a pass, so no padding and no batch shape can change a value). Batches group sequences
-        of similar length and pad on `padding_side` with correct position ids."""
+        of similar length and pad on `padding_side` with correct position ids. full: the folder where
+        vLLM left its full-vocabulary logprobs of the same sequences: each position gains kl_full."""
         bs = batch_size or self.batch_size
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
         out: list[TokenScores | None] = [None] * len(sequences)
@@ -60,7 +64,8 @@ class HFBackend(Backend):
             idx = order[start : start + bs]
             chunk = [sequences[i] for i in idx]
             gathers = None if gather_ids is None else [np.asarray(gather_ids[i]) for i in idx]
-            for i, res in zip(idx, self._from_rows(chunk, self._forward(chunk, padding_side), top_k, gathers)):
+            refs = None if full is None else [np.load(fullvocab.path_of(full, i), mmap_mode="r") for i in idx]
+            for i, res in zip(idx, self._from_rows(chunk, self._forward(chunk, padding_side), top_k, gathers, refs)):
                 out[i] = res
         return out  # type: ignore[return-value]
 
@@ -99,7 +104,7 @@ class HFBackend(Backend):
         return out
 
     def _from_rows(self, chunk: list[list[int]], rows: list[torch.Tensor], k: int,
-                   gathers: list[np.ndarray] | None) -> list[TokenScores]:
+                   gathers: list[np.ndarray] | None, refs: list[np.ndarray] | None = None) -> list[TokenScores]:
         """The batch's rows, stacked, in blocks of ROW_CHUNK: float32 log_softmax is row-wise, so
         blocking changes no value, and the float32 [positions, vocab] array is never held whole."""
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
@@ -112,6 +117,8 @@ class HFBackend(Backend):
         top_lp = torch.empty((n, k), dtype=torch.float64, device=dev)
         top_ids = torch.empty((n, k), dtype=torch.long, device=dev)
         full = None if g_all is None else torch.empty(g_all.shape, dtype=torch.float64, device=dev)
+        kl = None if refs is None else torch.empty(n, dtype=torch.float64, device=dev)
+        spans = np.cumsum([0] + [len(ids) - 1 for ids in chunk])
         for lo in range(0, n, self.ROW_CHUNK):
             hi = min(lo + self.ROW_CHUNK, n)
             block = logits[lo:hi]
@@ -124,12 +131,16 @@ class HFBackend(Backend):
                 cols = torch.cat([cols, g.clamp(min=0)], dim=1)
             lp_t[lo:hi], rank[lo:hi], vals = self._block_stats(block, target[lo:hi], cols)
             top_lp[lo:hi] = vals[:, :k]
+            if kl is not None:
+                kl[lo:hi] = fullvocab.kl_rows(torch.log_softmax(block if block.dtype == torch.float64 else block.float(), dim=-1),
+                                              _ref_rows(refs, spans, lo, hi))
             if full is not None:
                 vals = vals[:, k:].double()
                 vals[g < 0] = float("nan")
                 full[lo:hi] = vals
         arrays = [a.cpu().numpy() for a in (lp_t, rank, top_lp, top_ids)]
         full_np = None if full is None else full.cpu().numpy()
+        kl_np = None if kl is None else kl.cpu().numpy()
         out, at = [], 0
         for ids in chunk:
             m = len(ids) - 1
@@ -140,9 +151,25 @@ class HFBackend(Backend):
                 g = np.full((len(ids), full_np.shape[1]), np.nan)
                 g[1:] = full_np[sl]
                 res = dataclasses.replace(res, gathered_logprobs=g)
+            if kl_np is not None:
+                kl_seq = np.full(len(ids), np.nan)
+                kl_seq[1:] = kl_np[sl]
+                res = dataclasses.replace(res, kl_full=kl_seq)
             out.append(res)
             at += m
         return out
+
+    @torch.inference_mode()
+    def write_full(self, sequences: list[list[int]], folder: str) -> int:
+        """Leave each sequence's full float32 logprobs (row t-1: the distribution of token t) in
+        `folder` (core.engines.fullvocab.path_of), for another engine to take its exact KL against."""
+        for i, ids in enumerate(sequences):
+            (rows,) = self._forward([ids], "right")
+            out = np.lib.format.open_memmap(fullvocab.path_of(folder, i), mode="w+", dtype=np.float32, shape=tuple(rows.shape))
+            for lo in range(0, rows.shape[0], self.ROW_CHUNK):
+                out[lo : lo + self.ROW_CHUNK] = torch.log_softmax(rows[lo : lo + self.ROW_CHUNK].float(), dim=-1).cpu().numpy()
+            out.flush()
+        return len(sequences)
 
     @torch.inference_mode()
     def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
@@ -236,3 +263,17 @@ def _log_kept_mass(lp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         cut[:, -1] = False
         keep &= ~torch.zeros_like(keep).scatter(1, idx, cut)
     return torch.logsumexp(lp.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def _ref_rows(refs: list[np.ndarray], spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) of the batch's concatenated positions, from each sequence's memory-mapped
+    vLLM logprobs (sequence j holds rows [spans[j], spans[j+1]))."""
+    parts = []
+    for j, ref in enumerate(refs):
+        a, b = int(spans[j]), int(spans[j + 1])
+        if b <= lo or a >= hi:
+            continue
+        if ref.shape[0] != b - a:
+            raise ValueError(f"vLLM's full logprobs hold {ref.shape[0]} positions, HF scored {b - a}")
+        parts.append(ref[max(lo, a) - a : min(hi, b) - a])
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]

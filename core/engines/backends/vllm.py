@@ -10,7 +10,7 @@ import vllm
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from core.engines.backends.base import Backend
+from core.engines.backends.base import Backend, apply_tf32
 from core.engines.memory import engine_share, kv_cache_bytes
 from core.results.scores import TokenScores
 from core.inputs.spec import MAX_TOP_K, EngineSettings
@@ -21,6 +21,7 @@ class VLLMBackend(Backend):
 
     def __init__(self, model_path: str, dtype: str, device: str, settings: EngineSettings, max_model_len: int):
         super().__init__(model_path, dtype, device, settings, max_model_len)
+        apply_tf32(settings)
         kwargs: dict[str, Any] = {
             "model": model_path,
             "tokenizer": model_path,
@@ -49,16 +50,27 @@ class VLLMBackend(Backend):
         gather_ids: list[np.ndarray] | None = None,
         batch_size: int | None = None,
         padding_side: str = "right",
+        full: str | None = None,
     ) -> list[TokenScores]:
         """Default: every sequence in one generate call (vLLM batches them); batch_size=1 scores
-        each alone, which the noise-floor diagnostics compare against."""
+        each alone, which the noise-floor diagnostics compare against. full: a folder where the
+        same pass leaves each sequence's full-vocabulary logprobs (core.engines.fullvocab)."""
         params = SamplingParams(prompt_logprobs=top_k, max_tokens=1, temperature=0.0, detokenize=False, flat_logprobs=True)
         bs = batch_size or max(1, len(sequences))
+        if full is not None:
+            from core.engines import fullvocab
+
+            self.llm.collective_rpc(fullvocab.install)
+            fullvocab.begin(full)
         results: list[TokenScores] = []
-        for start in range(0, len(sequences), bs):
-            chunk = sequences[start : start + bs]
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in chunk], params, use_tqdm=False)
-            results.extend(self._parse(list(ids), out, top_k) for ids, out in zip(chunk, outputs))
+        try:
+            for start in range(0, len(sequences), bs):
+                chunk = sequences[start : start + bs]
+                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in chunk], params, use_tqdm=False)
+                results.extend(self._parse(list(ids), out, top_k) for ids, out in zip(chunk, outputs))
+        finally:
+            if full is not None:
+                fullvocab.finish(full, [list(s) for s in sequences])
         return results
 
     def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -1,0 +1,308 @@
+"""The accuracy–speed frontier: which engine configuration is both fast and accurate?
+
+Every configuration (a dtype plus vLLM settings: attention backend, CUDA graphs, TF32,
+batch-invariant mode, FP8 weights, FP8 KV cache) scores the same token ids. Each is measured
+against one reference, HF in float64 on the request's device:
+- `ref_gap`: vLLM in that configuration against the reference: mean and max |Δ logp| of the
+  tokens, and the mean exact full-vocabulary KL(reference ‖ vLLM) (core.engines.fullvocab);
+- `hf_ref_gap`: the same for HF in that dtype (HF's own rounding, the yardstick);
+- `tokens_per_s`: vLLM prefill scoring (prompt logprobs of every token) and greedy generation;
+- `start_s`: the vLLM engine's start, when this request started it.
+A configuration the platform cannot run is listed with the reason, not dropped. The recommendation
+is the fastest configuration (prefill tokens/s) whose mean gap is within a tolerance: by default twice
+HF's own float32 gap to the same reference, measured in the same request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from core.analysis.request import Context, Prepared, prepare
+from core.engines import fullvocab
+from core.engines.records import LoadRequest
+from core.env import device_name, versions
+from core.errors import EngineError, UserError
+from core.inputs.spec import RunSpec, content_hash
+
+REFERENCE_DTYPE = "float64"
+GEN_TOKENS = 32  # greedy tokens per prompt for the generation throughput
+# The default tolerance: a configuration no more than this many times farther from float64 than HF
+# in float32 is "as accurate as HF float32" (the verdict's REFERENCE_SIDE_RATIO, the same rule).
+TOLERANCE_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: a dtype and the vLLM settings it changes (names of core.inputs.settings)."""
+
+    dtype: str
+    changes: tuple[tuple[str, Any], ...] = ()
+    skip: str | None = None  # why this platform cannot run it, known before trying
+
+    @property
+    def name(self) -> str:
+        return self.dtype + "".join(f" {k}={v}" for k, v in self.changes)
+
+    def settings(self, base: Any) -> Any:
+        return dataclasses.replace(base, **dict(self.changes))
+
+
+def parse_configs(text: str) -> list[Config]:
+    """'float32; bfloat16 kv_cache_dtype=fp8; float32 attention_backend=FLEX_ATTENTION enforce_eager=False'."""
+    from core.inputs.settings import SETTINGS
+    from core.inputs.spec import DTYPES
+
+    known = {s.name: s for s in SETTINGS}
+    out = []
+    for part in [p.strip() for p in text.split(";") if p.strip()]:
+        words = part.split()
+        if words[0] not in DTYPES:
+            raise UserError(f"configuration {part!r} must start with a dtype ({', '.join(DTYPES)})")
+        changes = []
+        for w in words[1:]:
+            name, sep, raw = w.partition("=")
+            if not sep or name not in known:
+                raise UserError(f"configuration {part!r}: {w!r} is not setting=value with a known setting (see compare --help)")
+            s = known[name]
+            value: Any = raw
+            if s.kind is bool:
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise UserError(f"configuration {part!r}: {name} takes true or false")
+                value = raw.lower() in ("true", "1")
+            elif s.kind in (int, float):
+                try:
+                    value = s.kind(raw)
+                except ValueError:
+                    raise UserError(f"configuration {part!r}: {name} takes a number") from None
+            changes.append((name, s.check(value)))
+        out.append(Config(words[0], tuple(changes)))
+    if not out:
+        raise UserError("no configuration given; e.g. --configs 'float32; bfloat16'")
+    return out
+
+
+def default_grid(device: str) -> list[Config]:
+    """What the platform can run, with what it cannot listed and why."""
+    gpu = device != "cpu"
+    grid = [Config(d) for d in ("float16", "bfloat16", "float32")]
+    grid += [Config("bfloat16", (("kv_cache_dtype", "fp8"),)), Config("bfloat16", (("quantization", "fp8"),)),
+             Config("float16", (("quantization", "fp8"),))]
+    if gpu:
+        grid += [Config("bfloat16", (("enforce_eager", False),)), Config("float32", (("enforce_eager", False),)),
+                 Config("float32", (("tf32", True),)), Config("bfloat16", (("batch_invariant", True),)),
+                 Config("float32", (("batch_invariant", True),))]
+        grid += [Config(d, (("attention_backend", b),)) for d in ("bfloat16", "float32")
+                 for b in ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")]
+    else:
+        why = "NVIDIA GPUs only"
+        grid += [Config("float32", (("tf32", True),), skip=f"TF32: {why}"),
+                 Config("bfloat16", (("batch_invariant", True),), skip=f"vLLM's batch-invariant kernels: {why}"),
+                 Config("bfloat16", (("enforce_eager", False),), skip="CUDA graphs: GPUs only (on a CPU vLLM would compile for minutes)"),
+                 Config("bfloat16", (("attention_backend", "FLEX_ATTENTION"),),
+                        skip="vLLM's CPU build has one attention backend (CPU_ATTN)")]
+    return grid
+
+
+@dataclass(frozen=True)
+class FrontierResult:
+    """One frontier: configurations measured against one float64 reference (the `--json` shape)."""
+
+    frontier_id: str
+    model: str
+    device: str
+    versions: dict[str, Any]
+    texts: tuple[str, ...]
+    n_tokens: int
+    tolerance: dict[str, Any]  # {"value", "source"}
+    configs: tuple[dict[str, Any], ...]
+    recommendation: dict[str, Any]
+    created: str = ""
+    created_ts: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["texts"], d["configs"] = list(self.texts), list(self.configs)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FrontierResult":
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in data.items() if k in names}
+        d["texts"], d["configs"] = tuple(d.get("texts", ())), tuple(d.get("configs", ()))
+        return cls(**d)
+
+
+def pareto(configs: list[dict[str, Any]]) -> list[str]:
+    """Names of the configurations no other beats on both error (mean gap, lower) and speed
+    (prefill tokens/s, higher)."""
+    ok = [c for c in configs if not c["skipped"]]
+    front = []
+    for c in ok:
+        e, s = c["ref_gap"]["mean"], c["tokens_per_s"]["prefill"]
+        if not any((o["ref_gap"]["mean"] <= e and o["tokens_per_s"]["prefill"] >= s)
+                   and (o["ref_gap"]["mean"] < e or o["tokens_per_s"]["prefill"] > s) for o in ok):
+            front.append(c["name"])
+    return front
+
+
+def recommend(configs: list[dict[str, Any]], tolerance: float | None, source: str) -> dict[str, Any]:
+    ok = [c for c in configs if not c["skipped"]]
+    if not ok:
+        return {"name": None, "why": "no configuration ran on this platform"}
+    if tolerance is None:
+        return {"name": None, "why": "no tolerance: HF in float32 did not run, and none was given"}
+    within = [c for c in ok if c["ref_gap"]["mean"] <= tolerance]
+    if not within:
+        best = min(ok, key=lambda c: c["ref_gap"]["mean"])
+        return {"name": None, "why": f"no configuration is within {tolerance:.2e} ({source}); the most accurate is "
+                                     f"{best['name']} at {best['ref_gap']['mean']:.2e}"}
+    fast = max(within, key=lambda c: c["tokens_per_s"]["prefill"])
+    return {"name": fast["name"], "why": (
+        f"the fastest configuration ({fast['tokens_per_s']['prefill']:,.0f} prefill tokens/s) whose mean gap to the float64 "
+        f"reference, {fast['ref_gap']['mean']:.2e}, is within {tolerance:.2e} ({source}); {len(within)} of {len(ok)} "
+        "configurations are within it")}
+
+
+def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | None = None,
+             tolerance: float | None = None) -> FrontierResult:
+    """Measure each configuration on the same token ids against HF in float64; store and return."""
+    ctx = ctx or Context.of()
+    p = prepare(dataclasses.replace(spec, dtypes=("float32",)), ctx)
+    configs = configs or default_grid(p.device)
+    ctx.emit("tokenize", None, f"{len(spec.texts)} text(s)")
+    seqs = p.seqs
+    n_tokens = sum(len(s) - 1 for s in seqs)
+    too_big = fullvocab.fits(n_tokens, p.model.vocab_size)
+    if too_big:
+        raise UserError(f"the frontier needs the exact KL of every position: {too_big}; use shorter texts")
+    ref_req = p.load("hf", REFERENCE_DTYPE)
+    hf_gap: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+    for k, cfg in enumerate(configs):
+        ctx.emit("frontier", cfg.dtype, f"configuration {k + 1} of {len(configs)}: {cfg.name}")
+        rows.append(_measure(p, cfg, ref_req, hf_gap, seqs, n_tokens))
+    source = (f"{TOLERANCE_FACTOR:g}x HF's own float32 gap to the float64 reference, measured in this request: "
+              "within it a configuration is as accurate as HF in float32")
+    if tolerance is None:
+        f32 = hf_gap.get("float32")
+        tolerance = None if f32 is None else TOLERANCE_FACTOR * f32["mean"]
+    else:
+        source = "given"
+    for r in rows:
+        r["pareto"] = False
+    for name in pareto(rows):
+        next(r for r in rows if r["name"] == name)["pareto"] = True
+    rec = recommend(rows, tolerance, source)
+    v = {k: x for k, x in versions().items() if k != "vllm_dist"}
+    identity = {"kind": "frontier", "model": p.model.identity, "device": device_name(p.device), "versions": v,
+                "texts": list(spec.texts), "configs": [c.name for c in configs], "tolerance": tolerance,
+                "settings": p.spec.settings.run_id_part()}
+    now = dt.datetime.now(dt.timezone.utc)
+    result = FrontierResult(
+        frontier_id=content_hash(identity), model=p.model.name, device=device_name(p.device), versions=v,
+        texts=tuple(spec.texts), n_tokens=n_tokens, tolerance={"value": tolerance, "source": source}, configs=tuple(rows),
+        recommendation=rec, created=now.isoformat(timespec="seconds"), created_ts=now.timestamp())
+    ctx.store.save_frontier(result)
+    ctx.emit("store", None, f"frontier {result.frontier_id} saved")
+    return result
+
+
+def _gap(ref: list[Any], other: list[Any]) -> dict[str, Any]:
+    """mean/max |Δ logp| of the tokens and the mean exact KL, from the reference's scores of `other`'s full logprobs."""
+    d = np.concatenate([np.abs(r.logprob[1:] - o.logprob[1:]) for r, o in zip(ref, other)])
+    kl = np.concatenate([r.kl_full[1:] for r in ref]) if all(r.kl_full is not None for r in ref) else np.array([np.nan])
+    return {"mean": float(d.mean()), "max": float(d.max()), "kl_mean": float(kl.mean()) if np.isfinite(kl).all() else None}
+
+
+def _measure(p: Prepared, cfg: Config, ref_req: LoadRequest, hf_gap: dict[str, dict[str, Any]], seqs: list[list[int]],
+             n_tokens: int) -> dict[str, Any]:
+    ctx = p.ctx
+    row: dict[str, Any] = {"name": cfg.name, "dtype": cfg.dtype, "settings": dict(cfg.changes), "ref_gap": None, "hf_ref_gap": None,
+                           "tokens_per_s": None, "start_s": None, "skipped": cfg.skip}
+    if cfg.skip:
+        return row
+    settings = cfg.settings(p.spec.settings)
+    vreq = LoadRequest("vllm", p.model.path, cfg.dtype, p.device, settings, p.max_model_len)
+    hreq = LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, p.max_model_len)
+    vfolder, hfolder = fullvocab.new_folder(), fullvocab.new_folder()
+    try:
+        with ctx.pool.lease([vreq, hreq, ref_req], on_wait=ctx.waiter(cfg.dtype)) as lease:
+            warm = lease.warm(vreq)
+            t = time.perf_counter()
+            try:
+                vllm = lease.host(vreq)
+            except (UserError, EngineError) as exc:
+                lease.discard(vreq)
+                row["skipped"] = f"vLLM could not start it: {str(exc).splitlines()[0][:300]}"
+                return row
+            row["start_s"] = None if warm else round(time.perf_counter() - t, 2)
+            hf, ref = lease.host(hreq), lease.host(ref_req)
+            with ctx.pool.device_turn(ctx.waiter(cfg.dtype), what=cfg.name):
+                vllm.score(seqs[:1], 1)  # warm-up: the first call after a start pays for lazy set-up
+                t = time.perf_counter()
+                vscores = vllm.score(seqs, 1)
+                prefill = n_tokens / (time.perf_counter() - t)
+                t = time.perf_counter()
+                gen = vllm.generate(seqs, GEN_TOKENS)
+                generate = sum(map(len, gen)) / (time.perf_counter() - t)
+                vllm.score(seqs, 1, None, None, "right", vfolder)  # its full logprobs, for the exact KL
+                if fullvocab.problem(vfolder):
+                    row["skipped"] = f"its full logprobs could not be read: {fullvocab.problem(vfolder)}"
+                    return row
+                ref_v = ref.score(seqs, 1, None, None, "right", vfolder)
+                hkey = cfg.dtype + (" tf32" if settings.tf32 else "")  # the HF settings a configuration can change
+                if hkey not in hf_gap:
+                    hf_scores = hf.score(seqs, 1)
+                    hf.write_full(seqs, hfolder)
+                    hf_gap[hkey] = _gap(ref.score(seqs, 1, None, None, "right", hfolder), hf_scores)
+            row["ref_gap"] = _gap(ref_v, vscores)
+            row["hf_ref_gap"] = hf_gap[hkey]
+            row["tokens_per_s"] = {"prefill": prefill, "generate": generate}
+    finally:
+        fullvocab.remove(vfolder)
+        fullvocab.remove(hfolder)
+    return row
+
+
+def frontier_table(result: FrontierResult) -> list[dict[str, Any]]:
+    """One row a configuration, in words and full precision (the page and the CLI show it)."""
+    out = []
+    for c in result.configs:
+        g, h, tps = c["ref_gap"] or {}, c["hf_ref_gap"] or {}, c["tokens_per_s"] or {}
+        out.append({"configuration": c["name"], "mean |Δ logp| to float64": g.get("mean"), "max": g.get("max"),
+                    "exact KL to float64": g.get("kl_mean"), "HF in that dtype: mean |Δ|": h.get("mean"),
+                    "prefill tokens/s": tps.get("prefill"), "generate tokens/s": tps.get("generate"),
+                    "engine start s": c.get("start_s"), "on the front": c.get("pareto", False),
+                    "skipped": c["skipped"] or ""})
+    return out
+
+
+def frontier_text(result: FrontierResult) -> str:
+    rows = frontier_table(result)
+    head = ["configuration", "mean|Δ|", "max|Δ|", "KL", "HF mean|Δ|", "prefill tok/s", "gen tok/s", "start s", "front"]
+    lines = []
+    for r in rows:
+        if r["skipped"]:
+            lines.append([r["configuration"], f"skipped: {r['skipped']}"] + [""] * 7)
+            continue
+        f = lambda v, s="e": "-" if v is None else (f"{v:.3e}" if s == "e" else f"{v:,.0f}")  # noqa: E731
+        lines.append([r["configuration"], f(r["mean |Δ logp| to float64"]), f(r["max"]), f(r["exact KL to float64"]),
+                      f(r["HF in that dtype: mean |Δ|"]), f(r["prefill tokens/s"], "d"), f(r["generate tokens/s"], "d"),
+                      "-" if r["engine start s"] is None else f"{r['engine start s']:.1f}", "yes" if r["on the front"] else ""])
+    widths = [max(len(str(x[i])) for x in [head] + [ln for ln in lines if not ln[1].startswith("skipped")]) for i in range(len(head))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    for ln in lines:
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(ln, widths)) if not ln[1].startswith("skipped") else f"{ln[0]}  {ln[1]}")
+    rec = result.recommendation
+    tol = result.tolerance
+    out += ["", f"tolerance: {tol['value']:.3e} ({tol['source']})" if tol["value"] is not None else "tolerance: none",
+            f"recommendation: {rec['name'] or 'none'}: {rec['why']}", f"frontier {result.frontier_id}"]
+    return "\n".join(out)
+
+

@@ -1,0 +1,108 @@
+"""The accuracy–speed frontier: configurations parsed, the Pareto front and the recommendation by
+hand, then a real frontier on the demo model (vLLM per configuration, HF float64 reference)."""
+
+import json
+
+import pytest
+
+from core.analysis.frontier import Config, default_grid, frontier, frontier_text, pareto, parse_configs, recommend
+from core.errors import UserError
+
+
+def _row(name, gap, speed, skipped=None):
+    return {"name": name, "ref_gap": None if skipped else {"mean": gap, "max": gap, "kl_mean": gap},
+            "tokens_per_s": None if skipped else {"prefill": speed, "generate": speed / 10}, "skipped": skipped}
+
+
+def test_configurations_parse_from_words_and_bad_ones_say_why():
+    got = parse_configs("float32; bfloat16 kv_cache_dtype=fp8 ; float32 enforce_eager=false attention_backend=FLEX_ATTENTION")
+    assert [c.name for c in got] == ["float32", "bfloat16 kv_cache_dtype=fp8",
+                                     "float32 enforce_eager=False attention_backend=FLEX_ATTENTION"]
+    assert got[2].settings(__import__("core.inputs.settings", fromlist=["EngineSettings"]).EngineSettings()).enforce_eager is False
+    for bad, words in (("int8", "must start with a dtype"), ("float32 warp=9", "known setting"),
+                       ("float32 kv_cache_dtype=int4", "kv_cache_dtype must be one of"), ("float32 enforce_eager=maybe", "true or false"),
+                       ("  ;  ", "no configuration")):
+        with pytest.raises(UserError, match=words):
+            parse_configs(bad)
+
+
+def test_the_pareto_front_keeps_what_nothing_beats_on_both():
+    rows = [_row("exact-slow", 1e-6, 10), _row("rough-fast", 1e-2, 1000), _row("worse-both", 2e-2, 500),
+            _row("middle", 1e-4, 100), _row("off", None, None, skipped="no GPU")]
+    assert pareto(rows) == ["exact-slow", "rough-fast", "middle"]
+
+
+def test_the_recommendation_is_the_fastest_within_the_tolerance():
+    rows = [_row("exact-slow", 1e-6, 10), _row("rough-fast", 1e-2, 1000), _row("middle", 1e-4, 100)]
+    assert recommend(rows, 1e-3, "given")["name"] == "middle"
+    assert recommend(rows, 1.0, "given")["name"] == "rough-fast"
+    none = recommend(rows, 1e-9, "given")
+    assert none["name"] is None and "exact-slow" in none["why"]
+    assert recommend([_row("off", None, None, "no GPU")], 1.0, "given")["name"] is None
+
+
+def test_the_cpu_grid_lists_what_it_cannot_run_with_the_reason():
+    grid = default_grid("cpu")
+    skipped = {c.name: c.skip for c in grid if c.skip}
+    assert "float32 tf32=True" in skipped and "NVIDIA" in skipped["float32 tf32=True"]
+    assert any("batch_invariant" in n for n in skipped) and len([c for c in grid if not c.skip]) >= 4
+    gpu = default_grid("cuda")
+    assert len([c for c in gpu if not c.skip]) >= 10
+    names = [c.name for c in gpu]
+    assert "bfloat16 quantization=fp8" in names and "bfloat16 kv_cache_dtype=fp8" in names
+
+
+@pytest.mark.engine
+def test_a_frontier_on_the_demo_model_measures_and_recommends(demo_model, home, tmp_path):
+    from core.analysis.request import Context
+    from core.inputs.spec import RunSpec
+    from core.results.store import Store
+
+    configs = parse_configs("float32; bfloat16; float16; bfloat16 kv_cache_dtype=fp8")
+    spec = RunSpec(texts=("The capital of France is Paris, and the capital of Italy is Rome.",), model=str(demo_model), device="cpu")
+    store = Store(home)
+    result = frontier(spec, configs, Context.of(store=store))
+    rows = {c["name"]: c for c in result.configs}
+    ran = [c for c in result.configs if not c["skipped"]]
+    assert len(ran) >= 4, [(c["name"], c["skipped"]) for c in result.configs]
+    for c in ran:
+        assert c["ref_gap"]["mean"] > 0 and c["ref_gap"]["max"] >= c["ref_gap"]["mean"] and c["ref_gap"]["kl_mean"] is not None
+        assert c["hf_ref_gap"]["mean"] > 0 and c["tokens_per_s"]["prefill"] > 0 and c["tokens_per_s"]["generate"] > 0
+    assert rows["float32"]["ref_gap"]["mean"] < rows["bfloat16"]["ref_gap"]["mean"]
+    assert rows["float32"]["ref_gap"]["kl_mean"] < rows["bfloat16"]["ref_gap"]["kl_mean"]
+    assert rows["bfloat16 kv_cache_dtype=fp8"]["ref_gap"]["mean"] > rows["bfloat16"]["ref_gap"]["mean"]  # 8-bit keys and values cost
+    assert result.recommendation["name"] in rows and result.recommendation["why"]
+    assert result.tolerance["value"] == pytest.approx(2 * rows["float32"]["hf_ref_gap"]["mean"])
+    # the documented --json shape, and the stored copy reads back the same
+    data = json.loads(json.dumps(result.to_dict()))
+    assert set(data["recommendation"]) == {"name", "why"}
+    for c in data["configs"]:
+        assert {"name", "settings", "ref_gap", "hf_ref_gap", "tokens_per_s", "start_s", "skipped"} <= set(c)
+        assert set(c["ref_gap"]) == {"mean", "max", "kl_mean"} and set(c["tokens_per_s"]) == {"prefill", "generate"}
+    assert store.load_frontier(result.frontier_id).to_dict() == data
+    text = frontier_text(result)
+    assert "recommendation:" in text and "float32" in text
+
+
+@pytest.mark.engine
+def test_frontier_cli_writes_json_and_a_bad_configuration_exits_2(demo_model, home, tmp_path, capsys):
+    from core.cli import main
+
+    out = tmp_path / "f.json"
+    rc = main(["frontier", "--model", str(demo_model), "--prompt", "Hello there, general.", "--device", "cpu",
+               "--configs", "float32; bfloat16", "--tolerance", "1", "--json", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert [c["name"] for c in data["configs"]] == ["float32", "bfloat16"] and data["tolerance"]["source"] == "given"
+    fastest = max(data["configs"], key=lambda c: c["tokens_per_s"]["prefill"])  # both are within a tolerance of 1
+    assert data["recommendation"]["name"] == fastest["name"]
+    rc = main(["frontier", "--model", str(demo_model), "--prompt", "x y z", "--configs", "float32 warp=9"])
+    assert rc == 2 and "known setting" in capsys.readouterr().err
+
+
+def test_a_configuration_keeps_its_settings_apart_from_the_base():
+    from core.inputs.settings import EngineSettings
+
+    c = Config("bfloat16", (("kv_cache_dtype", "fp8"),))
+    s = c.settings(EngineSettings(seed=3))
+    assert s.kv_cache_dtype == "fp8" and s.seed == 3 and c.name == "bfloat16 kv_cache_dtype=fp8"

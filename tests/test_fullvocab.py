@@ -1,0 +1,114 @@
+"""The exact full-vocabulary KL(HF || vLLM) and llama.cpp's statistics.
+
+The KL is checked against numpy on a tiny-vocabulary model (512 entries), with both full
+distributions taken independently of our engines: HF from transformers in this process, vLLM from
+its own public API (prompt_logprobs over the whole vocabulary). The statistics are checked against
+a hand computation."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from core.analysis.metrics import TokenMetrics, llama_cpp_stats
+
+TEXT = "The quick brown fox jumps over the lazy dog, twice."
+
+
+def _metrics(hf_lp, vllm_lp, agree, kl_full):
+    hf_lp, vllm_lp = np.asarray(hf_lp, dtype=float), np.asarray(vllm_lp, dtype=float)
+    scored = np.isfinite(hf_lp)
+    ph, pv = np.exp(hf_lp), np.exp(vllm_lp)
+    d = vllm_lp - hf_lp
+    return TokenMetrics(scored, ph, pv, d, np.abs(d), np.abs(pv - ph), np.zeros(len(d)), np.asarray(agree), np.asarray(kl_full, float))
+
+
+def test_llama_cpp_statistics_match_a_hand_computation():
+    # position 0 unscored; four scored positions
+    m = _metrics([np.nan, math.log(0.5), math.log(0.25), math.log(0.8), math.log(0.1)],
+                 [np.nan, math.log(0.4), math.log(0.25), math.log(0.9), math.log(0.2)],
+                 [False, True, True, False, True], [np.nan, 0.01, 0.0, 0.04, 0.02])
+    s = llama_cpp_stats(m)
+    kl = np.array([0.01, 0.0, 0.04, 0.02])
+    assert s["kl_full_mean"] == pytest.approx(0.0175)
+    assert s["kl_full_mean_err"] == pytest.approx(np.std(kl, ddof=1) / 2)
+    assert s["kl_full_max"] == pytest.approx(0.04)
+    # numpy's linear percentiles of [0, 0.01, 0.02, 0.04]: p50 = 0.015, p90 = 0.02 + 0.7 * 0.02
+    assert s["kl_full_p50"] == pytest.approx(0.015) and s["kl_full_p90"] == pytest.approx(0.034)
+    assert s["kl_full_p0_1"] == pytest.approx(0.00003) and s["kl_full_p99_9"] == pytest.approx(0.03994)
+    for key in ("kl_full_p99", "kl_full_p95", "kl_full_p10", "kl_full_p5", "kl_full_p1"):
+        assert s[key] is not None
+    assert s["same_top_p"] == pytest.approx(0.75)
+    assert s["same_top_p_err"] == pytest.approx(math.sqrt(0.75 * 0.25 / 3))
+    dp = np.array([0.4 - 0.5, 0.0, 0.9 - 0.8, 0.2 - 0.1])
+    assert s["dp_mean"] == pytest.approx(dp.mean()) and s["dp_rms"] == pytest.approx(math.sqrt(np.mean(dp**2)))
+    # PPL(vLLM)/PPL(HF) = exp(mean(l_HF - l_vLLM))
+    mean = (math.log(0.5 / 0.4) + 0 + math.log(0.8 / 0.9) + math.log(0.1 / 0.2)) / 4
+    assert s["ppl_ratio"] == pytest.approx(math.exp(mean))
+
+
+def test_statistics_without_the_exact_kl_leave_its_keys_empty():
+    m = _metrics([np.nan, -1.0, -2.0], [np.nan, -1.0, -2.5], [False, True, True], [np.nan, np.nan, np.nan])
+    s = llama_cpp_stats(m)
+    assert s["kl_full_mean"] is None and s["kl_full_p50"] is None and s["same_top_p"] == 1.0 and s["ppl_ratio"] > 1
+
+
+@pytest.mark.engine
+def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core.analysis.compare import compare
+    from core.inputs.spec import RunSpec
+
+    (run,) = compare(RunSpec(texts=(TEXT,), model=str(tiny_bos), dtypes=("float32",), device="cpu"), use_cache=False)
+    seq = run.sequences[0]
+    ids = list(seq.token_ids)
+    assert run.meta.env.vllm_engine["kl_full"] == "exact, every position"
+
+    # HF's full distribution, independently
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_bos), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        lh = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1).double().numpy()
+    vocab = lh.shape[1]
+    assert vocab == 512
+
+    # vLLM's full distribution through its own API: every vocabulary entry's prompt logprob
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(tiny_bos), dtype="float32", max_model_len=run.meta.settings["max_model_len"], max_logprobs=vocab, enforce_eager=True,
+              kv_cache_memory_bytes=64 << 20)
+    try:
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                           SamplingParams(prompt_logprobs=vocab, max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    lv = np.full((len(ids) - 1, vocab), np.nan)
+    for t, pos in enumerate(out.prompt_logprobs[1:]):
+        for tid, lp in pos.items():
+            lv[t, tid] = lp.logprob
+    assert np.isfinite(lv).all()
+    want = (np.exp(lh) * (lh - lv)).sum(axis=1)
+    got = seq.metrics.kl_full[1:]
+    assert np.max(np.abs(got - want)) <= 1e-6, (got, want)
+    assert run.summary["kl_full_mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
+    assert np.all(seq.metrics.kl_topk[1:] <= got + 1e-6)  # the top-k KL is a lower bound of the exact one
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lpp-fullvocab-")] if os.path.isdir("/dev/shm") else []
+    assert leftovers == []  # the shared-memory folder is removed after the comparison
+
+
+@pytest.mark.engine
+def test_a_run_too_large_for_the_exact_kl_says_why_and_still_compares(tiny_bos, home, monkeypatch):
+    from core.analysis.compare import compare
+    from core.engines import fullvocab
+    from core.inputs.spec import RunSpec
+
+    monkeypatch.setattr(fullvocab, "MAX_BYTES", 1000)
+    (run,) = compare(RunSpec(texts=(TEXT,), model=str(tiny_bos), dtypes=("float32",), device="cpu"), use_cache=False)
+    assert run.meta.env.vllm_engine["kl_full"].startswith("not computed: ")
+    assert "LPP_FULL_KL_MAX_BYTES" in run.meta.env.vllm_engine["kl_full"]
+    assert run.summary["kl_full_mean"] is None and run.summary["max_abs_delta"] is not None
+    assert np.isnan(run.sequences[0].metrics.kl_full).all()
