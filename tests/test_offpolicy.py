@@ -47,6 +47,8 @@ def test_every_metric_matches_a_hand_computation():
     assert m["training_ppl"] == pytest.approx((math.exp(-t1) + math.exp(-t2)) / 2)
     assert m["rollout_ppl"] == pytest.approx((math.exp(-r1) + math.exp(-r2)) / 2)
     assert m["ppl_ratio"] == pytest.approx((math.exp(r1 - t1) + math.exp(r2 - t2)) / 2)
+    dp = np.array([0.25 - 0.5, 0.0, 0.5 - 0.25, 0.4 - 0.5])
+    assert m["dp_mean"] == pytest.approx(dp.mean()) and m["dp_rms"] == pytest.approx(math.sqrt(np.mean(dp**2)))
     assert set(METRIC_KEYS) <= set(m)
 
 

@@ -17,6 +17,7 @@ Definitions (README, "Rollout metrics"), with log ρ = l_trainer − l_rollout p
   exp(mean l_rollout − mean l_trainer) = trainer ppl / rollout ppl (verl); `training_ppl`,
   `rollout_ppl`: mean over sequences of exp(−mean l).
 - `token_mult_prob_error` = mean exp(|Δ|) (NeMo-RL: 1.0 is a perfect match).
+- `dp_mean`, `dp_rms`: Δp = p_rollout − p_trainer of the token, its mean and RMS (llama.cpp's names).
 - `tis_clip_fraction`: tokens whose ρ > the TIS cap (truncated importance sampling clips them);
   `mis_mask_fraction`: tokens whose ρ leaves the MIS/IcePop band [lo, hi] (they are masked).
 """
@@ -41,7 +42,7 @@ METRIC_KEYS = (
     "frac_ratio_outside_0.8_1.25", "frac_ratio_outside_0.5_2",
     "seq_log_ratio_mean", "seq_log_ratio_min", "seq_log_ratio_max",
     "ppl_ratio", "training_ppl", "rollout_ppl", "token_mult_prob_error",
-    "tis_clip_fraction", "mis_mask_fraction",
+    "tis_clip_fraction", "mis_mask_fraction", "dp_mean", "dp_rms",
 )
 
 
@@ -98,6 +99,8 @@ def mismatch_metrics(rollout: Sequence[np.ndarray], trainer: Sequence[np.ndarray
         "token_mult_prob_error": float(np.mean(np.exp(ad))),
         "tis_clip_fraction": float(np.mean(rho > tis_cap)),
         "mis_mask_fraction": float(np.mean((rho < mis_band[0]) | (rho > mis_band[1]))),
+        "dp_mean": float(np.mean(np.exp(lr) - np.exp(lt))),
+        "dp_rms": float(np.sqrt(np.mean((np.exp(lr) - np.exp(lt)) ** 2))),
     })
     return out
 

@@ -42,6 +42,7 @@ METRIC_WORDS: tuple[tuple[str, str, str], ...] = (
     ("token_mult_prob_error", "token_mult_prob_error (NeMo-RL; 1 is perfect)", "f"),
     ("tis_clip_fraction", "clipped by TIS (ratio above the cap)", "%"),
     ("mis_mask_fraction", "masked by MIS/IcePop (ratio outside the band)", "%"),
+    ("dp_rms", "RMS Δp (llama.cpp)", "e"),
 )
 
 
