@@ -249,15 +249,7 @@ class Store:
     def load_diagnostics(self, diag_id: str) -> DiagnosticsResult:
         self._index_legacy_diagnostics()
         full, expected = self._by_prefix("diagnostics", "diagnostics_id", diag_id, "diagnostics", "results", ", sha256")
-        path = self.diagnostics_dir / f"{full}.json"
-        try:
-            if _sha256(path) != expected:
-                raise UserError(f"stored diagnostics {full} failed their integrity check (file changed since it was written)")
-            return DiagnosticsResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise UserError(f"no stored diagnostics {full}: its file is missing from {self.diagnostics_dir}") from None
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"stored diagnostics {full} are unreadable ({type(exc).__name__}: {exc})") from exc
+        return DiagnosticsResult.from_dict(_checked_json(self.diagnostics_dir / f"{full}.json", expected, f"stored diagnostics {full}"))
 
     def list_diagnostics(self) -> pd.DataFrame:
         self._index_legacy_diagnostics()
@@ -303,15 +295,7 @@ class Store:
         from core.analysis.frontier import FrontierResult
 
         full, expected = self._by_prefix("frontiers", "frontier_id", frontier_id, "frontier", "frontiers", ", sha256")
-        path = self.root / "frontiers" / f"{full}.json"
-        try:
-            if _sha256(path) != expected:
-                raise UserError(f"stored frontier {full} failed its integrity check (file changed since it was written)")
-            return FrontierResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise UserError(f"no stored frontier {full}: its file is missing") from None
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"stored frontier {full} is unreadable ({type(exc).__name__}: {exc})") from exc
+        return FrontierResult.from_dict(_checked_json(self.root / "frontiers" / f"{full}.json", expected, f"stored frontier {full}"))
 
     def list_frontiers(self) -> pd.DataFrame:
         with closing(self._db()) as db:
@@ -424,6 +408,18 @@ def _sampling_words(s: dict[str, Any]) -> str:
         return ""
     k = "" if s.get("top_k", -1) < 0 else f" top-k {s['top_k']}"
     return f"n={s.get('samples')} T={s.get('temperature'):g} top-p {s.get('top_p'):g}{k} ≤{s.get('max_tokens')} tok seed {s.get('seed')}"
+
+
+def _checked_json(path: Path, expected: str, what: str) -> dict[str, Any]:
+    """A stored JSON file whose checksum matches its index row, or a UserError that says what is wrong."""
+    try:
+        if _sha256(path) != expected:
+            raise UserError(f"{what} failed its integrity check (file changed since it was written)")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{what}: its file is missing from {path.parent}") from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"{what} is unreadable ({type(exc).__name__}: {exc})") from exc
 
 
 def _atomic_write(target: Path, write: Any) -> str:
