@@ -339,3 +339,13 @@ def test_a_quantized_run_says_hf_is_the_unquantized_reference(home):
     at.run()
     assert not at.exception
     assert any("quantized (fp8 KV cache); HF is the unquantized reference" in i.value for i in at.info), [i.value for i in at.info]
+
+
+def test_runs_page_lists_frontiers_with_their_recommendation(home):
+    Store(home).save_frontier(make_frontier("fee789"))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.switch_page("views/runs.py")
+    at.run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert table["id"].tolist() == ["fee789"] and table["recommendation"].tolist() == ["float32"]

@@ -7,7 +7,10 @@ against one reference, HF in float64 on the request's device:
   tokens, and the mean exact full-vocabulary KL(reference ‖ vLLM) (core.engines.fullvocab);
 - `hf_ref_gap`: the same for HF in that dtype (HF's own rounding, the yardstick);
 - `tokens_per_s`: vLLM prefill scoring (prompt logprobs of every token) and greedy generation;
-- `start_s`: the vLLM engine's start, when this request started it.
+- `start_s`: the vLLM engine's start, when this request started it. Where the pool has room for
+  every engine of the request, they all start side by side and nothing is timed until all have
+  loaded (so `start_s` is then each engine's time to ready among the others); otherwise one
+  configuration's engines at a time.
 A configuration the platform cannot run is listed with the reason, not dropped. The recommendation
 is the fastest configuration (prefill tokens/s) whose mean gap is within a tolerance: by default twice
 HF's own float32 gap to the same reference, measured in the same request.
@@ -183,10 +186,24 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
         raise UserError(f"the frontier needs the exact KL of every position: {too_big}; use shorter texts")
     ref_req = p.load("hf", REFERENCE_DTYPE)
     hf_gap: dict[str, dict[str, Any]] = {}
-    rows: list[dict[str, Any]] = []
-    for k, cfg in enumerate(configs):
-        ctx.emit("frontier", cfg.dtype, f"configuration {k + 1} of {len(configs)}: {cfg.name}")
-        rows.append(_measure(p, cfg, ref_req, hf_gap, seqs, n_tokens))
+    runnable = [c for c in configs if not c.skip]
+    everything = list({r.key(): r for c in runnable for r in _requests(p, c)}.values()) + [ref_req]
+    if runnable and ctx.pool.fits_together(everything):
+        # every engine starts at once, side by side; nothing is timed until all have loaded
+        ctx.emit("load", None, f"starting {len(everything)} engines side by side (on a CPU about 20-60 s each, together)")
+        with ctx.pool.lease(everything, on_wait=ctx.waiter(None)) as lease:
+            started = {c.name: _start(lease, _requests(p, c)[0]) for c in runnable}
+            rows = [_measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, started.get(c.name), k, len(configs))
+                    for k, c in enumerate(configs)]
+    else:  # one configuration's engines at a time
+        rows = []
+        for k, c in enumerate(configs):
+            if c.skip:
+                rows.append(_measure(p, c, None, ref_req, hf_gap, seqs, n_tokens, None, k, len(configs)))
+                continue
+            with ctx.pool.lease([*_requests(p, c), ref_req], on_wait=ctx.waiter(c.dtype)) as lease:
+                rows.append(_measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, _start(lease, _requests(p, c)[0]), k,
+                                     len(configs)))
     source = (f"{TOLERANCE_FACTOR:g}x HF's own float32 gap to the float64 reference, measured in this request: "
               "within it a configuration is as accurate as HF in float32")
     if tolerance is None:
@@ -220,50 +237,62 @@ def _gap(ref: list[Any], other: list[Any]) -> dict[str, Any]:
     return {"mean": float(d.mean()), "max": float(d.max()), "kl_mean": float(kl.mean()) if np.isfinite(kl).all() else None}
 
 
-def _measure(p: Prepared, cfg: Config, ref_req: LoadRequest, hf_gap: dict[str, dict[str, Any]], seqs: list[list[int]],
-             n_tokens: int) -> dict[str, Any]:
+def _requests(p: Prepared, cfg: Config) -> tuple[LoadRequest, LoadRequest]:
+    """A configuration's vLLM engine and the HF engine in its dtype (and HF settings)."""
+    settings = cfg.settings(p.spec.settings)
+    return (LoadRequest("vllm", p.model.path, cfg.dtype, p.device, settings, p.max_model_len),
+            LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, p.max_model_len))
+
+
+def _start(lease: Any, vreq: LoadRequest) -> tuple[float | None, str | None]:
+    """(seconds until this engine was ready when the request started it, else None; why it failed, else None)."""
+    warm = lease.warm(vreq)
+    t = time.perf_counter()
+    try:
+        lease.host(vreq)
+    except (UserError, EngineError) as exc:
+        lease.discard(vreq)
+        return None, f"vLLM could not start it: {str(exc).splitlines()[0][:300]}"
+    return (None if warm else round(time.perf_counter() - t, 2)), None
+
+
+def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap: dict[str, dict[str, Any]], seqs: list[list[int]],
+             n_tokens: int, started: tuple[float | None, str | None] | None, k: int, n: int) -> dict[str, Any]:
     ctx = p.ctx
+    ctx.emit("frontier", cfg.dtype, f"configuration {k + 1} of {n}: {cfg.name}")
     row: dict[str, Any] = {"name": cfg.name, "dtype": cfg.dtype, "settings": dict(cfg.changes), "ref_gap": None, "hf_ref_gap": None,
                            "tokens_per_s": None, "start_s": None, "skipped": cfg.skip}
-    if cfg.skip:
+    if cfg.skip or started is None:
         return row
-    settings = cfg.settings(p.spec.settings)
-    vreq = LoadRequest("vllm", p.model.path, cfg.dtype, p.device, settings, p.max_model_len)
-    hreq = LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, p.max_model_len)
+    row["start_s"], row["skipped"] = started
+    if row["skipped"]:
+        return row
+    vreq, hreq = _requests(p, cfg)
+    settings = vreq.settings
+    vllm, hf, ref = lease.host(vreq), lease.host(hreq), lease.host(ref_req)
     vfolder, hfolder = fullvocab.new_folder(), fullvocab.new_folder()
     try:
-        with ctx.pool.lease([vreq, hreq, ref_req], on_wait=ctx.waiter(cfg.dtype)) as lease:
-            warm = lease.warm(vreq)
+        with ctx.pool.device_turn(ctx.waiter(cfg.dtype), what=cfg.name):
+            vllm.score(seqs[:1], 1)  # warm-up: the first call after a start pays for lazy set-up
             t = time.perf_counter()
-            try:
-                vllm = lease.host(vreq)
-            except (UserError, EngineError) as exc:
-                lease.discard(vreq)
-                row["skipped"] = f"vLLM could not start it: {str(exc).splitlines()[0][:300]}"
+            vscores = vllm.score(seqs, 1)
+            prefill = n_tokens / (time.perf_counter() - t)
+            t = time.perf_counter()
+            gen = vllm.generate(seqs, GEN_TOKENS)
+            generate = sum(map(len, gen)) / (time.perf_counter() - t)
+            vllm.score(seqs, 1, None, None, "right", vfolder)  # its full logprobs, for the exact KL
+            if fullvocab.problem(vfolder):
+                row["skipped"] = f"its full logprobs could not be read: {fullvocab.problem(vfolder)}"
                 return row
-            row["start_s"] = None if warm else round(time.perf_counter() - t, 2)
-            hf, ref = lease.host(hreq), lease.host(ref_req)
-            with ctx.pool.device_turn(ctx.waiter(cfg.dtype), what=cfg.name):
-                vllm.score(seqs[:1], 1)  # warm-up: the first call after a start pays for lazy set-up
-                t = time.perf_counter()
-                vscores = vllm.score(seqs, 1)
-                prefill = n_tokens / (time.perf_counter() - t)
-                t = time.perf_counter()
-                gen = vllm.generate(seqs, GEN_TOKENS)
-                generate = sum(map(len, gen)) / (time.perf_counter() - t)
-                vllm.score(seqs, 1, None, None, "right", vfolder)  # its full logprobs, for the exact KL
-                if fullvocab.problem(vfolder):
-                    row["skipped"] = f"its full logprobs could not be read: {fullvocab.problem(vfolder)}"
-                    return row
-                ref_v = ref.score(seqs, 1, None, None, "right", vfolder)
-                hkey = cfg.dtype + (" tf32" if settings.tf32 else "")  # the HF settings a configuration can change
-                if hkey not in hf_gap:
-                    hf_scores = hf.score(seqs, 1)
-                    hf.write_full(seqs, hfolder)
-                    hf_gap[hkey] = _gap(ref.score(seqs, 1, None, None, "right", hfolder), hf_scores)
-            row["ref_gap"] = _gap(ref_v, vscores)
-            row["hf_ref_gap"] = hf_gap[hkey]
-            row["tokens_per_s"] = {"prefill": prefill, "generate": generate}
+            ref_v = ref.score(seqs, 1, None, None, "right", vfolder)
+            hkey = cfg.dtype + (" tf32" if settings.tf32 else "")  # the HF settings a configuration can change
+            if hkey not in hf_gap:
+                hf_scores = hf.score(seqs, 1)
+                hf.write_full(seqs, hfolder)
+                hf_gap[hkey] = _gap(ref.score(seqs, 1, None, None, "right", hfolder), hf_scores)
+        row["ref_gap"] = _gap(ref_v, vscores)
+        row["hf_ref_gap"] = hf_gap[hkey]
+        row["tokens_per_s"] = {"prefill": prefill, "generate": generate}
     finally:
         fullvocab.remove(vfolder)
         fullvocab.remove(hfolder)
