@@ -112,3 +112,24 @@ def test_a_run_too_large_for_the_exact_kl_says_why_and_still_compares(tiny_bos, 
     assert "LPP_FULL_KL_MAX_BYTES" in run.meta.env.vllm_engine["kl_full"]
     assert run.summary["kl_full_mean"] is None and run.summary["max_abs_delta"] is not None
     assert np.isnan(run.sequences[0].metrics.kl_full).all()
+
+
+def test_no_room_for_the_full_logprobs_is_said_not_crashed(monkeypatch):
+    """A container's /dev/shm is often 64 MiB: a memory map past its end would kill the engine host,
+    so a folder is only made where the bytes fit, and otherwise the run says why."""
+    import shutil
+    from collections import namedtuple
+
+    from core.engines import fullvocab
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 64 << 20))
+    folder, why = fullvocab.folder_for(1000, 49152)  # 187.5 MiB of float32
+    assert folder is None and "no room for 0.2 GiB" in why
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 1 << 40))
+    folder, why = fullvocab.folder_for(1000, 49152)
+    try:
+        assert why is None and os.path.isdir(folder)
+    finally:
+        fullvocab.remove(folder)
+    assert not os.path.exists(folder)

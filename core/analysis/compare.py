@@ -131,8 +131,8 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
     from core.engines import fullvocab
 
     # the exact full-vocabulary KL: vLLM leaves its full logprobs in a shared-memory folder, HF reads them
-    too_big = fullvocab.fits(sum(len(s) - 1 for s in seqs), p.model.vocab_size)
-    folder = made = None if too_big else fullvocab.new_folder()
+    folder, too_big = fullvocab.folder_for(sum(len(s) - 1 for s in seqs), p.model.vocab_size)
+    made = folder
     try:
         for req in requests:
             b = req.backend

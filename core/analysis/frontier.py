@@ -270,7 +270,13 @@ def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap:
     vreq, hreq = _requests(p, cfg)
     settings = vreq.settings
     vllm, hf, ref = lease.host(vreq), lease.host(hreq), lease.host(ref_req)
-    vfolder, hfolder = fullvocab.new_folder(), fullvocab.new_folder()
+    vfolder, why = fullvocab.folder_for(n_tokens, p.model.vocab_size)
+    hfolder, _ = fullvocab.folder_for(n_tokens, p.model.vocab_size) if vfolder else (None, why)
+    if vfolder is None or hfolder is None:
+        fullvocab.remove(vfolder)
+        fullvocab.remove(hfolder)
+        row["skipped"] = f"no exact KL: {why or 'no room for the full logprobs'}"
+        return row
     try:
         with ctx.pool.device_turn(ctx.waiter(cfg.dtype), what=cfg.name):
             vllm.score(seqs[:1], 1)  # warm-up: the first call after a start pays for lazy set-up

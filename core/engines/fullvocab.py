@@ -32,9 +32,17 @@ ERROR_FILE = "error.txt"
 _STATE: dict[str, Any] = {"dir": None, "files": {}, "error": None}
 
 
-def new_folder() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="lpp-fullvocab-", dir=base)
+def new_folder(need_bytes: int = 0) -> str | None:
+    """A private folder for the full logprobs: on /dev/shm when it has room for `need_bytes` (a
+    container's /dev/shm is often 64 MiB, and a memory map past its end kills the process), else
+    in the temp folder when that has room, else None."""
+    for base in ("/dev/shm", tempfile.gettempdir()):
+        try:
+            if os.access(base, os.W_OK) and shutil.disk_usage(base).free > need_bytes + (64 << 20):
+                return tempfile.mkdtemp(prefix="lpp-fullvocab-", dir=base)
+        except OSError:
+            continue
+    return None
 
 
 def remove(folder: str | None) -> None:
@@ -42,15 +50,30 @@ def remove(folder: str | None) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def need_bytes(n_positions: int, vocab: int | None) -> int:
+    return n_positions * (vocab or 0) * 4
+
+
 def fits(n_positions: int, vocab: int | None) -> str | None:
     """None when the exact KL of this many positions fits MAX_BYTES, else why not."""
     if not vocab:
         return "the model's vocabulary size is unknown"
-    need = n_positions * vocab * 4
+    need = need_bytes(n_positions, vocab)
     if need > MAX_BYTES:
         return (f"{n_positions} positions x {vocab} vocabulary entries is {need / 2**30:.1f} GiB of float32, above "
                 f"LPP_FULL_KL_MAX_BYTES ({MAX_BYTES / 2**30:.1f} GiB)")
     return None
+
+
+def folder_for(n_positions: int, vocab: int | None) -> tuple[str | None, str | None]:
+    """(a folder for this many positions' full logprobs, None) or (None, why there is none)."""
+    why = fits(n_positions, vocab)
+    if why:
+        return None, why
+    folder = new_folder(need_bytes(n_positions, vocab))
+    if folder is None:
+        return None, f"no room for {need_bytes(n_positions, vocab) / 2**30:.1f} GiB of float32 in /dev/shm or the temp folder"
+    return folder, None
 
 
 def path_of(folder: str, i: int) -> Path:
