@@ -62,7 +62,12 @@ def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, mon
     from core.analysis.compare import compare
     from core.inputs.spec import RunSpec
 
+    def folders() -> set[str]:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("lpp-fullvocab-")} if os.path.isdir("/dev/shm") else set()
+
+    before = folders()
     (run,) = compare(RunSpec(texts=(TEXT,), model=str(tiny_bos), dtypes=("float32",), device="cpu"), use_cache=False)
+    assert folders() <= before  # this comparison's shared-memory folder is removed after it
     seq = run.sequences[0]
     ids = list(seq.token_ids)
     assert run.meta.env.vllm_engine["kl_full"] == "exact, every position"
@@ -96,8 +101,6 @@ def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, mon
     assert np.max(np.abs(got - want)) <= 1e-6, (got, want)
     assert run.summary["kl_full_mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
     assert np.all(seq.metrics.kl_topk[1:] <= got + 1e-6)  # the top-k KL is a lower bound of the exact one
-    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lpp-fullvocab-")] if os.path.isdir("/dev/shm") else []
-    assert leftovers == []  # the shared-memory folder is removed after the comparison
 
 
 @pytest.mark.engine
@@ -133,3 +136,26 @@ def test_no_room_for_the_full_logprobs_is_said_not_crashed(monkeypatch):
     finally:
         fullvocab.remove(folder)
     assert not os.path.exists(folder)
+
+
+def test_folders_of_killed_processes_are_removed(tmp_path, monkeypatch):
+    """A server killed mid-comparison leaves its folder behind; the next folder made cleans it up."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from core.engines import fullvocab
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    orphan = tmp_path / f"lpp-fullvocab-{dead}-abc"
+    mine = tmp_path / f"lpp-fullvocab-{os.getpid()}-def"
+    orphan.mkdir()
+    mine.mkdir()
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(fullvocab.os, "access", lambda path, mode: path == str(tmp_path))
+    made = fullvocab.new_folder(0)
+    try:
+        assert made is not None and made.startswith(str(tmp_path))
+        assert not orphan.exists() and mine.exists()
+    finally:
+        fullvocab.remove(made)

@@ -27,6 +27,7 @@ import numpy as np
 # Above this many bytes of float32 [positions, vocab] a run skips the exact KL (it says so).
 MAX_BYTES = int(os.environ.get("LPP_FULL_KL_MAX_BYTES", str(4 << 30)))
 ERROR_FILE = "error.txt"
+PREFIX = "lpp-fullvocab-"  # then the creating process's pid
 
 # Per vLLM host process: where the wrapper writes while a capture is on.
 _STATE: dict[str, Any] = {"dir": None, "files": {}, "error": None}
@@ -38,11 +39,32 @@ def new_folder(need_bytes: int = 0) -> str | None:
     in the temp folder when that has room, else None."""
     for base in ("/dev/shm", tempfile.gettempdir()):
         try:
-            if os.access(base, os.W_OK) and shutil.disk_usage(base).free > need_bytes + (64 << 20):
-                return tempfile.mkdtemp(prefix="lpp-fullvocab-", dir=base)
+            if not os.access(base, os.W_OK):
+                continue
+            _remove_orphans(base)
+            if shutil.disk_usage(base).free > need_bytes + (64 << 20):
+                return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
         except OSError:
             continue
     return None
+
+
+def _remove_orphans(base: str) -> None:
+    """Folders left by a process that was killed mid-comparison (its pid is in the name): gone."""
+    for path in Path(base).glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove(folder: str | None) -> None:
