@@ -156,9 +156,14 @@ def test_demo_tour(home):
             other.locator(".lpp-row").nth(1).wait_for(timeout=120_000)
             settled(other)
             tour.clean(other)
-            assert other.get_by_role("textbox", name="Text").input_value() == TEXT
-            assert other.get_by_role("checkbox", name="bfloat16", exact=True).is_checked()
-            assert other.get_by_role("checkbox", name="float32", exact=True).is_checked()
+            # conditions, not reads: the form's widgets take their values from the view as they mount
+            try:
+                expect(other.get_by_role("textbox", name="Text", exact=True)).to_have_value(TEXT, timeout=30_000)
+            except AssertionError:
+                tour.shot("shared-link-form-not-filled", page=other, full=True)  # what the reader saw, kept for the log
+                raise
+            expect(other.get_by_role("checkbox", name="bfloat16", exact=True)).to_be_checked()
+            expect(other.get_by_role("checkbox", name="float32", exact=True)).to_be_checked()
             assert "from the store" in " ".join(other.get_by_test_id("stCaptionContainer").all_inner_texts())
             tour.shot("shared-link", page=other)
             other.context.close()
