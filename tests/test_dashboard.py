@@ -214,6 +214,15 @@ def test_runs_page_opens_a_comparison_where_all_its_prompts_show(home, texts, pa
     assert at.title[0].value == page and at.query_params["runs"] == "0be1"
 
 
+def _open(page: str, **query: str) -> AppTest:
+    """The app on one page (views/<page>.py) with these query parameters, run once."""
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.switch_page(f"views/{page}.py")
+    at.query_params.update(query)
+    at.run()
+    return at
+
+
 def make_rollout(rollout_id: str = "abc123", text: str = "The sea <b>is</b> 🌊 مرحبا 海"):
     """A stored rollout built by hand (plumbing for page tests; tests/test_rollout.py runs the engines)."""
     import numpy as np
@@ -246,10 +255,7 @@ def make_rollout(rollout_id: str = "abc123", text: str = "The sea <b>is</b> 🌊
 
 def test_rollout_page_opens_a_stored_rollout_escaped_with_its_verdict_first(home):
     Store(home).save_rollout(make_rollout())
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.switch_page("views/rollout.py")
-    at.query_params["rollout"] = "abc123"
-    at.run()
+    at = _open("rollout", rollout="abc123")
     assert not at.exception
     body = _html(at)
     assert body.count('class="lpp-tok') == 4 and "<script>x" not in body and "&lt;script&gt;x" in body
@@ -261,9 +267,7 @@ def test_rollout_page_opens_a_stored_rollout_escaped_with_its_verdict_first(home
 
 
 def test_rollout_page_says_what_is_wrong_with_bad_input(home):
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.switch_page("views/rollout.py")
-    at.run()
+    at = _open("rollout")
     at.text_area(key="rollout-text").set_value("   \n  ")
     at.get("form_submit_button")[0].click()
     at.run()
@@ -274,9 +278,7 @@ def test_rollout_page_says_what_is_wrong_with_bad_input(home):
 
 def test_runs_page_lists_rollouts_and_opens_one(home):
     Store(home).save_rollout(make_rollout("abc124"))
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.switch_page("views/runs.py")
-    at.run()
+    at = _open("runs")
     assert not at.exception
     table = at.dataframe[0].value
     assert table["id"].tolist() == ["abc124"] and "n=1 T=1" in table["sampling"].iloc[0]
@@ -304,10 +306,7 @@ def make_frontier(frontier_id: str = "fee123"):
 
 def test_frontier_page_opens_a_stored_frontier_with_its_recommendation_and_the_skipped_ones(home):
     Store(home).save_frontier(make_frontier())
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.switch_page("views/frontier.py")
-    at.query_params["frontier"] = "fee123"
-    at.run()
+    at = _open("frontier", frontier="fee123")
     assert not at.exception
     assert [s.value for s in at.success][0].startswith("**Recommended: float32.**")
     assert any("bfloat16 quantization=fp8" in w.value and "no fp8 kernel" in w.value for w in at.warning)
@@ -317,9 +316,7 @@ def test_frontier_page_opens_a_stored_frontier_with_its_recommendation_and_the_s
 
 
 def test_frontier_page_refuses_a_bad_configuration_in_words(home):
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.switch_page("views/frontier.py")
-    at.run()
+    at = _open("frontier")
     at.text_input(key="frontier-extra").set_value("float32 warp=9")
     at.get("form_submit_button")[0].click()
     at.run()
@@ -343,9 +340,7 @@ def test_a_quantized_run_says_hf_is_the_unquantized_reference(home):
 
 def test_runs_page_lists_frontiers_with_their_recommendation(home):
     Store(home).save_frontier(make_frontier("fee789"))
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.switch_page("views/runs.py")
-    at.run()
+    at = _open("runs")
     assert not at.exception
     table = at.dataframe[0].value
     assert table["id"].tolist() == ["fee789"] and table["recommendation"].tolist() == ["float32"]

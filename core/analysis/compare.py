@@ -10,6 +10,7 @@ from typing import Any
 
 from core.analysis.metrics import concat, summarize
 from core.analysis.request import Context, EventFn, Prepared, prepare
+from core.engines import fullvocab
 from core.engines.pool import Lease
 from core.env import device_name, versions
 from core.inputs.models import ResolvedModel
@@ -128,11 +129,8 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
     t0 = time.perf_counter()
     infos, timing, scores = {}, {}, {}
     seqs = p.seqs
-    from core.engines import fullvocab
-
     # the exact full-vocabulary KL: vLLM leaves its full logprobs in a shared-memory folder, HF reads them
-    folder, too_big = fullvocab.folder_for(sum(len(s) - 1 for s in seqs), p.model.vocab_size)
-    made = folder
+    folder, why_not = fullvocab.folder_for(sum(len(s) - 1 for s in seqs), p.model.vocab_size)
     try:
         for req in requests:
             b = req.backend
@@ -143,21 +141,18 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
             infos[b] = host.info
             timing[f"{b}_load_s"] = round(time.perf_counter() - t, 3)
             gather = [s.topk_ids for s in scores["vllm"]] if b == "hf" else None
-            if b == "hf" and folder is not None and fullvocab.problem(folder):
-                too_big, folder = fullvocab.problem(folder), None
+            if b == "hf" and folder is not None and why_not is None:
+                why_not = fullvocab.problem(folder)  # vLLM could not leave its full logprobs there
+            full = folder if why_not is None else None
             with ctx.pool.device_turn(ctx.waiter(dtype), what=f"{b} scoring"):
                 ctx.emit("score", dtype, f"{b}: {sum(map(len, seqs))} tokens")
                 t = time.perf_counter()
-                try:
-                    scores[b] = host.score(seqs, spec.top_k, gather, None, "right", folder)
-                except BaseException:
-                    lease.discard(req)  # a host that failed mid-run is not trusted again
-                    raise
+                scores[b] = lease.call(req, lambda: host.score(seqs, spec.top_k, gather, None, "right", full))
             timing[f"{b}_score_s"] = round(time.perf_counter() - t, 3)
     finally:
-        fullvocab.remove(made)
-    kl_full = "exact, every position" if too_big is None else f"not computed: {too_big}"
-    infos = {**infos, "vllm": {**(infos.get("vllm") or {}), "kl_full": kl_full}}
+        fullvocab.remove(folder)
+    kl_full = "exact, every position" if why_not is None else f"not computed: {why_not}"
+    infos["vllm"] = {**(infos.get("vllm") or {}), "kl_full": kl_full}
     ctx.emit("compare", dtype, "metrics")
     results = tuple(SequenceResult.build(t, h, v, p.decode) for t, h, v in zip(p.toks, scores["hf"], scores["vllm"]))
     summary = summarize(concat([r.metrics for r in results]))

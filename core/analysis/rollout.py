@@ -14,6 +14,7 @@ For each dtype:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 from core.analysis.offpolicy import floor_stats, mismatch_metrics
 from core.analysis.request import Context, Prepared, model_max_len, prepare
 from core.engines.records import LoadRequest
-from core.env import device_name, versions
+from core.env import device_name, resolve_device, versions
 from core.errors import UserError
 from core.inputs.spec import RunSpec, content_hash
 from core.inputs.tokens import decode_tail_pieces
@@ -78,10 +79,6 @@ def with_graph_default(spec: RunSpec) -> RunSpec:
     """A rollout engine decodes with CUDA graphs, as RL rollouts do: enforce_eager left unset (None)
     becomes False on a GPU. On a CPU there are no CUDA graphs, and compiling costs minutes, so it
     becomes True there. The resolved value is what the run id and the record hold."""
-    import dataclasses
-
-    from core.env import resolve_device
-
     if spec.settings.enforce_eager is not None:
         return spec
     eager = resolve_device(spec.device) == "cpu"
@@ -123,7 +120,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             ctx.emit("sample", dtype, f"vLLM samples {len(seeds)} completion(s) of up to {sampling.max_tokens} tokens, "
                      f"all submitted together{' (raw, then processed with the same seeds)' if processes else ''}")
             t = time.perf_counter()
-            samples = _guard(lease, vreq, lambda: vllm.sample(req_prompts, seeds, sdict, modes))
+            samples = lease.call(vreq, lambda: vllm.sample(req_prompts, seeds, sdict, modes))
             timing["sample_s"] = time.perf_counter() - t
             for k, s in enumerate(samples):
                 if processes and s["tokens_by_mode"][PROCESSED] != s["tokens_by_mode"][RAW]:
@@ -133,11 +130,11 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             starts = [len(pr) for pr in req_prompts]
             ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
             t = time.perf_counter()
-            prefill = _guard(lease, vreq, lambda: vllm.score(full, 1))
+            prefill = lease.call(vreq, lambda: vllm.score(full, 1))
             timing["prefill_s"] = time.perf_counter() - t
             ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
             t = time.perf_counter()
-            hf_scores = _guard(lease, hreq, lambda: hf.rollout_score(full, starts, sampling.temperature, sampling.top_k,
+            hf_scores = lease.call(hreq, lambda: hf.rollout_score(full, starts, sampling.temperature, sampling.top_k,
                                                                       sampling.top_p))
             timing["hf_s"] = time.perf_counter() - t
             floors = _noise_floors(p, dtype, lease, vreq, hreq, req_prompts, seeds, samples, full, starts, hf_scores, sdict,
@@ -179,24 +176,9 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         timing={k: round(x, 3) for k, x in timing.items()}, summary=summary, floors=floors,
         samples=tuple(r.info() for r in recs),
     )
-    from core.analysis.verdict import rollout_verdict
+    from core.analysis.verdict import rollout_verdict  # verdict imports this module (hf_floor)
 
-    meta = _with_verdict(meta, rollout_verdict(meta))
-    return Rollout(meta=meta, samples=tuple(recs))
-
-
-def _with_verdict(meta: RolloutMeta, v: Any) -> RolloutMeta:
-    import dataclasses
-
-    return dataclasses.replace(meta, verdict=v.to_dict())
-
-
-def _guard(lease: Any, req: LoadRequest, call: Any) -> Any:
-    try:
-        return call()
-    except BaseException:
-        lease.discard(req)  # a host that failed mid-run is not trusted again
-        raise
+    return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
 
 
 def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: LoadRequest, req_prompts: list[list[int]],
@@ -213,7 +195,7 @@ def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: 
     ctx.emit("noise", dtype, f"vLLM decodes {k} seeded sample(s) again, each alone (batch of 1 instead of {len(samples)})")
     alone_raw, batch_raw, same = [], [], 0
     for i in range(k):
-        alone = _guard(lease, vreq, lambda i=i: vllm.sample([req_prompts[i]], [seeds[i]], sdict, (RAW,)))[0]
+        alone = lease.call(vreq, lambda i=i: vllm.sample([req_prompts[i]], [seeds[i]], sdict, (RAW,)))[0]
         if alone["completion_ids"] == samples[i]["completion_ids"]:
             same += 1
             alone_raw.append(alone["logprobs"][RAW])
@@ -221,16 +203,16 @@ def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: 
     floors["decode_batch"] = {**floor_stats(alone_raw, batch_raw), "same_tokens": same, "of": k, "side": "vllm",
                               "what": f"vLLM decode: each sample alone vs in the batch of {len(samples)}"}
     ctx.emit("noise", dtype, f"HF scores in padded micro-batches of {MICRO_BATCH}, in chunks of {CHUNK} tokens, and token by token")
-    mb = _guard(lease, hreq, lambda: hf.score(full, 1, None, MICRO_BATCH))
+    mb = lease.call(hreq, lambda: hf.score(full, 1, None, MICRO_BATCH))
     one = [h["logprob"] for h in hf_scores]
     floors["hf_micro_batch"] = {**floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one), "side": "hf",
                                 "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass"}
     # at least two chunks a sequence, so the KV cache carries something between them
     chunk = max(2, min(CHUNK, min(len(f) for f in full[:k]) // 2))
-    chunked = _guard(lease, hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
+    chunked = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
     floors["hf_chunked"] = {**floor_stats([c["logprob"] for c in chunked], one[:k]), "side": "hf", "chunk": chunk,
                             "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass"}
-    inc = _guard(lease, hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1))
+    inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1))
     floors["hf_incremental"] = {**floor_stats([c["logprob"] for c in inc], one[:k]), "side": "hf",
                                 "what": "HF: one token a forward through the KV cache (a per-prefix loop) vs one pass"}
     timing["noise_s"] = time.perf_counter() - t

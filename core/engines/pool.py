@@ -70,6 +70,15 @@ class Lease:
         """Stop this engine: it failed mid-request and is not trusted again."""
         self._pool.discard(self._hosts[request.key()][0])
 
+    def call(self, request: LoadRequest, work: Callable[[], Any]) -> Any:
+        """work() on this request's engine; if it fails, the engine is stopped: a host that failed
+        mid-run is not trusted again."""
+        try:
+            return work()
+        except BaseException:
+            self.discard(request)
+            raise
+
     def discard_unloaded(self) -> None:
         """Stop engines started for this lease that never finished loading: not worth keeping."""
         for host, _ in self._hosts.values():
