@@ -89,6 +89,7 @@ if not ros.empty:
 
 if not frs.empty:
     st.subheader("Frontiers")
+    frs["recommendation"] = frs["recommendation"].fillna("none within the tolerance")  # words, never "None"
     shown_fr = frs.rename(columns={"first_text": "text", "n_configs": "configurations", "frontier_id": "id"})[
         ["text", "model", "configurations", "recommendation", "created", "id"]]
     event = st.dataframe(shown_fr, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
