@@ -70,7 +70,7 @@ def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, mon
     assert folders() <= before  # this comparison's shared-memory folder is removed after it
     seq = run.sequences[0]
     ids = list(seq.token_ids)
-    assert run.meta.env.vllm_engine["kl_full"] == "exact, every position"
+    assert run.meta.env.vllm_engine["kl_full"] == "exact, every position (from vLLM’s v1 model runner)"
 
     # HF's full distribution, independently
     model = AutoModelForCausalLM.from_pretrained(str(tiny_bos), dtype=torch.float32).eval()
@@ -159,3 +159,62 @@ def test_folders_of_killed_processes_are_removed(tmp_path, monkeypatch):
         assert not orphan.exists() and mine.exists()
     finally:
         fullvocab.remove(made)
+
+
+def test_the_v2_runner_capture_maps_chunked_rows_to_each_requests_positions(tmp_path):
+    """Plumbing of vLLM's v2 model runner path (the GPU default; the CPU build cannot run it without
+    triton-cpu), with its PromptLogprobsWorker's inputs built by hand: request "a" (5 prompt tokens)
+    in one step, "b" (7) split over two steps, and "c" decoding without prompt logprobs; vLLM's
+    logits_fn called on chunks of 3 rows. Every kept row must be the log_softmax of its own
+    position's logits, and the last prompt position (it predicts a generated token) is not kept.
+    The real runner is checked on the GPU (tests/test_gpu.py)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from core.engines import fullvocab
+
+    vocab = 11
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7, 8, 9, 10, 1, 2], "c": [3, 4]}
+    slot = {"a": 0, "b": 1, "c": 2}
+    all_ids = torch.zeros((3, 16), dtype=torch.int64)
+    for r, ids in prompts.items():
+        all_ids[slot[r], : len(ids)] = torch.tensor(ids)
+    prompt_lens = np.array([5, 7, 2])
+    # each (request, position)'s logits: a distinct row, so a misplaced row cannot pass
+    logits_of = {(r, p): torch.randn(vocab, generator=torch.Generator().manual_seed(100 * slot[r] + p))
+                 for r, ids in prompts.items() for p in range(len(ids) + 1)}
+
+    def step(reqs):  # reqs: (request, first position, rows)
+        hidden = torch.stack([logits_of[(r, p0 + k)] for r, p0, n in reqs for k in range(n)])
+        starts = np.cumsum([0] + [n for _, _, n in reqs])
+        batch = SimpleNamespace(req_ids=[r for r, _, _ in reqs], idx_mapping_np=np.array([slot[r] for r, _, _ in reqs]),
+                                num_computed_prefill_tokens_np=np.array([p0 for _, p0, _ in reqs]),
+                                query_start_loc_np=starts, prefill_len_np=prompt_lens[[slot[r] for r, _, _ in reqs]],
+                                num_tokens=int(starts[-1]))
+        return hidden, batch
+
+    called = []
+
+    class Worker:  # vLLM's PromptLogprobsWorker, as far as the capture reads it
+        uses_prompt_logprobs = np.array([True, True, False])
+
+        def compute_prompt_logprobs(self, logits_fn, hidden_states, input_batch, all_token_ids, num_computed_tokens, prompt_lens):
+            for lo in range(0, input_batch.num_tokens, 3):
+                called.append(logits_fn(hidden_states[lo : lo + 3]).shape[0])
+            return {}
+
+    worker = Worker()
+    assert fullvocab._install_v2(worker) == "v2" and fullvocab._install_v2(worker) == "v2"  # wrapped once
+    folder = str(tmp_path)
+    fullvocab.begin(folder)
+    for reqs in ([("a", 0, 5), ("b", 0, 4)], [("c", 2, 1), ("b", 4, 3)]):
+        hidden, batch = step(reqs)
+        worker.compute_prompt_logprobs(lambda h: h.clone(), hidden, batch, all_ids, None, prompt_lens)
+    fullvocab.finish(folder, [prompts["b"], prompts["a"]])
+    assert fullvocab.problem(folder) is None and called == [3, 3, 3, 3, 1]
+    for i, r in enumerate(["b", "a"]):
+        got = np.load(fullvocab.path_of(folder, i))
+        want = np.stack([torch.log_softmax(logits_of[(r, p)].float(), dim=-1).numpy() for p in range(len(prompts[r]) - 1)])
+        assert got.shape == (len(prompts[r]) - 1, vocab)
+        np.testing.assert_array_equal(got, want)

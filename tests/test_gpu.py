@@ -123,3 +123,69 @@ def test_rollout_three_way_on_cuda(gpu_model, store, dtype):
                         f" · HF incremental max {f['hf_incremental']['max']:.3e} | | | | | | | | |")
     ROLLOUT_RESULTS.write_text("\n".join(ROLLOUT_ROWS) + "\n")
     print("\n".join(ROLLOUT_ROWS[-4:]))
+
+
+def test_exact_kl_rows_on_the_gpu_model_runner_are_vllms_own(gpu_model, store):
+    """On a GPU vLLM runs its v2 model runner, which computes prompt logprobs on another code path
+    than the CPU build's. The rows our capture leaves must hold, at every position, the very logprob
+    of the token and the top 5 that vLLM itself reported there; and a comparison's exact KL must
+    then exist at every position, at least its top-k lower bound."""
+    import numpy as np
+
+    from core.analysis.request import model_max_len
+    from core.engines import fullvocab, pool
+    from core.engines.records import LoadRequest
+    from core.inputs.models import resolve_model
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gpu_model)
+    seqs = [tok(s)["input_ids"] for s in SENTENCES[:6]]
+    load = LoadRequest("vllm", gpu_model, "float32", "cuda", EngineSettings(attention_backend="FLEX_ATTENTION"),
+                       model_max_len(max(map(len, seqs)), None))
+    folder, why = fullvocab.folder_for(sum(len(s) - 1 for s in seqs), resolve_model(gpu_model).vocab_size)
+    assert why is None, why
+    try:
+        with pool.lease([load]) as lease:
+            scores = lease.host(load).score(seqs, 5, None, None, "right", folder)
+        assert fullvocab.problem(folder) is None and fullvocab.runner(folder) == "v2"
+        for i, (ids, s) in enumerate(zip(seqs, scores)):
+            rows = np.load(fullvocab.path_of(folder, i))
+            assert rows.shape[0] == len(ids) - 1
+            mine = rows[np.arange(len(ids) - 1), ids[1:]]
+            np.testing.assert_allclose(mine, s.logprob[1:], atol=2e-5, err_msg=f"sequence {i}: captured row vs vLLM's logprob")
+            top = np.argsort(-rows, axis=1)[:, :5]
+            assert (top[:, 0] == s.topk_ids[1:, 0]).all(), f"sequence {i}: captured argmax vs vLLM's top 1"
+            np.testing.assert_allclose(np.take_along_axis(rows, s.topk_ids[1:], 1), s.topk_logprobs[1:], atol=2e-5)
+    finally:
+        fullvocab.remove(folder)
+    (run,) = compare(RunSpec(texts=tuple(SENTENCES[:6]), model=gpu_model, dtypes=("float32",), device="cuda"), store=store,
+                     use_cache=False)
+    assert run.meta.env.vllm_engine["kl_full"] == "exact, every position (from vLLM’s v2 model runner)"
+    for seq in run.sequences:
+        assert np.isfinite(seq.metrics.kl_full[1:]).all() and (seq.metrics.kl_topk[1:] <= seq.metrics.kl_full[1:] + 1e-6).all()
+    print(f"float32 exact KL: mean {run.summary['kl_full_mean']:.3e}, max {run.summary['kl_full_max']:.3e}")
+
+
+FRONTIER_RESULTS = RESULTS.with_name(RESULTS.stem + "-frontier.md")
+
+
+def test_frontier_on_cuda(gpu_model, store, monkeypatch):
+    """The default GPU grid on the demo model: at least 10 configurations measured against HF in
+    float64 on the card, FP8 weights and the FP8 KV cache among them, float32 closer than bfloat16,
+    every one with a mean exact KL; the table and the recommendation are written for the note."""
+    from core.analysis.frontier import default_grid, frontier, frontier_text
+    from core.analysis.request import Context
+
+    monkeypatch.setenv("LPP_MAX_WARM_ENGINES", "40")  # the card holds every engine of the grid: start them side by side
+    grid = default_grid("cuda")
+    result = frontier(RunSpec(texts=tuple(SENTENCES[:4]), model=gpu_model, device="cuda"), grid, Context.of(store=store))
+    FRONTIER_RESULTS.write_text(f"GPU: {result.device} · " + " · ".join(f"{k} {v}" for k, v in result.versions.items() if v)
+                                + f" · {result.n_tokens} tokens · {len(grid)} configurations\n\n```\n{frontier_text(result)}\n```\n")
+    print(frontier_text(result))
+    ran = {c["name"]: c for c in result.configs if not c["skipped"]}
+    assert len(ran) >= 10, [(c["name"], c["skipped"]) for c in result.configs]
+    assert "bfloat16 quantization=fp8" in ran and "bfloat16 kv_cache_dtype=fp8" in ran, sorted(ran)
+    assert ran["float32"]["ref_gap"]["mean"] < ran["bfloat16"]["ref_gap"]["mean"]
+    for c in ran.values():
+        assert c["ref_gap"]["kl_mean"] is not None and c["tokens_per_s"]["prefill"] > 0, c
+    assert result.recommendation["why"]

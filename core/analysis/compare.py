@@ -131,6 +131,7 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
     seqs = p.seqs
     # the exact full-vocabulary KL: vLLM leaves its full logprobs in a shared-memory folder, HF reads them
     folder, why_not = fullvocab.folder_for(sum(len(s) - 1 for s in seqs), p.model.vocab_size)
+    via = None
     try:
         for req in requests:
             b = req.backend
@@ -143,6 +144,7 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
             gather = [s.topk_ids for s in scores["vllm"]] if b == "hf" else None
             if b == "hf" and folder is not None and why_not is None:
                 why_not = fullvocab.problem(folder)  # vLLM could not leave its full logprobs there
+                via = fullvocab.runner(folder)
             full = folder if why_not is None else None
             with ctx.pool.device_turn(ctx.waiter(dtype), what=f"{b} scoring"):
                 ctx.emit("score", dtype, f"{b}: {sum(map(len, seqs))} tokens")
@@ -151,7 +153,8 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
             timing[f"{b}_score_s"] = round(time.perf_counter() - t, 3)
     finally:
         fullvocab.remove(folder)
-    kl_full = "exact, every position" if why_not is None else f"not computed: {why_not}"
+    kl_full = (f"exact, every position{f' (from vLLM’s {via} model runner)' if via else ''}" if why_not is None
+               else f"not computed: {why_not}")
     infos["vllm"] = {**(infos.get("vllm") or {}), "kl_full": kl_full}
     ctx.emit("compare", dtype, "metrics")
     results = tuple(SequenceResult.build(t, h, v, p.decode) for t, h, v in zip(p.toks, scores["hf"], scores["vllm"]))

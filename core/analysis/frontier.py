@@ -7,10 +7,10 @@ against one reference, HF in float64 on the request's device:
   tokens, and the mean exact full-vocabulary KL(reference ‖ vLLM) (core.engines.fullvocab);
 - `hf_ref_gap`: the same for HF in that dtype (HF's own rounding, the yardstick);
 - `tokens_per_s`: vLLM prefill scoring (prompt logprobs of every token) and greedy generation;
-- `start_s`: the vLLM engine's start, when this request started it. Where the pool has room for
-  every engine of the request, they all start side by side and nothing is timed until all have
-  loaded (so `start_s` is then each engine's time to ready among the others); otherwise one
-  configuration's engines at a time.
+- `start_s`: the vLLM engine's imports and load in its own process, when this request started
+  it. Configurations run in groups of as many as the pool has room for (memory and its engine
+  cap); a group's engines start side by side, sharing the CPU, and nothing is timed until all of
+  them have loaded.
 A configuration the platform cannot run is listed with the reason, not dropped. The recommendation
 is the fastest configuration (prefill tokens/s) whose mean gap is within a tolerance: by default twice
 HF's own float32 gap to the same reference, measured in the same request.
@@ -186,24 +186,18 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
         raise UserError(f"the frontier needs the exact KL of every position: {too_big}; use shorter texts")
     ref_req = p.load("hf", REFERENCE_DTYPE)
     hf_gap: dict[str, dict[str, Any]] = {}
-    runnable = [c for c in configs if not c.skip]
-    everything = list({r.key(): r for c in runnable for r in _requests(p, c)}.values()) + [ref_req]
-    if runnable and ctx.pool.fits_together(everything):
-        # every engine starts at once, side by side; nothing is timed until all have loaded
-        ctx.emit("load", None, f"starting {len(everything)} engines side by side (on a CPU about 20-60 s each, together)")
-        with ctx.pool.lease(everything, on_wait=ctx.waiter(None)) as lease:
-            started = {c.name: _start(lease, _requests(p, c)[0]) for c in runnable}
-            rows = [_measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, started.get(c.name), k, len(configs))
-                    for k, c in enumerate(configs)]
-    else:  # one configuration's engines at a time
-        rows = []
-        for k, c in enumerate(configs):
-            if c.skip:
-                rows.append(_measure(p, c, None, ref_req, hf_gap, seqs, n_tokens, None, k, len(configs)))
-                continue
-            with ctx.pool.lease([*_requests(p, c), ref_req], on_wait=ctx.waiter(c.dtype)) as lease:
-                rows.append(_measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, _start(lease, _requests(p, c)[0]), k,
-                                     len(configs)))
+    rows: dict[int, dict[str, Any]] = {k: _measure(p, c, None, ref_req, hf_gap, seqs, n_tokens, None, k, len(configs))
+                                       for k, c in enumerate(configs) if c.skip}
+    for group in _groups(p, [(k, c) for k, c in enumerate(configs) if not c.skip], ref_req):
+        engines = _engines(p, [c for _, c in group], ref_req)
+        if len(group) > 1:
+            ctx.emit("load", None, f"starting {len(engines)} engines side by side for configurations "
+                                   f"{', '.join(str(k + 1) for k, _ in group)} of {len(configs)} (on a CPU about 20-60 s each, together)")
+        with ctx.pool.lease(engines, on_wait=ctx.waiter(None if len(group) > 1 else group[0][1].dtype)) as lease:
+            started = {k: _start(lease, _requests(p, c)[0]) for k, c in group}
+            for k, c in group:  # nothing is timed until every engine of the group has loaded
+                rows[k] = _measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, started[k], k, len(configs))
+    rows = [rows[k] for k in range(len(configs))]
     source = (f"{TOLERANCE_FACTOR:g}x HF's own float32 gap to the float64 reference, measured in this request: "
               "within it a configuration is as accurate as HF in float32")
     if tolerance is None:
@@ -244,16 +238,36 @@ def _requests(p: Prepared, cfg: Config) -> tuple[LoadRequest, LoadRequest]:
             LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, p.max_model_len))
 
 
+def _engines(p: Prepared, configs: list[Config], ref_req: LoadRequest) -> list[LoadRequest]:
+    """Every engine these configurations need, each once, and the float64 reference."""
+    return list({r.key(): r for c in configs for r in _requests(p, c)}.values()) + [ref_req]
+
+
+def _groups(p: Prepared, todo: list[tuple[int, Config]], ref_req: LoadRequest) -> list[list[tuple[int, Config]]]:
+    """Configurations in runs of as many as fit on the device together (memory and the pool's
+    engine cap), so that their engines start side by side; a configuration that fits with no
+    other is a group of one."""
+    groups: list[list[tuple[int, Config]]] = []
+    for k, c in todo:
+        if groups and p.ctx.pool.fits_together(_engines(p, [x for _, x in groups[-1]] + [c], ref_req)):
+            groups[-1].append((k, c))
+        else:
+            groups.append([(k, c)])
+    return groups
+
+
 def _start(lease: Any, vreq: LoadRequest) -> tuple[float | None, str | None]:
-    """(seconds until this engine was ready when the request started it, else None; why it failed, else None)."""
+    """(seconds this engine took to import and load in its own process, None when it was already
+    running; why it failed, else None). Engines that start side by side share the CPU, so each
+    one's time is longer than alone."""
     warm = lease.warm(vreq)
-    t = time.perf_counter()
     try:
-        lease.host(vreq)
+        host = lease.host(vreq)
     except (UserError, EngineError) as exc:
         lease.discard(vreq)
         return None, f"vLLM could not start it: {str(exc).splitlines()[0][:300]}"
-    return (None if warm else round(time.perf_counter() - t, 2)), None
+    t = (host.info or {}).get("load_timing") or {}
+    return (None if warm or not t else round(float(t.get("import_s", 0)) + float(t.get("init_s", 0)), 2)), None
 
 
 def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap: dict[str, dict[str, Any]], seqs: list[list[int]],
@@ -287,16 +301,16 @@ def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap:
             gen = vllm.generate(seqs, GEN_TOKENS)
             generate = sum(map(len, gen)) / (time.perf_counter() - t)
             vllm.score(seqs, 1, None, None, "right", vfolder)  # its full logprobs, for the exact KL
-            if fullvocab.problem(vfolder):
-                row["skipped"] = f"its full logprobs could not be read: {fullvocab.problem(vfolder)}"
-                return row
-            ref_v = ref.score(seqs, 1, None, None, "right", vfolder)
+            kl_why = fullvocab.problem(vfolder)  # then its gaps are still measured, its KL is not
+            ref_v = ref.score(seqs, 1, None, None, "right", None if kl_why else vfolder)
             hkey = cfg.dtype + (" tf32" if settings.tf32 else "")  # the HF settings a configuration can change
             if hkey not in hf_gap:
                 hf_scores = hf.score(seqs, 1)
                 hf.write_full(seqs, hfolder)
                 hf_gap[hkey] = _gap(ref.score(seqs, 1, None, None, "right", hfolder), hf_scores)
         row["ref_gap"] = _gap(ref_v, vscores)
+        if kl_why:
+            row["ref_gap"]["kl_why"] = f"vLLM's full logprobs could not be read: {kl_why}"
         row["hf_ref_gap"] = hf_gap[hkey]
         row["tokens_per_s"] = {"prefill": prefill, "generate": generate}
     finally:
@@ -334,6 +348,7 @@ def frontier_text(result: FrontierResult) -> str:
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     for ln in lines:
         out.append("  ".join(str(c).ljust(w) for c, w in zip(ln, widths)) if not ln[1].startswith("skipped") else f"{ln[0]}  {ln[1]}")
+    out += [f"{c['name']}: no exact KL: {c['ref_gap']['kl_why']}" for c in result.configs if (c["ref_gap"] or {}).get("kl_why")]
     rec = result.recommendation
     tol = result.tolerance
     out += ["", f"tolerance: {tol['value']:.3e} ({tol['source']})" if tol["value"] is not None else "tolerance: none",

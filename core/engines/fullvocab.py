@@ -8,9 +8,15 @@ block by block beside its own float32 log_softmax, KL = Σ_v p_HF(v) (log p_HF(v
 in float64. No Python object per vocabulary entry exists on either side, and the folder is removed
 when the comparison is done.
 
-The wrapper finds the request and its first position in the caller's frame (vLLM's
-`_get_prompt_logprobs_dict`, the v1 model runner that vLLM's CPU build uses). Where a vLLM build
-computes prompt logprobs elsewhere, nothing is captured and the run records why (`UNSUPPORTED`).
+vLLM has two model runners, and each computes prompt logprobs in its own place:
+- the v1 runner (vLLM's CPU build, and GPUs before the v2 runner became their default) calls the
+  sampler's `gather_logprobs` on a request's full logprobs from `_get_prompt_logprobs_dict`; the
+  wrapper finds the request and its first position in that caller's frame;
+- the v2 runner (`vllm/v1/worker/gpu/`, the default on GPUs for dense models since about 0.2x, and
+  `VLLM_USE_V2_MODEL_RUNNER=1` on a CPU) never makes full logprobs: its `PromptLogprobsWorker`
+  takes the top k from each chunk of logits. There the wrapper wraps the chunk's `logits_fn` and
+  takes the float32 log_softmax of each chunk's rows, mapped to requests by the input batch.
+Where a vLLM build computes prompt logprobs elsewhere, nothing is captured and the run says why.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ import numpy as np
 # Above this many bytes of float32 [positions, vocab] a run skips the exact KL (it says so).
 MAX_BYTES = int(os.environ.get("LPP_FULL_KL_MAX_BYTES", str(4 << 30)))
 ERROR_FILE = "error.txt"
+RUNNER_FILE = "runner.txt"  # which vLLM model runner's path the rows came from: "v1" or "v2"
 PREFIX = "lpp-fullvocab-"  # then the creating process's pid
 
 # Per vLLM host process: where the wrapper writes while a capture is on.
-_STATE: dict[str, Any] = {"dir": None, "files": {}, "error": None}
+_STATE: dict[str, Any] = {"dir": None, "files": {}, "error": None, "runner": None}
 
 
 def new_folder(need_bytes: int = 0) -> str | None:
@@ -103,10 +110,16 @@ def path_of(folder: str, i: int) -> Path:
 
 
 def install(worker: Any) -> str:
-    """Wrap this worker's sampler once (run through LLM.collective_rpc, in-process)."""
-    sampler = worker.model_runner.sampler
+    """Wrap this worker's prompt-logprob path once (run through LLM.collective_rpc, in-process);
+    returns which runner it wrapped."""
+    runner = worker.model_runner
+    if getattr(runner, "prompt_logprobs_worker", None) is not None:
+        _STATE["runner"] = _install_v2(runner.prompt_logprobs_worker)
+        return _STATE["runner"]
+    _STATE["runner"] = "v1"
+    sampler = runner.sampler
     if getattr(sampler, "_lpp_fullvocab", False):
-        return "installed"
+        return "v1"
     original = sampler.gather_logprobs
 
     def gather_logprobs(logprobs: Any, num_logprobs: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
@@ -116,7 +129,80 @@ def install(worker: Any) -> str:
 
     sampler.gather_logprobs = gather_logprobs
     sampler._lpp_fullvocab = True
-    return "installed"
+    return "v1"
+
+
+def _install_v2(worker: Any) -> str:
+    """The v2 runner: wrap `PromptLogprobsWorker.compute_prompt_logprobs` on this instance."""
+    if getattr(worker, "_lpp_fullvocab", False):
+        return "v2"
+    original = worker.compute_prompt_logprobs
+
+    def compute_prompt_logprobs(logits_fn: Any, hidden_states: Any, input_batch: Any, all_token_ids: Any,
+                                num_computed_tokens: Any, prompt_lens: Any, *args: Any, **kwargs: Any) -> Any:
+        if _STATE["dir"] is not None:
+            try:
+                logits_fn = _capturing_v2(worker, logits_fn, input_batch, all_token_ids, prompt_lens)
+            except Exception as exc:  # a vLLM whose input batch has other fields: say so, score on
+                _STATE["error"] = f"this vLLM build's v2 model runner could not be read ({type(exc).__name__}: {exc})"
+        return original(logits_fn, hidden_states, input_batch, all_token_ids, num_computed_tokens, prompt_lens,
+                        *args, **kwargs)
+
+    worker.compute_prompt_logprobs = compute_prompt_logprobs
+    worker._lpp_fullvocab = True
+    return "v2"
+
+
+def _capturing_v2(worker: Any, logits_fn: Any, batch: Any, all_token_ids: Any, prompt_lens: Any) -> Any:
+    """A logits_fn that also writes each chunk's rows to their requests' files.
+
+    vLLM calls logits_fn on consecutive chunks of the batch's rows, from row 0. Row r of request i
+    (rows query_start[i] … query_start[i+1]) is prompt position num_computed_prefill[i] + r −
+    query_start[i]; the last prompt position predicts the first generated token and is not kept,
+    as vLLM keeps it not."""
+    import torch
+
+    idx = batch.idx_mapping_np
+    lens = np.asarray(prompt_lens)[idx]
+    done = batch.num_computed_prefill_tokens_np
+    starts = batch.query_start_loc_np
+    needs = worker.uses_prompt_logprobs[idx] & (done < lens) & ~(lens < batch.prefill_len_np)
+    files = _STATE["files"]
+    plan = []  # (first row, end row, its first position, the file)
+    for i, req_id in enumerate(batch.req_ids):
+        n_rows = min(int(starts[i + 1] - starts[i]), int(lens[i]) - 1 - int(done[i]))
+        if not needs[i] or n_rows <= 0:
+            continue
+        if req_id not in files:
+            ids = tuple(int(x) for x in all_token_ids[int(idx[i]), : int(lens[i])].tolist())
+            files[req_id] = (ids, Path(_STATE["dir"]) / f"req-{len(files)}.npy", None)
+        plan.append((int(starts[i]), int(starts[i]) + n_rows, int(done[i]), req_id))
+    offset = [0]
+
+    def capturing(hidden: Any) -> Any:
+        logits = logits_fn(hidden)
+        lo = offset[0]
+        hi = offset[0] = lo + int(logits.shape[0])
+        rows = None
+        for a, b, pos, req_id in plan:
+            x, y = max(a, lo), min(b, hi)
+            if x >= y:
+                continue
+            if rows is None:
+                rows = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+            _rows_into(req_id, rows.shape[-1])[pos + x - a : pos + y - a] = rows[x - lo : y - lo]
+        return logits
+
+    return capturing
+
+
+def _rows_into(req_id: str, vocab: int) -> np.ndarray:
+    """The request's memory-mapped file, made on its first rows (the vocabulary width is known then)."""
+    ids, path, arr = _STATE["files"][req_id]
+    if arr is None:
+        arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(len(ids) - 1, vocab))
+        _STATE["files"][req_id] = (ids, path, arr)
+    return arr
 
 
 def _capture(caller: dict[str, Any], logprobs: Any) -> None:
@@ -127,12 +213,9 @@ def _capture(caller: dict[str, Any], logprobs: Any) -> None:
     files = _STATE["files"]
     if req_id not in files:
         ids = tuple(int(x) for x in request.prompt_token_ids)
-        path = Path(_STATE["dir"]) / f"req-{len(files)}.npy"
-        arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(len(ids) - 1, logprobs.shape[-1]))
-        files[req_id] = (ids, path, arr)
-    _, _, arr = files[req_id]
+        files[req_id] = (ids, Path(_STATE["dir"]) / f"req-{len(files)}.npy", None)
     rows = logprobs.float().cpu().numpy()
-    arr[start : start + rows.shape[0]] = rows
+    _rows_into(req_id, rows.shape[-1])[start : start + rows.shape[0]] = rows
 
 
 def begin(folder: str) -> None:
@@ -143,8 +226,12 @@ def finish(folder: str, sequences: list[list[int]]) -> None:
     """Stop capturing; name each sequence's file by its index (`path_of`), or write why not."""
     files, error = _STATE["files"], _STATE["error"]
     _STATE.update(dir=None, files={}, error=None)
+    if _STATE["runner"]:
+        Path(folder, RUNNER_FILE).write_text(_STATE["runner"])
     by_ids: dict[tuple[int, ...], list[Path]] = {}
     for ids, path, arr in files.values():
+        if arr is None:  # a request none of whose rows came through
+            continue
         arr.flush()
         by_ids.setdefault(ids, []).append(path)
     if error is None:
@@ -160,6 +247,12 @@ def finish(folder: str, sequences: list[list[int]]) -> None:
 
 def problem(folder: str) -> str | None:
     f = Path(folder, ERROR_FILE)
+    return f.read_text() if f.exists() else None
+
+
+def runner(folder: str) -> str | None:
+    """"v1" or "v2": the vLLM model runner whose prompt-logprob path the rows came from."""
+    f = Path(folder, RUNNER_FILE)
     return f.read_text() if f.exists() else None
 
 

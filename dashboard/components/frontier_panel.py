@@ -90,6 +90,9 @@ def show_frontier(result) -> None:
     skipped = [c for c in result.configs if c["skipped"]]
     for c in skipped:
         st.warning(f"**{c['name']}** did not run: {c['skipped']}", icon=":material/block:")
+    for c in result.configs:
+        if (c["ref_gap"] or {}).get("kl_why"):
+            st.info(f"**{c['name']}** has no exact KL: {c['ref_gap']['kl_why']}", icon=":material/info:")
     st.caption(f"{result.model} · {result.device} · " + " · ".join(f"{k} {v}" for k, v in result.versions.items() if v)
                + f" · {result.n_tokens} tokens · frontier `{result.frontier_id}`")
     if any(not c["skipped"] for c in result.configs):
