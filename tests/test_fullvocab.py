@@ -218,3 +218,20 @@ def test_the_v2_runner_capture_maps_chunked_rows_to_each_requests_positions(tmp_
         want = np.stack([torch.log_softmax(logits_of[(r, p)].float(), dim=-1).numpy() for p in range(len(prompts[r]) - 1)])
         assert got.shape == (len(prompts[r]) - 1, vocab)
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_exact_kl_of_float32_rows_is_never_negative():
+    """A float32 log_softmax sums to 1 only to about 1e-7: two rows that differ by such a shift are
+    one distribution, and their KL must be 0, not the -1e-6 a sum over the raw rows gives."""
+    import torch
+
+    from core.engines import fullvocab
+
+    lh = torch.log_softmax(torch.randn(4, 300, generator=torch.Generator().manual_seed(0)), dim=-1)
+    shifted = lh.numpy() + np.float32(1e-6)  # probabilities summing to 1 + 1e-6
+    raw = (np.exp(lh.double().numpy()) * (lh.double().numpy() - shifted.astype(np.float64))).sum(axis=1)
+    assert (raw < -5e-7).all()  # what the sum over the raw rows would say
+    kl = fullvocab.kl_rows(lh, shifted).numpy()
+    assert np.abs(kl).max() < 1e-12, kl
+    other = torch.log_softmax(torch.randn(4, 300, generator=torch.Generator().manual_seed(1)), dim=-1)
+    assert (fullvocab.kl_rows(lh, other.numpy()).numpy() > 0.1).all()  # two different distributions stay apart

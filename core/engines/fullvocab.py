@@ -258,11 +258,16 @@ def runner(folder: str) -> str | None:
 
 def kl_rows(lh: Any, ref: np.ndarray) -> Any:
     """KL(HF || vLLM) per row: lh is HF's float32 log_softmax [rows, V] (a torch tensor), ref vLLM's
-    float32 logprobs of the same rows [rows, V]; summed in float64."""
+    float32 logprobs of the same rows [rows, V]; summed in float64.
+
+    Both rows are normalised again in float64 first: a float32 log_softmax sums to 1 only to about
+    1e-7, and without this two near-identical distributions give a KL of -1e-7, which no KL can be."""
     import torch
 
     if tuple(ref.shape) != tuple(lh.shape):  # another vocabulary width: no exact KL, not a failed run
         return torch.full((lh.shape[0],), float("nan"), dtype=torch.float64, device=lh.device)
     lv = torch.from_numpy(np.ascontiguousarray(ref)).to(lh.device).double()
+    lv = lv - torch.logsumexp(lv, dim=-1, keepdim=True)
     l64 = lh.double()
+    l64 = l64 - torch.logsumexp(l64, dim=-1, keepdim=True)
     return (l64.exp() * (l64 - lv)).sum(dim=-1)
