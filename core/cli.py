@@ -296,6 +296,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     from core.results.store import Store
 
     store = Store()
+    if store.is_frontier(args.run_id):
+        from core.analysis.frontier import frontier_text
+
+        result = store.load_frontier(store.resolve_frontier_id(args.run_id))
+        print(json.dumps(result.to_dict(), indent=1, allow_nan=False) if args.json else frontier_text(result))
+        return 0
     if store.is_rollout(args.run_id):
         ro = store.load_rollout(args.run_id)
         print(json.dumps(ro.to_json_dict(), indent=1, allow_nan=False) if args.json else rollout_text(ro))
@@ -320,6 +326,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     store = Store()
     out = Path(args.output)
+    if store.is_frontier(args.run_id):
+        from core.present.frontier_view import write_frontier_report
+
+        write_frontier_report(store.load_frontier(store.resolve_frontier_id(args.run_id)), out)
+        print(f"wrote {out}")
+        return 0
     if store.is_rollout(args.run_id):
         from core.present.rollout_view import write_rollout_report
 
@@ -430,12 +442,12 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
 
     sub.add_parser("runs", help="list stored runs").set_defaults(func=cmd_runs)
 
-    s = sub.add_parser("show", help="print a stored run")
+    s = sub.add_parser("show", help="print a stored run, rollout or frontier")
     s.add_argument("run_id")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_show)
 
-    r = sub.add_parser("report", help="write a stored run as a report (.html or .json)")
+    r = sub.add_parser("report", help="write a stored run, rollout or frontier as a report (.html or .json)")
     r.add_argument("run_id")
     r.add_argument("-o", "--output", required=True)
     r.set_defaults(func=cmd_report)

@@ -7,6 +7,7 @@ import pytest
 
 from core.analysis.frontier import Config, default_grid, frontier, frontier_text, pareto, parse_configs, recommend
 from core.errors import UserError
+from core.inputs.spec import RunSpec
 
 
 def _row(name, gap, speed, skipped=None):
@@ -50,6 +51,28 @@ def test_the_cpu_grid_lists_what_it_cannot_run_with_the_reason():
     assert len([c for c in gpu if not c.skip]) >= 10
     names = [c.name for c in gpu]
     assert "bfloat16 quantization=fp8" in names and "bfloat16 kv_cache_dtype=fp8" in names
+    for g in (grid, gpu):  # listed on both, with the reason it is not measured
+        pre = [c for c in g if c.name.startswith("a pre-quantized checkpoint")]
+        assert len(pre) == 1 and "unquantized weights" in pre[0].skip
+
+
+def test_a_pre_quantized_checkpoint_is_refused_with_the_reason(tiny_bos, home, tmp_path):
+    """Its float64 reference would need unquantized weights the folder does not hold: refused
+    before any engine starts, in words."""
+    import json
+    import shutil
+
+    from core.analysis.request import Context
+
+    model = tmp_path / "tiny-awq"
+    shutil.copytree(tiny_bos, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (model / "config.json").write_text(json.dumps(cfg))
+    ctx = Context.of()
+    with pytest.raises(UserError, match=r"pre-quantized checkpoint \(awq\).*unquantized model"):
+        frontier(RunSpec(texts=("Hello there.",), model=str(model), device="cpu"), [Config("float32")], ctx)
+    assert not ctx.pool.running()
 
 
 @pytest.mark.engine
@@ -106,3 +129,31 @@ def test_a_configuration_keeps_its_settings_apart_from_the_base():
     c = Config("bfloat16", (("kv_cache_dtype", "fp8"),))
     s = c.settings(EngineSettings(seed=3))
     assert s.kv_cache_dtype == "fp8" and s.seed == 3 and c.name == "bfloat16 kv_cache_dtype=fp8"
+
+
+def test_a_stored_frontier_shows_and_reports_as_html_and_json_with_its_text_escaped(home, tmp_path, capsys):
+    """`show` and `report` take a frontier id as they take a run's. The HTML page opens offline,
+    names the recommendation and what did not run, and escapes every text (a configuration's
+    failure message is engine output, the texts are the user's)."""
+    from test_dashboard import make_frontier
+
+    from core.cli import main
+    from core.results.store import Store
+
+    Store(home).save_frontier(make_frontier("fee321"))
+    assert main(["show", "fee3"]) == 0
+    shown = capsys.readouterr().out
+    assert "recommendation: float32" in shown and "bfloat16 quantization=fp8  skipped: vLLM could not start it" in shown
+    page = tmp_path / "f.html"
+    assert main(["report", "fee3", "-o", str(page)]) == 0
+    doc = page.read_text(encoding="utf-8")
+    assert "<b>Recommended: float32.</b>" in doc and "Hi 🌊 مرحبا" in doc
+    assert "&lt;b&gt;no fp8 kernel&lt;/b&gt;" in doc and "<b>no fp8 kernel</b>" not in doc
+    assert "<svg" in doc  # the scatter, drawn inline
+    for name in ("float32", "bfloat16", "bfloat16 kv_cache_dtype=fp8"):
+        assert f"<td class=l>{name}</td>" in doc
+    assert main(["report", "fee3", "-o", str(tmp_path / "f.json")]) == 0
+    data = json.loads((tmp_path / "f.json").read_text())
+    assert data["recommendation"]["name"] == "float32" and len(data["configs"]) == 4
+    assert main(["report", "fee3", "-o", str(tmp_path / "f.parquet")]) == 2
+    assert "must end in .html or .json" in capsys.readouterr().err

@@ -47,10 +47,11 @@ class Config:
     dtype: str
     changes: tuple[tuple[str, Any], ...] = ()
     skip: str | None = None  # why this platform cannot run it, known before trying
+    label: str | None = None  # a name in words for an entry no setting describes (one that is only listed)
 
     @property
     def name(self) -> str:
-        return self.dtype + "".join(f" {k}={v}" for k, v in self.changes)
+        return self.label or self.dtype + "".join(f" {k}={v}" for k, v in self.changes)
 
     def settings(self, base: Any) -> Any:
         return dataclasses.replace(base, **dict(self.changes))
@@ -102,14 +103,23 @@ def default_grid(device: str) -> list[Config]:
                  Config("float32", (("batch_invariant", True),))]
         grid += [Config(d, (("attention_backend", b),)) for d in ("bfloat16", "float32")
                  for b in ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")]
+        grid.append(PREQUANTIZED)
     else:
         why = "NVIDIA GPUs only"
         grid += [Config("float32", (("tf32", True),), skip=f"TF32: {why}"),
                  Config("bfloat16", (("batch_invariant", True),), skip=f"vLLM's batch-invariant kernels: {why}"),
                  Config("bfloat16", (("enforce_eager", False),), skip="CUDA graphs: GPUs only (on a CPU vLLM would compile for minutes)"),
                  Config("bfloat16", (("attention_backend", "FLEX_ATTENTION"),),
-                        skip="vLLM's CPU build has one attention backend (CPU_ATTN)")]
+                        skip="vLLM's CPU build has one attention backend (CPU_ATTN)"), PREQUANTIZED]
     return grid
+
+
+# Listed, not measured: the frontier quantizes this model's own weights (FP8 weights, FP8 KV cache)
+# and measures the result against the same weights in float64. A checkpoint quantized ahead of time
+# has no unquantized weights to give that reference.
+PREQUANTIZED = Config("bfloat16", label="a pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors)", skip=(
+    "not measured: such a checkpoint is a model folder of its own, whose unquantized weights HF cannot load for "
+    "the float64 reference; this frontier quantizes the model's own weights (FP8 weights, FP8 KV cache) instead"))
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,11 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
     """Measure each configuration on the same token ids against HF in float64; store and return."""
     ctx = ctx or Context.of()
     p = prepare(dataclasses.replace(spec, dtypes=("float32",)), ctx)
+    quant = p.model.config.get("quantization_config") or {}
+    if quant:
+        raise UserError(f"{p.model.name} is a pre-quantized checkpoint ({quant.get('quant_method', 'quantized')}): the frontier "
+                        "measures each configuration against the model's unquantized weights in float64, which this folder "
+                        "does not hold; run it on the unquantized model, whose grid has FP8 weights and the FP8 KV cache")
     configs = configs or default_grid(p.device)
     ctx.emit("tokenize", None, f"{len(spec.texts)} text(s)")
     seqs = p.seqs

@@ -338,6 +338,14 @@ class Store:
     def resolve_rollout_id(self, prefix: str) -> str:
         return self._by_prefix("rollouts", "rollout_id", prefix, "rollout", "rollouts")[0]
 
+    def is_frontier(self, any_id: str) -> bool:
+        """Whether a (prefix of an) id names a stored frontier."""
+        try:
+            self.resolve_frontier_id(any_id)
+        except UserError:
+            return False
+        return True
+
     def is_rollout(self, any_id: str) -> bool:
         """Whether a (prefix of an) id names a stored rollout rather than a comparison run."""
         try:

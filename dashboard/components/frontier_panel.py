@@ -11,7 +11,7 @@ from core.env import resolve_device
 from core.errors import UserError
 from core.inputs.prompts import SEED_TEXT
 from core.inputs.spec import RunSpec
-from core.present.frontier_view import scatter
+from core.present.frontier_view import frontier_report_html, scatter
 from dashboard.components.runner import run_job
 from dashboard.components.spec_form import PRESETS
 from dashboard.state import engines_available, get_store
@@ -40,7 +40,7 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     skipped = [c for c in grid if c.skip]
     if skipped:
-        st.caption("Not on this platform: " + "; ".join(f"{c.name} ({c.skip})" for c in skipped))
+        st.caption("Not measured here: " + "; ".join(f"{c.name} ({c.skip})" for c in skipped))
     if blocked:
         st.info(blocked)
     if not submitted:
@@ -88,8 +88,9 @@ def show_frontier(result) -> None:
     else:
         st.warning(f"**No recommendation.** {rec['why']}.", icon=":material/warning:")
     skipped = [c for c in result.configs if c["skipped"]]
-    for c in skipped:
-        st.warning(f"**{c['name']}** did not run: {c['skipped']}", icon=":material/block:")
+    if skipped:  # one box, each with its reason: a long grid's failures must not push the result off screen
+        st.warning(f"**{len(skipped)} of {len(result.configs)} configurations did not run:**\n"
+                   + "\n".join(f"- **{c['name']}**: {c['skipped']}" for c in skipped), icon=":material/block:")
     for c in result.configs:
         if (c["ref_gap"] or {}).get("kl_why"):
             st.info(f"**{c['name']}** has no exact KL: {c['ref_gap']['kl_why']}", icon=":material/info:")
@@ -99,9 +100,15 @@ def show_frontier(result) -> None:
         st.altair_chart(scatter(result), width="stretch")
     table = [r for r in frontier_table(result) if not r["skipped"]]  # those that did not run are listed above, with why
     st.dataframe(table, hide_index=True, width="stretch",
-                 column_config={k: st.column_config.NumberColumn(format="%.3e") for k in
-                                ("mean |Δ logp| to float64", "max", "exact KL to float64", "HF in that dtype: mean |Δ|")})
+                 column_config={**{k: st.column_config.NumberColumn(format="%.3e") for k in
+                                   ("mean |Δ logp| to float64", "max", "exact KL to float64", "HF in that dtype: mean |Δ|")},
+                                **{k: st.column_config.NumberColumn(format="localized", step=1) for k in
+                                   ("prefill tokens/s", "generate tokens/s")},
+                                "engine start s": st.column_config.NumberColumn(format="%.1f")})
     st.caption("Every configuration scored the same token ids; the reference is HF in float64. The exact KL sums over the "
                "whole vocabulary. Prefill: scoring every token of the text; generate: greedy tokens a second.")
-    st.download_button("JSON", lambda: json.dumps(result.to_dict(), indent=1, allow_nan=False), f"frontier-{result.frontier_id}.json",
-                       "application/json", icon=":material/download:")
+    c1, c2, _ = st.columns([1, 1, 4])
+    c1.download_button("HTML report", lambda: frontier_report_html(result), f"frontier-{result.frontier_id}.html", "text/html",
+                       icon=":material/download:", key="frontier-html")
+    c2.download_button("JSON", lambda: json.dumps(result.to_dict(), indent=1, allow_nan=False), f"frontier-{result.frontier_id}.json",
+                       "application/json", icon=":material/download:", key="frontier-json")
