@@ -104,18 +104,9 @@ def frontier_report_html(result: Any) -> str:
 def write_frontier_report(result: Any, out: Any) -> None:
     """.html (self-contained) or .json (the `frontier --json` shape)."""
     import json
-    import os
-    from pathlib import Path
 
-    from core.errors import UserError
+    from core.present.report import write_by_suffix
 
-    out = Path(out)
-    suffix = out.suffix.lower()
-    tmp = out.with_name(f".{out.name}.tmp")
-    if suffix in (".html", ".htm"):
-        tmp.write_text(frontier_report_html(result), encoding="utf-8")
-    elif suffix == ".json":
-        tmp.write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False), encoding="utf-8")
-    else:
-        raise UserError(f"a frontier's report must end in .html or .json (got {out.name})")
-    os.replace(tmp, out)
+    write_by_suffix(out, {
+        ".html": lambda tmp: tmp.write_text(frontier_report_html(result), encoding="utf-8"),
+        ".json": lambda tmp: tmp.write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False), encoding="utf-8")})

@@ -6,6 +6,7 @@ import html
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 from core.present.charts import CHARTS, chart_frame, worst_tokens
 from core.present.labels import cell_text, summary_label, summary_value
@@ -26,6 +27,22 @@ th{background:#f5f5f5} td.l,th.l{text-align:left}
 .meta td{text-align:left}
 pre{white-space:pre-wrap;word-break:break-word;background:#f7f7f7;padding:.6em}
 """
+
+
+def write_by_suffix(out: str | os.PathLike, writers: dict[str, Callable[[Path], None]]) -> None:
+    """Write `out` with the writer for its suffix (".htm" counts as ".html") into a temp file beside
+    it, then rename: a half-written report is never found under its name."""
+    from core.errors import UserError
+
+    out = Path(out)
+    suffix = ".html" if out.suffix.lower() == ".htm" else out.suffix.lower()
+    if suffix not in writers:
+        names = list(writers)
+        allowed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise UserError(f"report output must end in {allowed} (got {out.name})")
+    tmp = out.with_name(f".{out.name}.tmp")
+    writers[suffix](tmp)
+    os.replace(tmp, out)
 
 
 def _e(x: object) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -238,16 +237,9 @@ def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
 
 def write_rollout_report(ro: Rollout, out: Path) -> None:
     """.html (self-contained), .json (the --json shape) or .parquet (the stored table)."""
-    from core.errors import UserError
+    from core.present.report import write_by_suffix
 
-    suffix = out.suffix.lower()
-    tmp = out.with_name(f".{out.name}.tmp")
-    if suffix in (".html", ".htm"):
-        tmp.write_text(rollout_report_html(ro), encoding="utf-8")
-    elif suffix == ".json":
-        tmp.write_text(json.dumps(ro.to_json_dict(), indent=1, allow_nan=False), encoding="utf-8")
-    elif suffix == ".parquet":
-        ro.to_frame().to_parquet(tmp, index=False)
-    else:
-        raise UserError(f"report output must end in .html, .json or .parquet (got {out.name})")
-    os.replace(tmp, out)
+    write_by_suffix(out, {
+        ".html": lambda tmp: tmp.write_text(rollout_report_html(ro), encoding="utf-8"),
+        ".json": lambda tmp: tmp.write_text(json.dumps(ro.to_json_dict(), indent=1, allow_nan=False), encoding="utf-8"),
+        ".parquet": lambda tmp: ro.to_frame().to_parquet(tmp, index=False)})

@@ -340,19 +340,11 @@ class Store:
 
     def is_frontier(self, any_id: str) -> bool:
         """Whether a (prefix of an) id names a stored frontier."""
-        try:
-            self.resolve_frontier_id(any_id)
-        except UserError:
-            return False
-        return True
+        return _resolves(self.resolve_frontier_id, any_id)
 
     def is_rollout(self, any_id: str) -> bool:
         """Whether a (prefix of an) id names a stored rollout rather than a comparison run."""
-        try:
-            self.resolve_rollout_id(any_id)
-        except UserError:
-            return False
-        return True
+        return _resolves(self.resolve_rollout_id, any_id)
 
     def load_rollout(self, rollout_id: str) -> Any:
         import pyarrow.parquet as pq
@@ -428,6 +420,15 @@ def _checked_json(path: Path, expected: str, what: str) -> dict[str, Any]:
         raise UserError(f"{what}: its file is missing from {path.parent}") from None
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise UserError(f"{what} is unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def _resolves(resolve: Any, any_id: str) -> bool:
+    """Whether `resolve` (one kind's prefix lookup) finds exactly one stored item for `any_id`."""
+    try:
+        resolve(any_id)
+    except UserError:
+        return False
+    return True
 
 
 def _atomic_write(target: Path, write: Any) -> str:
