@@ -157,3 +157,27 @@ def test_a_stored_frontier_shows_and_reports_as_html_and_json_with_its_text_esca
     assert data["recommendation"]["name"] == "float32" and len(data["configs"]) == 4
     assert main(["report", "fee3", "-o", str(tmp_path / "f.parquet")]) == 2
     assert "must end in .html or .json" in capsys.readouterr().err
+
+
+def test_configurations_start_in_groups_that_fit_the_pool():
+    """Engines of as many configurations as fit (here: a pool capped at 5 engines) start side by
+    side; the next configuration opens a new group. Engines two configurations share (HF in one
+    dtype, the float64 reference) count once."""
+    from types import SimpleNamespace
+
+    from core.analysis.frontier import _engines, _groups
+    from core.engines.records import LoadRequest
+    from core.inputs.settings import EngineSettings
+
+    class Pool:
+        def fits_together(self, requests):
+            return len({r.key() for r in requests}) <= 5
+
+    p = SimpleNamespace(ctx=SimpleNamespace(pool=Pool()), model=SimpleNamespace(path="/m"), device="cpu",
+                        spec=SimpleNamespace(settings=EngineSettings()), max_model_len=256)
+    ref = LoadRequest("hf", "/m", "float64", "cpu", EngineSettings(), 256)
+    configs = parse_configs("float32; bfloat16; float32 enable_prefix_caching=true; bfloat16 kv_cache_dtype=fp8; float16")
+    groups = _groups(p, list(enumerate(configs)), ref)
+    assert [[k for k, _ in g] for g in groups] == [[0, 1], [2, 3], [4]]
+    # float32 + bfloat16: two vLLM, two HF, the reference; prefix caching is vLLM's alone, so HF float32 is shared
+    assert len(_engines(p, [configs[0], configs[2]], ref)) == 4

@@ -12,8 +12,8 @@ vLLM has two model runners, and each computes prompt logprobs in its own place:
 - the v1 runner (vLLM's CPU build, and GPUs before the v2 runner became their default) calls the
   sampler's `gather_logprobs` on a request's full logprobs from `_get_prompt_logprobs_dict`; the
   wrapper finds the request and its first position in that caller's frame;
-- the v2 runner (`vllm/v1/worker/gpu/`, the default on GPUs for dense models since about 0.2x, and
-  `VLLM_USE_V2_MODEL_RUNNER=1` on a CPU) never makes full logprobs: its `PromptLogprobsWorker`
+- the v2 runner (`vllm/v1/worker/gpu/`, the GPU default for dense models in vLLM 0.26, and
+  `VLLM_USE_V2_MODEL_RUNNER=1` on a CPU with triton-cpu) never makes full logprobs: its `PromptLogprobsWorker`
   takes the top k from each chunk of logits. There the wrapper wraps the chunk's `logits_fn` and
   takes the float32 log_softmax of each chunk's rows, mapped to requests by the input batch.
 Where a vLLM build computes prompt logprobs elsewhere, nothing is captured and the run says why.
@@ -158,8 +158,8 @@ def _capturing_v2(worker: Any, logits_fn: Any, batch: Any, all_token_ids: Any, p
 
     vLLM calls logits_fn on consecutive chunks of the batch's rows, from row 0. Row r of request i
     (rows query_start[i] … query_start[i+1]) is prompt position num_computed_prefill[i] + r −
-    query_start[i]; the last prompt position predicts the first generated token and is not kept,
-    as vLLM keeps it not."""
+    query_start[i]. The last prompt position predicts the first generated token: vLLM returns no
+    prompt logprob for it, and it is not kept here either."""
     import torch
 
     idx = batch.idx_mapping_np
@@ -168,7 +168,7 @@ def _capturing_v2(worker: Any, logits_fn: Any, batch: Any, all_token_ids: Any, p
     starts = batch.query_start_loc_np
     needs = worker.uses_prompt_logprobs[idx] & (done < lens) & ~(lens < batch.prefill_len_np)
     files = _STATE["files"]
-    plan = []  # (first row, end row, its first position, the file)
+    plan = []  # (first row, end row, the first row's prompt position, the request)
     for i, req_id in enumerate(batch.req_ids):
         n_rows = min(int(starts[i + 1] - starts[i]), int(lens[i]) - 1 - int(done[i]))
         if not needs[i] or n_rows <= 0:
