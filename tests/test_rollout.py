@@ -2,6 +2,7 @@
 HF rescore the same ids. float32 must agree three ways; bfloat16 must show a stored, displayed gap."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from core.analysis.request import Context
 from core.analysis.rollout import PROCESSED, RAW, rollout
+from core.engines import fullvocab
 from core.engines.host import HostClient
 from core.engines.records import LoadRequest
 from core.inputs.settings import EngineSettings
@@ -45,12 +47,22 @@ def rolled(demo_model, tmp_path_factory):
         seen["sampled"].append([list(p) + o["completion_ids"] for p, o in zip(prompts, out)])
         return out
 
+    kept = tmp_path_factory.mktemp("vllm-full-rows")
+    real_remove = fullvocab.remove
+
+    def remove(folder):  # keep vLLM prefill's full rows (one folder per dtype, in order) before they go
+        if folder:
+            shutil.copytree(folder, kept / str(len(list(kept.iterdir()))))
+        real_remove(folder)
+
     spec = RunSpec(texts=PROMPTS, model=str(demo_model), dtypes=("float32", "bfloat16"), device="cpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(HostClient, "score", score)
         mp.setattr(HostClient, "rollout_score", rollout_score)
         mp.setattr(HostClient, "sample", sample)
+        mp.setattr(fullvocab, "remove", remove)
         ros = rollout(spec, SAMPLING, Context.of(store=store), use_cache=False)
+    seen["full_rows"] = {"float32": kept / "0", "bfloat16": kept / "1"}
     return {r.dtype: r for r in ros}, store, seen, spec
 
 
@@ -109,6 +121,47 @@ def test_hf_column_equals_an_independent_teacher_forced_pass(rolled, demo_model,
         lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].double().numpy()
         mine = lp[len(smp.prompt_token_ids) - 1 :]
         assert np.max(np.abs(mine - smp.logprob["hf"])) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_vs_hf_exact_kl_equals_numpy_over_both_full_distributions(rolled, demo_model, dtype):
+    """The rollout's exact KL(HF || vLLM prefill) at each completion token, against numpy over
+    vLLM's own full rows (kept from the run) and HF's, recomputed here with transformers; and
+    llama.cpp's statistics in the summary, stored and reloaded, with the JSON per position."""
+    from transformers import AutoModelForCausalLM
+
+    from core.analysis.metrics import exact_kl_stats
+
+    ros, store, seen, _ = rolled
+    ro = ros[dtype]
+    assert ro.meta.env.vllm_engine["kl_full"] == "exact, every completion token of prefill_vs_hf"
+    model = AutoModelForCausalLM.from_pretrained(str(demo_model), dtype=getattr(torch, dtype)).eval()
+    for k, smp in enumerate(ro.samples):
+        ids = list(smp.prompt_token_ids) + list(smp.completion_token_ids)
+        n0 = len(smp.prompt_token_ids)
+        with torch.inference_mode():
+            lh = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1).double().numpy()[n0 - 1 :]
+        lv = np.load(fullvocab.path_of(str(seen["full_rows"][dtype]), k)).astype(np.float64)[n0 - 1 :]
+        want = (np.exp(lh) * (lh - lv)).sum(axis=1)
+        got = smp.exact["kl_full"]
+        # bfloat16: HF's logits recomputed in this process move by up to 1e-5 (the test above), the KL with them
+        assert np.max(np.abs(got - want)) <= (1e-6 if dtype == "float32" else 1e-5), (k, got, want)
+        assert np.all(got >= -1e-12)
+        np.testing.assert_array_equal(smp.exact["same_top"], (lh.argmax(1) == lv.argmax(1)).astype(float))
+    s = ro.meta.summary["prefill_vs_hf"]
+    allkl = np.concatenate([x.exact["kl_full"] for x in ro.samples])
+    assert s["kl_full_mean"] == pytest.approx(float(allkl.mean())) and s["kl_full_p99_9"] is not None
+    assert s["same_top_p"] == pytest.approx(float(np.concatenate([x.exact["same_top"] for x in ro.samples]).mean()))
+    assert ro.meta.summary["decode_vs_hf"].get("kl_full_mean") is None  # a decode has no full distribution
+    if dtype == "float32":
+        assert s["kl_full_max"] < 1e-6 and s["same_top_p"] == 1.0
+    else:
+        assert s["kl_full_mean"] > 1e-5
+    back = store.load_rollout(ro.rollout_id)
+    np.testing.assert_array_equal(back.samples[0].exact["kl_full"], ro.samples[0].exact["kl_full"])
+    pos = back.to_json_dict()["samples"][0]["positions"][0]["prefill_vs_hf"]
+    assert pos["kl_full"] == pytest.approx(float(ro.samples[0].exact["kl_full"][0]), abs=0) and pos["same_top"] in (0.0, 1.0)
+    assert exact_kl_stats(allkl)["kl_full_mean"] == s["kl_full_mean"]
 
 
 def test_the_same_seed_reproduces_tokens_and_decode_logprobs(rolled):

@@ -135,28 +135,46 @@ def llama_cpp_stats(m: TokenMetrics) -> dict[str, float | None]:
     its mean and RMS; and the perplexity ratio PPL(vLLM)/PPL(HF) = exp(mean(l_HF − l_vLLM))."""
     s = m.scored
     n = int(s.sum())
-    out: dict[str, float | None] = dict.fromkeys((*FULL_KL_KEYS, "kl_full_mean_err", "same_top_p", "same_top_p_err", "dp_mean",
-                                                  "dp_rms", "ppl_ratio"))
+    out: dict[str, float | None] = {**exact_kl_stats(np.array([])), **same_top_stats(np.array([])),
+                                    "dp_mean": None, "dp_rms": None, "ppl_ratio": None}
     if n == 0:
         return out
-    same = float(m.argmax_agree[s].mean())
     dp = m.vllm_prob[s] - m.hf_prob[s]
     out.update({
-        "same_top_p": same,
-        "same_top_p_err": float(np.sqrt(same * (1 - same) / (n - 1))) if n > 1 else None,
+        **same_top_stats(m.argmax_agree[s]),
         "dp_mean": float(dp.mean()),
         "dp_rms": float(np.sqrt(np.mean(dp**2))),
         "ppl_ratio": float(np.exp(-np.mean(m.delta[s]))),
+        **exact_kl_stats(m.kl_full[s] if m.kl_full is not None else np.full(n, np.nan)),
     })
-    kl = m.kl_full[s] if m.kl_full is not None else np.array([])
-    kl = kl[np.isfinite(kl)]
-    if len(kl) == n:  # every scored position has its exact KL
-        out["kl_full_mean"] = float(kl.mean())
-        out["kl_full_mean_err"] = float(kl.std(ddof=1) / np.sqrt(n)) if n > 1 else None
-        out["kl_full_max"] = float(kl.max())
-        for (key, q), v in zip(KL_PERCENTILES, np.percentile(kl, [q for _, q in KL_PERCENTILES])):
-            out[f"kl_full_{key}"] = float(v)
     return out
+
+
+def exact_kl_stats(kl: np.ndarray) -> dict[str, float | None]:
+    """The exact KL's mean ± standard error, max and percentiles over these positions; all None
+    unless every position has its exact KL (a partial mean would describe other tokens)."""
+    out: dict[str, float | None] = dict.fromkeys((*FULL_KL_KEYS, "kl_full_mean_err"))
+    kl = np.asarray(kl, dtype=np.float64)
+    n = len(kl)
+    if n == 0 or not np.isfinite(kl).all():
+        return out
+    out["kl_full_mean"] = float(kl.mean())
+    out["kl_full_mean_err"] = float(kl.std(ddof=1) / np.sqrt(n)) if n > 1 else None
+    out["kl_full_max"] = float(kl.max())
+    for (key, q), v in zip(KL_PERCENTILES, np.percentile(kl, [q for _, q in KL_PERCENTILES])):
+        out[f"kl_full_{key}"] = float(v)
+    return out
+
+
+def same_top_stats(agree: np.ndarray) -> dict[str, float | None]:
+    """llama.cpp's "same top p": the share of positions where both engines' most likely token is
+    the same, ± its binomial error sqrt(p(1−p)/(n−1))."""
+    agree = np.asarray(agree, dtype=bool)
+    n = len(agree)
+    if n == 0:
+        return {"same_top_p": None, "same_top_p_err": None}
+    same = float(agree.mean())
+    return {"same_top_p": same, "same_top_p_err": float(np.sqrt(same * (1 - same) / (n - 1))) if n > 1 else None}
 
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float | None:

@@ -23,13 +23,14 @@ import numpy as np
 
 from core.analysis.offpolicy import floor_stats, mismatch_metrics
 from core.analysis.request import Context, Prepared, model_max_len, prepare
+from core.engines import fullvocab
 from core.engines.records import LoadRequest
 from core.env import device_name, resolve_device, versions
 from core.errors import UserError
 from core.inputs.spec import RunSpec, content_hash
 from core.inputs.tokens import decode_tail_pieces
 from core.results.records import RunEnv
-from core.results.rollout import COLUMNS, MAIN_PAIR, PAIRS, ROLLOUT_SCHEMA, Rollout, RolloutMeta, Sample, Sampling
+from core.results.rollout import COLUMNS, MAIN_PAIR, PAIRS, ROLLOUT_SCHEMA, Rollout, RolloutMeta, Sample, Sampling, exact_stats
 
 RAW, PROCESSED = "raw_logprobs", "processed_logprobs"
 NOISE_SAMPLES = 2  # seeded samples re-decoded alone and rescored in chunks / token by token
@@ -129,14 +130,20 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             full = [list(pr) + s["completion_ids"] for pr, s in zip(req_prompts, samples)]
             starts = [len(pr) for pr in req_prompts]
             ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
-            t = time.perf_counter()
-            prefill = lease.call(vreq, lambda: vllm.score(full, 1))
-            timing["prefill_s"] = time.perf_counter() - t
-            ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
-            t = time.perf_counter()
-            hf_scores = lease.call(hreq, lambda: hf.rollout_score(full, starts, sampling.temperature, sampling.top_k,
-                                                                      sampling.top_p))
-            timing["hf_s"] = time.perf_counter() - t
+            # vLLM prefill leaves its full logprobs for the exact KL of prefill_vs_hf (core.engines.fullvocab)
+            folder, kl_why = fullvocab.folder_for(sum(len(f) - 1 for f in full), p.model.vocab_size)
+            try:
+                t = time.perf_counter()
+                prefill = lease.call(vreq, lambda: vllm.score(full, 1, None, None, "right", folder))
+                timing["prefill_s"] = time.perf_counter() - t
+                kl_why = kl_why or fullvocab.problem(folder)
+                ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
+                t = time.perf_counter()
+                hf_scores = lease.call(hreq, lambda: hf.rollout_score(full, starts, sampling.temperature, sampling.top_k,
+                                                                          sampling.top_p, None, None if kl_why else folder))
+                timing["hf_s"] = time.perf_counter() - t
+            finally:
+                fullvocab.remove(folder)
             floors = _noise_floors(p, dtype, lease, vreq, hreq, req_prompts, seeds, samples, full, starts, hf_scores, sdict,
                                    noise, timing)
     timing["total_s"] = time.perf_counter() - t_all
@@ -158,10 +165,13 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             "log_kept_mass": np.asarray(h["log_kept_mass"], dtype=np.float64),
         }
         pieces = decode_tail_pieces(tokenizer, list(req_prompts[k]) + ids, n0)
+        exact = {"kl_full": np.asarray(h.get("kl_full", np.full(len(ids), np.nan)), dtype=np.float64),
+                 "same_top": (pre.topk_ids[n0:, 0] == h["top_id"]).astype(np.float64)}
         recs.append(Sample(prompt_index=k // sampling.samples, seed=seeds[k], prompt_token_ids=tuple(req_prompts[k]),
                            completion_token_ids=tuple(ids), pieces=tuple(pieces), finish_reason=s.get("finish_reason"),
-                           logprob=lp))
+                           logprob=lp, exact=exact))
     summary = {pair: mismatch_metrics([r.logprob[a] for r in recs], [r.logprob[b] for r in recs]) for pair, (a, b, _) in PAIRS.items()}
+    summary["prefill_vs_hf"].update(exact_stats(recs))
     now = dt.datetime.now(dt.timezone.utc)
     v = versions()
     meta = RolloutMeta(
@@ -172,7 +182,9 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         processed=("vLLM's own pass in processed_logprobs mode, same seeds, same tokens" if processes else
                    "equal to raw: at temperature 1 with no top-k/top-p, processing changes nothing (checked in the tests)"),
         env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
-                   vllm_dist=v["vllm_dist"], hf_engine=hf.info or {}, vllm_engine=vllm.info or {}),
+                   vllm_dist=v["vllm_dist"], hf_engine=hf.info or {},
+                   vllm_engine={**(vllm.info or {}), "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None
+                                else f"not computed: {kl_why}"}),
         timing={k: round(x, 3) for k, x in timing.items()}, summary=summary, floors=floors,
         samples=tuple(r.info() for r in recs),
     )

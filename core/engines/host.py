@@ -290,8 +290,9 @@ class HostClient:
         return self._request(HostRequest("sample", (prompts, seeds, sampling, modes)), "sampling", timeout)
 
     def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
-                      top_p: float = 1.0, chunk: int | None = None, timeout: float = 3600.0) -> list[dict[str, Any]]:
-        return self._request(HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk)),
+                      top_p: float = 1.0, chunk: int | None = None, full: str | None = None,
+                      timeout: float = 3600.0) -> list[dict[str, Any]]:
+        return self._request(HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk, full)),
                              "scoring the rollout", timeout)
 
     def write_full(self, sequences: list[list[int]], folder: str, timeout: float = 3600.0) -> int:

@@ -42,6 +42,12 @@ METRIC_WORDS: tuple[tuple[str, str, str], ...] = (
     ("tis_clip_fraction", "clipped by TIS (ratio above the cap)", "%"),
     ("mis_mask_fraction", "masked by MIS/IcePop (ratio outside the band)", "%"),
     ("dp_rms", "RMS Δp (llama.cpp)", "e"),
+    # llama.cpp's full-distribution statistics: prefill vs HF only (a decode keeps one token's logprob)
+    ("kl_full_mean", "exact KL over the whole vocabulary, mean (llama.cpp)", "e"),
+    ("kl_full_mean_err", "exact KL, ± standard error of the mean", "e"),
+    ("kl_full_p99", "exact KL, 99th percentile", "e"),
+    ("kl_full_max", "exact KL, largest", "e"),
+    ("same_top_p", "same most likely token (llama.cpp same top p)", "%"),
 )
 
 

@@ -28,6 +28,13 @@ COLUMNS = (
     "log_kept_mass",  # log of the mass top-k/top-p keep at that temperature (HF's full distribution); 0: none cut
 )
 
+# Per completion token, beside the logprobs, for the prefill_vs_hf pair (the one pair whose both
+# sides have a full distribution; a decode keeps only its sampled token's logprob):
+EXACT = (
+    "kl_full",  # the exact KL(HF || vLLM prefill) over the whole vocabulary; NaN where not computed
+    "same_top",  # 1 where vLLM prefill's and HF's most likely tokens are the same, else 0
+)
+
 # name -> (rollout side, trainer side, words). Δ = rollout side − trainer side.
 PAIRS: dict[str, tuple[str, str, str]] = {
     "decode_vs_hf": ("decode_raw", "hf", "vLLM decode vs HF (what RL sees)"),
@@ -94,6 +101,7 @@ class Sample:
     pieces: tuple[str, ...]
     finish_reason: str | None
     logprob: dict[str, np.ndarray]  # COLUMNS -> float64 [n]
+    exact: dict[str, np.ndarray] = field(default_factory=dict)  # EXACT -> float64 [n]; empty in rollouts stored before them
 
     def delta(self, pair: str) -> np.ndarray:
         a, b, _ = PAIRS[pair]
@@ -170,6 +178,7 @@ class Rollout:
                 "token_id": np.asarray(s.completion_token_ids, dtype=np.int64),
                 "piece": list(s.pieces),
                 **{c: np.asarray(s.logprob[c], dtype=np.float64) for c in COLUMNS},
+                **{c: np.asarray(s.exact.get(c, np.full(n, np.nan)), dtype=np.float64) for c in EXACT},
             })
             for pair in PAIRS:
                 df[f"delta_{pair}"] = s.delta(pair)
@@ -189,6 +198,7 @@ class Rollout:
                 completion_token_ids=tuple(int(x) for x in rows["token_id"]), pieces=tuple(str(x) for x in rows["piece"]),
                 finish_reason=info.get("finish_reason"),
                 logprob={c: rows[c].to_numpy(dtype=np.float64) for c in COLUMNS},
+                exact={c: rows[c].to_numpy(dtype=np.float64) for c in EXACT if c in rows},
             ))
         return cls(meta=meta, samples=tuple(samples), from_store=from_store)
 
@@ -207,11 +217,24 @@ class Rollout:
                     "logprob": {k: lp[k] for k in ("decode_raw", "decode_processed", "prefill", "hf")},
                     "hf_tempered": lp["hf_tempered"], "log_kept_mass": lp["log_kept_mass"],
                     "delta": {pair: _num(s.delta(pair)[t]) for pair in PAIRS},
+                    "prefill_vs_hf": {c: _num(s.exact[c][t]) if c in s.exact else None for c in EXACT},
                 })
             metrics = {pair: mismatch_metrics([s.logprob[a]], [s.logprob[b]]) for pair, (a, b, _) in PAIRS.items()}
+            metrics["prefill_vs_hf"].update(exact_stats([s]))
             out["samples"].append({**s.info(), "completion_token_ids": list(s.completion_token_ids), "metrics": metrics,
                                    "positions": positions})
         return out
+
+
+def exact_stats(samples: Any) -> dict[str, float | None]:
+    """llama.cpp's exact-KL and same-top statistics of the prefill_vs_hf pair over these samples'
+    completion tokens (core.analysis.metrics); None where a sample lacks them."""
+    from core.analysis.metrics import exact_kl_stats, same_top_stats
+
+    have = all(c in s.exact for s in samples for c in EXACT)
+    kl = np.concatenate([s.exact["kl_full"] for s in samples]) if have and samples else np.array([np.nan])
+    same = np.concatenate([s.exact["same_top"] for s in samples]) if have and samples else np.array([])
+    return {**exact_kl_stats(kl), **same_top_stats(same[np.isfinite(same)] > 0.5 if np.isfinite(same).all() else np.array([]))}
 
 
 def _num(x: Any) -> float | None:

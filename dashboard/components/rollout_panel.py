@@ -163,7 +163,10 @@ def show_rollouts(ros: list[Rollout]) -> None:
             c2.altair_chart(ratio_histogram(one, r.meta.summary[pair].get("tis_cap", 2.0),
                                             tuple(r.meta.summary[pair].get("mis_band", (0.5, 2.0)))), width="stretch")
             st.markdown("**Three-way comparison**: " + "; ".join(f"*{SHORT[p]}*: {PAIR_WORDS[p]}" for p in shown_pairs(r))
-                        + ". Δ = the first side − the second; ratio = the second's probability / the first's.")
+                        + ". Δ = the first side − the second; ratio = the second's probability / the first's. The exact KL "
+                        "and the same-top share need both sides' whole distribution, so only the prefill-vs-HF column has "
+                        "them (a decode keeps its sampled token's logprob alone; "
+                        f"{r.meta.env.vllm_engine.get('kl_full', 'exact KL: not recorded in this rollout')}).")
             table = metrics_table(r)
             st.dataframe(table, hide_index=True, width="stretch", height=35 * (len(table) + 1) + 3)
             st.markdown("**Noise floors**: how much one side moves when only this changes")

@@ -173,7 +173,7 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
-                      top_p: float = 1.0, chunk: int | None = None) -> list[dict[str, np.ndarray]]:
+                      top_p: float = 1.0, chunk: int | None = None, full: str | None = None) -> list[dict[str, np.ndarray]]:
         """The trainer's side of a rollout: teacher-forced logprobs of tokens [start, end) of each
         sequence (the completion), in passes of hf_batch_size sequences (default 1: no padding).
 
@@ -183,18 +183,24 @@ class HFBackend(Backend):
         temperature; 0 when nothing is cut), computed from the full distribution.
 
         chunk: feed each sequence `chunk` tokens at a time through the KV cache (1 = a per-token
-        incremental loop), for the trainer-side noise floors; only `logprob` is returned then."""
+        incremental loop), for the trainer-side noise floors; only `logprob` is returned then.
+
+        full: the folder where vLLM's prefill left each sequence's full logprobs
+        (core.engines.fullvocab); then also `kl_full`, the exact KL(HF || vLLM prefill) at each
+        completion token. `top_id` is HF's most likely token there, always."""
         if chunk is not None:
             return [self._incremental(ids, start, chunk) for ids, start in zip(sequences, starts)]
         bs = self.batch_size  # the hf_batch_size setting: 1 (default) = one sequence a pass, no padding
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
         cut = 0 < top_k or top_p < 1.0
-        got: list[torch.Tensor] = []  # per pass: [rows, 3] float64 on the device, read back once at the end
+        got: list[torch.Tensor] = []  # per pass: [rows, 5] float64 on the device, read back once at the end
         for lo in range(0, len(order), bs):
             idx = order[lo : lo + bs]
             rows = self._forward([sequences[i] for i in idx], "right")
             block = torch.cat([r[starts[i] - 1 :] for i, r in zip(idx, rows)])
             target = torch.tensor([t for i in idx for t in sequences[i][starts[i] :]], dtype=torch.long, device=block.device)
+            # vLLM's rows of the same positions (row t-1 predicts token t on both sides)
+            refs = None if full is None else [np.load(fullvocab.path_of(full, i), mmap_mode="r")[starts[i] - 1 :] for i in idx]
             for a in range(0, block.shape[0], self.ROW_CHUNK):  # float32 [rows, vocab] a block at a time
                 f32 = block[a : a + self.ROW_CHUNK]
                 f32 = f32 if f32.dtype == torch.float64 else f32.float()
@@ -203,13 +209,19 @@ class HFBackend(Backend):
                 scaled = lp if temperature == 1.0 else torch.log_softmax(f32 / temperature, dim=-1)
                 kept = (_log_kept_mass(scaled, top_k, top_p) if cut and (top_p < 1.0 or top_k < lp.shape[-1])
                         else torch.zeros(lp.shape[0], device=lp.device))
-                got.append(torch.stack([lp.gather(1, tgt)[:, 0].double(), scaled.gather(1, tgt)[:, 0].double(), kept.double()], 1))
-        flat = torch.cat(got).cpu().numpy() if got else np.zeros((0, 3))
+                kl = (torch.full((lp.shape[0],), float("nan"), dtype=torch.float64, device=lp.device) if refs is None
+                      else fullvocab.kl_rows(lp, _rows_of(refs, a, a + lp.shape[0])))
+                got.append(torch.stack([lp.gather(1, tgt)[:, 0].double(), scaled.gather(1, tgt)[:, 0].double(), kept.double(),
+                                        kl, lp.argmax(dim=-1).double()], 1))
+        flat = torch.cat(got).cpu().numpy() if got else np.zeros((0, 5))
         out: list[dict[str, np.ndarray] | None] = [None] * len(sequences)
         at = 0
         for i in order:
             n = len(sequences[i]) - starts[i]
-            out[i] = {"logprob": flat[at : at + n, 0], "tempered": flat[at : at + n, 1], "log_kept_mass": flat[at : at + n, 2]}
+            part = flat[at : at + n]
+            out[i] = {"logprob": part[:, 0], "tempered": part[:, 1], "log_kept_mass": part[:, 2], "top_id": part[:, 4].astype(np.int64)}
+            if full is not None:
+                out[i]["kl_full"] = part[:, 3]
             at += n
         return out  # type: ignore[return-value]
 
@@ -237,6 +249,17 @@ class HFBackend(Backend):
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
         }
+
+
+def _rows_of(parts: list[np.ndarray], a: int, b: int) -> np.ndarray:
+    """Rows [a, b) of the parts stacked end to end, reading only those rows (parts are memory maps)."""
+    out, at = [], 0
+    for part in parts:
+        lo, hi = max(a, at), min(b, at + len(part))
+        if lo < hi:
+            out.append(part[lo - at : hi - at])
+        at += len(part)
+    return np.concatenate(out) if len(out) > 1 else np.asarray(out[0])
 
 
 def _block_stats(block: torch.Tensor, target: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
