@@ -77,6 +77,57 @@ def build_tiny_llama(name: str = "tiny-llama-bos", adds_bos: bool = True, max_po
     return out
 
 
+def build_tiny_gptq(group: int = 32) -> tuple[Path, Path]:
+    """The tiny Llama's projections quantized to 4 bits by hand in GPTQ's format (symmetric,
+    `group` inputs a scale, no act-order), which vLLM loads as a pre-quantized checkpoint; and a
+    plain HF folder with those 4-bit weights dequantized (what the checkpoint computes, exactly).
+
+    GPTQ's layout: qweight int32 [in/8, out], eight 4-bit values a word along the input, lowest
+    bits first, each value q = round(w / scale) + 8; scales [in/group, out]; qzeros hold 8 − 1 = 7
+    in every nibble (GPTQ's v1 format stores zero − 1); g_idx the group of each input."""
+    base = build_tiny_llama()
+    out, deq = CACHE / "tiny-llama-gptq", CACHE / "tiny-llama-gptq-dequantized"
+    if (out / "model.safetensors").is_file() and (deq / "model.safetensors").is_file():
+        return out, deq
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(base / "model.safetensors")
+    packed, plain = {}, {}
+    for k, w in sd.items():
+        if not k.endswith("proj.weight"):
+            packed[k] = plain[k] = w
+            continue
+        o, i = w.shape
+        wg = w.float().reshape(o, i // group, group)
+        scale = (wg.abs().amax(-1) / 7).clamp(min=1e-8).to(torch.float16).float()  # [out, groups], as stored
+        q = (torch.round(wg / scale[..., None]) + 8).clamp(0, 15).to(torch.int32)
+        plain[k] = ((q - 8) * scale[..., None]).reshape(o, i).to(w.dtype)
+        qt = q.reshape(o, i).t().contiguous()  # [in, out]
+        qweight = torch.zeros(i // 8, o, dtype=torch.int32)
+        for j in range(8):
+            qweight |= (qt[j::8] & 0xF) << (4 * j)
+        name = k[: -len(".weight")]
+        packed[f"{name}.qweight"] = qweight
+        packed[f"{name}.qzeros"] = torch.full((i // group, o // 8), 0x77777777, dtype=torch.int32)
+        packed[f"{name}.scales"] = scale.t().contiguous().to(torch.float16)
+        packed[f"{name}.g_idx"] = torch.arange(i, dtype=torch.int32) // group
+    for folder, tensors, quant in ((out, packed, True), (deq, plain, False)):
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(base, tmp)
+        save_file(tensors, tmp / "model.safetensors")
+        if quant:
+            cfg = json.loads((tmp / "config.json").read_text())
+            cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": True}
+            (tmp / "config.json").write_text(json.dumps(cfg))
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    return out, deq
+
+
 def build_tiny_openai_gpt() -> Path:
     """An architecture HF runs but vLLM does not (OpenAI GPT-1), for the 'unsupported' message."""
     out = CACHE / "tiny-openai-gpt"

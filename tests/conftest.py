@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from builders import CACHE, REPO, build_tiny_llama  # noqa: E402
+from builders import CACHE, REPO, build_tiny_gptq, build_tiny_llama  # noqa: E402
 
 # Demo model and other built models live here across test runs (CI builds them once per run).
 MODELS_HOME = CACHE / "home"
@@ -36,6 +36,12 @@ def pytest_collection_modifyitems(config, items):
 def tiny_bos() -> Path:
     """Tiny Llama whose tokenizer adds <s> itself."""
     return build_tiny_llama("tiny-llama-bos", adds_bos=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gptq() -> tuple[Path, Path]:
+    """(a GPTQ 4-bit checkpoint of tiny_bos, an HF folder of its weights dequantized)."""
+    return build_tiny_gptq()
 
 
 @pytest.fixture(scope="session")

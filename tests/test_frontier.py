@@ -53,7 +53,7 @@ def test_the_cpu_grid_lists_what_it_cannot_run_with_the_reason():
     assert "bfloat16 quantization=fp8" in names and "bfloat16 kv_cache_dtype=fp8" in names
     for g in (grid, gpu):  # listed on both, with the reason it is not measured
         pre = [c for c in g if c.name.startswith("a pre-quantized checkpoint")]
-        assert len(pre) == 1 and "unquantized weights" in pre[0].skip
+        assert len(pre) == 1 and "checkpoint=PATH" in pre[0].skip
 
 
 def test_a_pre_quantized_checkpoint_is_refused_with_the_reason(tiny_bos, home, tmp_path):
@@ -70,9 +70,10 @@ def test_a_pre_quantized_checkpoint_is_refused_with_the_reason(tiny_bos, home, t
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (model / "config.json").write_text(json.dumps(cfg))
     ctx = Context.of()
-    with pytest.raises(UserError, match=r"pre-quantized checkpoint \(awq\).*unquantized model"):
+    before = len(ctx.pool.running())
+    with pytest.raises(UserError, match=r"pre-quantized checkpoint \(awq\).*unquantized model.*checkpoint="):
         frontier(RunSpec(texts=("Hello there.",), model=str(model), device="cpu"), [Config("float32")], ctx)
-    assert not ctx.pool.running()
+    assert len(ctx.pool.running()) == before  # refused before any engine started
 
 
 @pytest.mark.engine
@@ -181,3 +182,53 @@ def test_configurations_start_in_groups_that_fit_the_pool():
     assert [[k for k, _ in g] for g in groups] == [[0, 1], [2, 3], [4]]
     # float32 + bfloat16: two vLLM, two HF, the reference; prefix caching is vLLM's alone, so HF float32 is shared
     assert len(_engines(p, [configs[0], configs[2]], ref)) == 4
+
+
+@pytest.mark.engine
+def test_a_pre_quantized_checkpoint_is_measured_against_the_model_it_quantizes(tiny_bos, tiny_gptq, home):
+    """'bfloat16 checkpoint=PATH': vLLM loads a GPTQ 4-bit checkpoint of the tiny model (built here
+    by hand) and is scored on the model's ids against the model itself in float64. Its gap must be
+    what 4-bit weights make, checked independently: HF in float64 on the dequantized 4-bit weights
+    against HF in float64 on the model, the same ids."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.analysis.request import Context
+
+    gptq, dequantized = tiny_gptq
+    text = "The quick brown fox jumps over the lazy dog, twice."
+    name = f"bfloat16 checkpoint={gptq}"
+    result = frontier(RunSpec(texts=(text,), model=str(tiny_bos), device="cpu"),
+                      parse_configs(f"bfloat16; {name}"), Context.of(), tolerance=1.0)
+    rows = {c["name"]: c for c in result.configs}
+    q = rows[name]
+    assert not q["skipped"] and q["ref_gap"]["kl_mean"] is not None and q["tokens_per_s"]["prefill"] > 0, q
+
+    ids = torch.tensor([AutoTokenizer.from_pretrained(str(tiny_bos))(text)["input_ids"]])
+
+    def logprobs(folder):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64).eval()
+        with torch.inference_mode():
+            lp = torch.log_softmax(model(ids).logits[0, :-1], dim=-1)
+        return lp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].numpy()
+
+    want = float(np.mean(np.abs(logprobs(dequantized) - logprobs(tiny_bos))))
+    assert want > 10 * rows["bfloat16"]["ref_gap"]["mean"]  # 4 bits move this model far more than bfloat16 rounding
+    # vLLM runs the 4-bit weights with bfloat16 activations: the gap is the 4-bit one, up to bfloat16's
+    assert abs(q["ref_gap"]["mean"] - want) <= 0.25 * want + 2 * rows["bfloat16"]["ref_gap"]["mean"], (q["ref_gap"], want)
+    assert rows["bfloat16"]["ref_gap"]["mean"] < q["ref_gap"]["mean"]
+
+
+def test_a_checkpoint_outside_the_servers_model_roots_is_refused(tiny_bos, tiny_gptq, home):
+    """A configuration's checkpoint is a model folder like any other: the same model-root rules."""
+    from core.analysis.request import Context
+
+    gptq, _ = tiny_gptq
+    ctx = Context.of(model_roots=[str(tiny_bos)])
+    before = len(ctx.pool.running())
+    with pytest.raises(UserError) as err:
+        frontier(RunSpec(texts=("Hello there.",), model=str(tiny_bos), device="cpu"),
+                 parse_configs(f"bfloat16 checkpoint={gptq}"), ctx)
+    assert str(gptq) in str(err.value) or "allowed" in str(err.value)
+    assert len(ctx.pool.running()) == before  # refused before any engine started

@@ -40,6 +40,12 @@ GEN_TOKENS = 32  # greedy tokens per prompt for the generation throughput
 TOLERANCE_FACTOR = 2.0
 
 
+# Not an engine setting: `checkpoint=PATH` names a pre-quantized checkpoint of the same model (GPTQ,
+# AWQ, FP8, compressed-tensors) that the configuration's vLLM engine loads in place of the model;
+# it is scored on the model's token ids against the model's own weights in float64.
+CHECKPOINT = "checkpoint"
+
+
 @dataclass(frozen=True)
 class Config:
     """One configuration: a dtype and the vLLM settings it changes (names of core.inputs.settings)."""
@@ -54,7 +60,12 @@ class Config:
         return self.label or self.dtype + "".join(f" {k}={v}" for k, v in self.changes)
 
     def settings(self, base: Any) -> Any:
-        return dataclasses.replace(base, **dict(self.changes))
+        return dataclasses.replace(base, **{k: v for k, v in self.changes if k != CHECKPOINT})
+
+    @property
+    def checkpoint(self) -> str | None:
+        """A pre-quantized checkpoint of the same model that this configuration's vLLM engine loads."""
+        return dict(self.changes).get(CHECKPOINT)
 
 
 def parse_configs(text: str) -> list[Config]:
@@ -71,6 +82,9 @@ def parse_configs(text: str) -> list[Config]:
         changes = []
         for w in words[1:]:
             name, sep, raw = w.partition("=")
+            if name == CHECKPOINT and sep and raw:
+                changes.append((CHECKPOINT, raw))
+                continue
             if not sep or name not in known:
                 raise UserError(f"configuration {part!r}: {w!r} is not setting=value with a known setting (see compare --help)")
             s = known[name]
@@ -114,12 +128,10 @@ def default_grid(device: str) -> list[Config]:
     return grid
 
 
-# Listed, not measured: the frontier quantizes this model's own weights (FP8 weights, FP8 KV cache)
-# and measures the result against the same weights in float64. A checkpoint quantized ahead of time
-# has no unquantized weights to give that reference.
-PREQUANTIZED = Config("bfloat16", label="a pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors)", skip=(
-    "not measured: such a checkpoint is a model folder of its own, whose unquantized weights HF cannot load for "
-    "the float64 reference; this frontier quantizes the model's own weights (FP8 weights, FP8 KV cache) instead"))
+# Listed with how to add one: a checkpoint quantized ahead of time is a folder the grid cannot guess.
+PREQUANTIZED = Config("bfloat16", label="a pre-quantized checkpoint (GPTQ, AWQ, FP8, compressed-tensors)", skip=(
+    "a checkpoint is its own folder, so name it: add a configuration 'bfloat16 checkpoint=PATH' and its vLLM engine "
+    "loads that checkpoint, scored on this model's token ids against this model in float64"))
 
 
 @dataclass(frozen=True)
@@ -191,8 +203,12 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
     if quant:
         raise UserError(f"{p.model.name} is a pre-quantized checkpoint ({quant.get('quant_method', 'quantized')}): the frontier "
                         "measures each configuration against the model's unquantized weights in float64, which this folder "
-                        "does not hold; run it on the unquantized model, whose grid has FP8 weights and the FP8 KV cache")
+                        "does not hold; give the unquantized model as the model and this folder as a configuration, "
+                        f"'bfloat16 checkpoint={p.model.path}'")
     configs = configs or default_grid(p.device)
+    checkpoints = {c.checkpoint: _checkpoint(p, c.checkpoint) for c in configs if c.checkpoint and not c.skip}
+    configs = [dataclasses.replace(c, changes=tuple((k, checkpoints[x].path if k == CHECKPOINT else x) for k, x in c.changes))
+               if c.checkpoint and not c.skip else c for c in configs]
     ctx.emit("tokenize", None, f"{len(spec.texts)} text(s)")
     seqs = p.seqs
     n_tokens = sum(len(s) - 1 for s in seqs)
@@ -228,7 +244,7 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
     v = {k: x for k, x in versions().items() if k != "vllm_dist"}
     identity = {"kind": "frontier", "model": p.model.identity, "device": device_name(p.device), "versions": v,
                 "texts": list(spec.texts), "configs": [c.name for c in configs], "tolerance": tolerance,
-                "settings": p.spec.settings.run_id_part()}
+                "settings": p.spec.settings.run_id_part(), "checkpoints": {k: m.identity for k, m in checkpoints.items()}}
     now = dt.datetime.now(dt.timezone.utc)
     result = FrontierResult(
         frontier_id=content_hash(identity), model=p.model.name, device=device_name(p.device), versions=v,
@@ -247,10 +263,27 @@ def _gap(ref: list[Any], other: list[Any]) -> dict[str, Any]:
 
 
 def _requests(p: Prepared, cfg: Config) -> tuple[LoadRequest, LoadRequest]:
-    """A configuration's vLLM engine and the HF engine in its dtype (and HF settings)."""
+    """A configuration's vLLM engine (on its checkpoint, if it names one) and the HF engine of the
+    model in its dtype (and HF settings)."""
     settings = cfg.settings(p.spec.settings)
-    return (LoadRequest("vllm", p.model.path, cfg.dtype, p.device, settings, p.max_model_len),
+    return (LoadRequest("vllm", cfg.checkpoint or p.model.path, cfg.dtype, p.device, settings, p.max_model_len),
             LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, p.max_model_len))
+
+
+def _checkpoint(p: Prepared, path: str) -> Any:
+    """A configuration's pre-quantized checkpoint, resolved under the same model-root rules as the
+    model; it must be a checkpoint of the same model (the same vocabulary), since it is scored on the
+    model's token ids."""
+    from core.inputs.models import resolve_model
+
+    try:
+        m = resolve_model(path, None, p.spec.settings.trust_remote_code, p.ctx.model_roots)
+    except UserError as exc:
+        raise UserError(f"configuration checkpoint={path}: {exc}") from None
+    if m.vocab_size != p.model.vocab_size:
+        raise UserError(f"checkpoint {path} has a vocabulary of {m.vocab_size} entries and {p.model.name} one of "
+                        f"{p.model.vocab_size}: it is not a checkpoint of the same model, so it cannot score its token ids")
+    return m
 
 
 def _engines(p: Prepared, configs: list[Config], ref_req: LoadRequest) -> list[LoadRequest]:

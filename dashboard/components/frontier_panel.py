@@ -36,7 +36,7 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
         chosen = st.multiselect("Configurations (each starts its own vLLM engine: on a CPU about 20-60 s each)", runnable,
                                 default=runnable[:4], key=f"{KEY}-configs")
         extra = st.text_input("More configurations: a dtype and setting=value pairs, ';' between them",
-                              key=f"{KEY}-extra", placeholder="float32 attention_backend=FLEX_ATTENTION; bfloat16 kv_cache_dtype=fp8")
+                              key=f"{KEY}-extra", placeholder="float32 attention_backend=FLEX_ATTENTION; bfloat16 checkpoint=/path/to/its-gptq-checkpoint")
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     skipped = [c for c in grid if c.skip]
     if skipped:
