@@ -224,11 +224,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         print()
     print(f"elapsed {time.perf_counter() - t0:.2f} s")
     if args.json:
-        data = [r.to_json_dict() for r in ros]
-        out = Path(args.json)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(data[0] if len(data) == 1 else data, indent=1, allow_nan=False))
-        os.replace(tmp, out)
+        write_json(args.json, list(ros))
         print(f"wrote {args.json}")
     return 0
 
@@ -251,22 +247,19 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     print(frontier_text(result))
     print(f"elapsed {time.perf_counter() - t0:.2f} s")
     if args.json:
-        out = Path(args.json)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False))
-        os.replace(tmp, out)
+        from core.paths import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps(result.to_dict(), indent=1, allow_nan=False))
         print(f"wrote {args.json}")
     return 0
 
 
 def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
     """One object per run: a single object for one run, a list for several."""
+    from core.paths import write_text_atomic
+
     data = [r.to_json_dict() for r in runs]
-    payload = data[0] if len(data) == 1 else data
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, allow_nan=False))
-    os.replace(tmp, out)
+    write_text_atomic(path, json.dumps(data[0] if len(data) == 1 else data, indent=1, allow_nan=False))
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from core.paths import write_text_atomic
 from core.present.charts import CHARTS, chart_frame, worst_tokens
 from core.present.labels import cell_text, summary_label, summary_value
 from core.present.render import token_view_html, verdict_html
@@ -151,8 +152,4 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
 
 
 def write_html_report(runs: Run | list[Run], path: str | os.PathLike, diagnostics: DiagnosticsResult | None = None) -> None:
-    runs = [runs] if isinstance(runs, Run) else runs
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(report_html(runs, diagnostics), encoding="utf-8")
-    os.replace(tmp, out)
+    write_text_atomic(path, report_html([runs] if isinstance(runs, Run) else runs, diagnostics))
