@@ -125,15 +125,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
     dtypes = spec.dtypes
     t0 = time.perf_counter()
-    bar = tqdm(total=2 + 6 * len(dtypes), desc="compare", unit="step", file=sys.stderr, disable=args.quiet)
+    # the bar counts tokens scored, over every dtype: its rate and time left are tokens/s and the rest
+    bar = tqdm(total=None, desc="compare", unit="tok", unit_scale=True, file=sys.stderr, disable=args.quiet, smoothing=0.1)
+    done: dict[str, int] = {}
 
     def on_event(stage: str, dtype: str | None, detail: str) -> None:
         bar.set_description(f"{stage}{f' [{dtype}]' if dtype else ''}")
         bar.write(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
-        bar.update(6 if stage == "cache" else 1)
+
+    def on_progress(dtype: str | None, n: int, total: int) -> None:
+        done[dtype or ""] = n
+        bar.total = total * len(dtypes)
+        bar.update(sum(done.values()) - bar.n)
 
     try:
-        runs = compare(spec, use_cache=not args.no_cache, on_event=on_event)
+        from core.analysis.request import Context
+
+        runs = compare(spec, Context.of(on_event=on_event, on_progress=on_progress), use_cache=not args.no_cache)
     finally:
         bar.close()
     from core.analysis.verdict import run_verdicts
@@ -255,11 +263,30 @@ def cmd_frontier(args: argparse.Namespace) -> int:
 
 
 def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
-    """One object per run: a single object for one run, a list for several."""
-    from core.paths import write_text_atomic
+    """One object per run: a single object for one run, a list for several. Comparison runs are
+    written a sequence at a time (Run.write_json), so a large prompt set's JSON never sits whole in
+    memory; the file is renamed into place when complete."""
+    from core.results.run import Run
 
-    data = [r.to_json_dict() for r in runs]
-    write_text_atomic(path, json.dumps(data[0] if len(data) == 1 else data, indent=1, allow_nan=False))
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            if len(runs) > 1:
+                f.write("[\n")
+            for i, r in enumerate(runs):
+                if i:
+                    f.write(",\n")
+                if isinstance(r, Run):
+                    r.write_json(f)
+                else:
+                    f.write(json.dumps(r.to_json_dict(), indent=1, allow_nan=False))
+            if len(runs) > 1:
+                f.write("\n]")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

@@ -46,9 +46,9 @@ def model_roots() -> list[str] | None:
     return roots
 
 
-def request_context(on_event=None) -> Context:
+def request_context(on_event=None, on_progress=None) -> Context:
     """The context every page runs engines with: this server's store and its model-root rules."""
-    return Context.of(store=get_store(), on_event=on_event, model_roots=model_roots())
+    return Context.of(store=get_store(), on_event=on_event, model_roots=model_roots(), on_progress=on_progress)
 
 
 def dtype_reasons(device: str = "auto") -> dict[str, str | None]:

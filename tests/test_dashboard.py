@@ -115,7 +115,9 @@ def test_prompt_set_page_shows_aggregates(home):
     assert at.title[0].value == "Prompt set"
     tables = [d.value for d in at.dataframe]
     assert "float32" in tables[0].columns and "largest gap |Δ logp|" in tables[0].index and "max_abs_delta" not in tables[0].index
-    assert list(tables[1]["text"]) == ["first prompt", "second <b>bold</b>"]  # shown as text by the grid
+    assert sorted(tables[1]["text"]) == ["first prompt", "second <b>bold</b>"]  # shown as text by the grid
+    gaps = list(tables[1]["largest gap float32"])
+    assert gaps == sorted(gaps, reverse=True)  # the prompt with the largest gap first
     assert " &lt;b&gt;bo" in _html(at) and "ld&lt;/b&gt;" in _html(at)  # prompt 1 (from ?seq=1), escaped
 
 

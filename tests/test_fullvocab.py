@@ -235,3 +235,25 @@ def test_the_exact_kl_of_float32_rows_is_never_negative():
     assert np.abs(kl).max() < 1e-12, kl
     other = torch.log_softmax(torch.randn(4, 300, generator=torch.Generator().manual_seed(1)), dim=-1)
     assert (fullvocab.kl_rows(lh, other.numpy()).numpy() > 0.1).all()  # two different distributions stay apart
+
+
+@pytest.mark.engine
+def test_exact_kl_through_shared_tensors_equals_the_files_path(tiny_bos, home, monkeypatch):
+    """The GPU transport (vLLM keeps its rows as tensors and shares them with the HF host, which sums
+    the KL on the device) gives the very KL the files path gives, on the same engines and ids; on a
+    CPU the tensors cross through shared-memory files, which is what this checks here."""
+    from core.analysis.compare import compare
+    from core.engines import fullvocab
+    from core.inputs.spec import RunSpec
+
+    spec = RunSpec(texts=(TEXT, TEXT + " And once more, with feeling."), model=str(tiny_bos), dtypes=("float32",), device="cpu")
+    got = {}
+    for how in ("files", "tensors"):
+        monkeypatch.setenv(fullvocab.TRANSPORT_ENV, how)
+        (run,) = compare(spec, use_cache=False)
+        assert run.meta.env.vllm_engine["kl_full"].startswith("exact, every position"), run.meta.env.vllm_engine["kl_full"]
+        assert run.meta.env.vllm_engine["kl_transport"] == fullvocab.TRANSPORT_WORDS[how]
+        got[how] = [s.metrics.kl_full[1:] for s in run.sequences]
+        assert all(np.isfinite(k).all() for k in got[how])
+    for a, b in zip(got["files"], got["tensors"]):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-12)

@@ -80,14 +80,17 @@ def test_displayed_pieces_concatenate_back_to_the_input(demo_model, text):
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_completion_pieces_in_linear_time_equal_the_exact_pieces(demo_model, text):
-    """A rollout's completion pieces (decode_tail_pieces, a window a token) are exactly the pieces
-    the quadratic decode_pieces gives, for emoji, RTL and CJK text, whatever token the completion
-    starts at and wherever it is cut (inside a character too)."""
-    from core.inputs.tokens import decode_pieces, decode_tail_pieces
+def test_pieces_in_linear_time_equal_the_exact_pieces(demo_model, tiny_bos, text):
+    """Every token's piece (decode_pieces: a window a token, decoded in one batch) is exactly what
+    decoding every prefix gives (exact_pieces), for emoji, RTL and CJK text, for a whole text and for
+    a rollout's completion (decode_tail_pieces), whatever token it starts at and wherever it is cut
+    (inside a character too), with the demo model's byte-level BPE and the tiny Llama's tokenizer."""
+    from core.inputs.tokens import decode_pieces, decode_tail_pieces, exact_pieces
 
-    tok = load_tokenizer(str(demo_model))
-    ids = tok(text * 4)["input_ids"]
-    for cut in (len(ids), len(ids) - 1, len(ids) - 2):
-        for start in (1, 3, len(ids) // 2):
-            assert decode_tail_pieces(tok, ids[:cut], start) == decode_pieces(tok, ids[:cut])[start:], (cut, start)
+    for model in (demo_model, tiny_bos):
+        tok = load_tokenizer(str(model))
+        ids = tok(text * 4)["input_ids"]
+        assert decode_pieces(tok, ids) == exact_pieces(tok, ids)
+        for cut in (len(ids), len(ids) - 1, len(ids) - 2):
+            for start in (1, 3, len(ids) // 2):
+                assert decode_tail_pieces(tok, ids[:cut], start) == exact_pieces(tok, ids[:cut])[start:], (model, cut, start)

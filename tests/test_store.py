@@ -87,7 +87,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(pq, "write_table", boom)
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", boom)
     with pytest.raises(OSError):
         store.save(make_run())
     assert os.listdir(store.runs_dir) == []
@@ -131,3 +131,76 @@ def test_mismatched_ids_are_refused_with_a_typed_engine_error():
     assert issubclass(TokenMismatchError, EngineError)
     with pytest.raises(TokenMismatchError, match="hf scored ids \\[1, 2, 4\\] but the run has \\[1, 2, 3\\]"):
         SequenceResult.build(tok, _scores([1, 2, 4], 0.0), _scores(ids, 0.0))
+
+
+def test_batch_table_holds_what_sequence_by_sequence_building_holds(tmp_path):
+    """The columnar batch builder (core.results.positions) and the per-sequence SequenceResult path
+    give the same stored positions, summaries and top-k texts, and a run written from two batch
+    tables reopens sequence by sequence with every value equal."""
+    import pyarrow as pa
+
+    from core.results.positions import batch_table, metrics_of
+
+    texts = ("a <b> c", "d\ne f g", "hi")
+    toks, hf, vl = [], [], []
+    for i, text in enumerate(texts):
+        k = max(1, len(text) // 3)
+        names = ("<s>", text[:k], text[k : 2 * k], text[2 * k :])
+        ids = [1] + [10 + i + j for j in range(len(names) - 1)]
+        toks.append(TokenizedText(text, tuple(ids), names, names, True))
+        hf.append(_scores(ids, 0.0, gather=True))
+        vl.append(_scores(ids, 1e-3 * (i + 1)))
+    decode = lambda seqs: [f"<{s[0]}>" for s in seqs]  # noqa: E731
+    one = [SequenceResult.build(t, h, v, lambda i: f"<{i}>") for t, h, v in zip(toks, hf, vl)]
+    a, a_infos, a_m = batch_table(toks[:2], hf[:2], vl[:2], decode, 0)
+    b, b_infos, b_m = batch_table(toks[2:], hf[2:], vl[2:], decode, 2)
+    assert [x.summary for x in a_infos + b_infos] == [s.summary for s in one]
+    summary = summarize(concat([s.metrics for s in one]))
+    assert summarize(concat([metrics_of(a), metrics_of(b)])) == summary == summarize(concat([a_m, b_m]))
+    meta = make_run(texts=texts).meta
+    import dataclasses
+
+    meta = dataclasses.replace(meta, summary=summary, sequences=tuple(a_infos + b_infos))
+    store = Store(tmp_path)
+    store.write_run(meta, iter([a, b]))
+    back = store.load(meta.run_id)
+    for s, r in zip(one, back.sequences):
+        assert r.token_ids == s.token_ids and r.tokens == s.tokens and r.pieces == s.pieces
+        for side in ("hf", "vllm"):
+            for f in ("logprob", "rank", "topk_ids", "topk_logprobs"):
+                np.testing.assert_array_equal(getattr(getattr(r, side), f), getattr(getattr(s, side), f))
+            assert np.asarray(r.topk_text[side]).tolist() == [list(x) for x in s.topk_text[side]]
+        np.testing.assert_array_equal(r.metrics.delta, s.metrics.delta)
+        np.testing.assert_array_equal(r.hf.gathered_logprobs, s.hf.gathered_logprobs)
+    assert isinstance(pa.table({"x": [1]}), pa.Table)
+
+
+def test_a_large_run_reopens_one_sequence_without_reading_the_rest(tmp_path, monkeypatch):
+    """Row groups bound what opening one prompt reads: with 4-row groups, opening sequence 5 reads
+    only the groups that hold its rows, and the values are the stored ones."""
+    import core.results.store as store_mod
+    from core.results.run import StoredSequences
+
+    monkeypatch.setattr(store_mod, "ROW_GROUP", 4)
+    run = make_run(texts=tuple(f"text number {i}" for i in range(8)))
+    store = Store(tmp_path)
+    store.save(run)
+    back = store.load(run.run_id)
+    assert isinstance(back.sequences, StoredSequences) and len(back.sequences) == 8
+    s = back.sequences[5]
+    assert s.text == "text number 5" and s.token_ids == run.sequences[5].token_ids
+    np.testing.assert_array_equal(s.vllm.logprob, run.sequences[5].vllm.logprob)
+    assert set(back.sequences._groups) == {5}  # rows 20-23 of 4-row groups: group 5 alone
+    assert back.sequences[-1].text == "text number 7"
+
+
+def test_json_written_a_sequence_at_a_time_is_the_whole_object(tmp_path):
+    """`Run.write_json` (streamed, for large sets) writes exactly json.dumps(to_json_dict())."""
+    import io
+    import json
+
+    run = make_run(texts=("a b c d", "e f g", "h i"))
+    for indent in (1, None):
+        buf = io.StringIO()
+        run.write_json(buf, indent=indent)
+        assert buf.getvalue() == json.dumps(run.to_json_dict(), indent=indent, allow_nan=False)

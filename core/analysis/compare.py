@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import threading
 import time
 from contextlib import ExitStack
+from dataclasses import asdict
 from typing import Any
 
 from core.analysis.metrics import concat, summarize
@@ -16,8 +18,9 @@ from core.env import device_name, versions
 from core.inputs.models import ResolvedModel
 from core.inputs.spec import RunSpec, content_hash
 from core.inputs.tokens import TokenizedText
+from core.results.positions import METRIC_COLUMNS, batch_table, metrics_of
 from core.results.records import RunEnv, RunMeta, SequenceInfo
-from core.results.run import SCHEMA_VERSION, Run, SequenceResult
+from core.results.run import SCHEMA_VERSION, Run, StoredSequences
 from core.results.store import Store
 
 BACKEND_ORDER = ("vllm", "hf")  # vLLM first: HF then gathers its own values on vLLM's top-k ids
@@ -45,11 +48,17 @@ def request_key(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) ->
 
 def run_id_for(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, toks: list[TokenizedText], max_model_len: int) -> str:
     """Content address: everything that can change a number, the token ids included."""
+    return run_id_for_ids(spec, model, dtype, device, [t.text for t in toks], [list(t.token_ids) for t in toks], max_model_len)
+
+
+def run_id_for_ids(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, texts: list[str], ids: list[list[int]],
+                   max_model_len: int) -> str:
+    """`run_id_for` from the texts as scored and their ids (no token names or pieces needed)."""
     return content_hash(
         {
             **_identity(spec, model, dtype, device),
-            "texts": [t.text for t in toks],
-            "token_ids": [list(t.token_ids) for t in toks],
+            "texts": list(texts),
+            "token_ids": [list(x) for x in ids],
             "max_model_len": max_model_len,
         }
     )
@@ -106,7 +115,7 @@ def _compare_locked(p: Prepared, use_cache: bool, keys: dict[str, str]) -> list[
         return [runs[d] for d in spec.dtypes]
 
     ctx.emit("tokenize", None, f"{len(spec.texts)} text(s)")
-    p.toks  # noqa: B018 - tokenize now: bad input fails before any engine starts
+    p.seqs  # noqa: B018 - tokenize now: bad input fails before any engine starts
     plan = {d: [p.load(b, d) for b in BACKEND_ORDER] for d in todo}
     everything = [r for rs in plan.values() for r in rs]
     # Every engine at once when they all fit (they load side by side); otherwise dtype after dtype.
@@ -117,50 +126,116 @@ def _compare_locked(p: Prepared, use_cache: bool, keys: dict[str, str]) -> list[
     for dtypes, requests in steps:
         with ctx.pool.lease(requests, on_wait=ctx.waiter(dtypes[0])) as lease:
             for d in dtypes:
-                run = _score_dtype(p, d, plan[d], lease)
-                ctx.store.save(run, request_key=keys[d])
-                ctx.emit("store", d, f"run {run.run_id} saved")
-                runs[d] = run
+                runs[d] = _score_dtype(p, d, plan[d], lease, keys[d], use_cache)
+                ctx.emit("store", d, f"run {runs[d].run_id} saved")
     return [runs[d] for d in spec.dtypes]
 
 
-def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> Run:
-    ctx, spec = p.ctx, p.spec
+BATCH_TOKENS_ENV = "LPP_BATCH_TOKENS"  # positions a batch scores at most (default: 65,536 on a GPU, 16,384 on a CPU)
+
+
+def plan_batches(lengths: list[int], vocab: int | None, device: str) -> list[tuple[int, int]]:
+    """Consecutive sequences [lo, hi) a batch: at most BATCH_TOKENS_ENV positions, and at most the
+    exact KL's rows one batch may keep (core.engines.fullvocab.batch_bytes), always at least one
+    sequence. The same lengths on the same machine always give the same plan, which is what lets a
+    killed run find its finished batches again."""
+    cap = int(os.environ.get(BATCH_TOKENS_ENV) or (65536 if device.startswith("cuda") else 16384))
+    if vocab:
+        cap = min(cap, max(1, fullvocab.batch_bytes(device) // (4 * vocab)))
+    out, lo, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        rows = max(n - 1, 1)
+        if i > lo and used + rows > cap:
+            out.append((lo, i))
+            lo, used = i, 0
+        used += rows
+    out.append((lo, len(lengths)))
+    return out
+
+
+def _words_left(seconds: float) -> str:
+    if seconds < 90:
+        return f"about {seconds:.0f} s left"
+    if seconds < 5400:
+        return f"about {seconds / 60:.0f} min left"
+    return f"about {seconds / 3600:.1f} h left"
+
+
+def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, request_key: str, use_cache: bool) -> Run:
+    """Score, compare and store one dtype, a batch at a time: each batch's table is stored as it
+    finishes (with more than one batch), so memory is bounded by a batch and a killed run, started
+    again with the same request, computes only the batches it lacks."""
+    ctx, spec, store = p.ctx, p.spec, p.ctx.store
     t0 = time.perf_counter()
-    infos, timing, scores = {}, {}, {}
     seqs = p.seqs
-    # the exact full-vocabulary KL: vLLM leaves its full logprobs in a shared-memory folder, HF reads them
-    folder, why_not = fullvocab.folder_for(sum(len(s) - 1 for s in seqs), p.model.vocab_size)
-    via = None
-    try:
-        for req in requests:
-            b = req.backend
-            ctx.emit("load", dtype, f"{b}: warm engine" if lease.warm(req) else
-                     f"{b}: starting the engine (on a CPU about 20-60 s; it stays warm for the next run)")
-            t = time.perf_counter()
-            host = lease.host(req)
-            infos[b] = host.info
-            timing[f"{b}_load_s"] = round(time.perf_counter() - t, 3)
-            gather = [s.topk_ids for s in scores["vllm"]] if b == "hf" else None
-            if b == "hf" and folder is not None and why_not is None:
-                why_not = fullvocab.problem(folder)  # vLLM could not leave its full logprobs there
-                via = fullvocab.runner(folder)
-            full = folder if why_not is None else None
-            with ctx.pool.device_turn(ctx.waiter(dtype), what=f"{b} scoring"):
-                ctx.emit("score", dtype, f"{b}: {sum(map(len, seqs))} tokens")
-                t = time.perf_counter()
-                scores[b] = lease.call(req, lambda: host.score(seqs, spec.top_k, gather, None, "right", full))
-            timing[f"{b}_score_s"] = round(time.perf_counter() - t, 3)
-    finally:
-        fullvocab.remove(folder)
-    kl_full = (f"exact, every position{f' (from vLLM’s {via} model runner)' if via else ''}" if why_not is None
-               else f"not computed: {why_not}")
-    infos["vllm"] = {**(infos.get("vllm") or {}), "kl_full": kl_full}
-    ctx.emit("compare", dtype, "metrics")
-    results = tuple(SequenceResult.build(t, h, v, p.decode) for t, h, v in zip(p.toks, scores["hf"], scores["vllm"]))
-    summary = summarize(concat([r.metrics for r in results]))
     mml = p.max_model_len
-    rid = run_id_for(spec, p.model, dtype, p.device, p.toks, mml)
+    rid = run_id_for_ids(spec, p.model, dtype, p.device, p.texts, seqs, mml)
+    batches = plan_batches([len(s) for s in seqs], p.model.vocab_size, p.device)
+    many = len(batches) > 1
+    if not use_cache:
+        store.drop_partial(rid)
+    infos: dict[str, Any] = {}
+    timing: dict[str, float] = {"vllm_load_s": 0.0, "hf_load_s": 0.0, "vllm_score_s": 0.0, "hf_score_s": 0.0}
+    kl_why: dict[str, int] = {}  # why the exact KL is missing -> how many batches
+    via: set[str] = set()
+    seq_infos: list[Any] = []
+    tables: list[Any] = []  # the one batch's table when there is one batch
+    metrics = None
+    total = sum(len(s) - 1 for s in seqs)
+    done = computed = reused = 0
+    t_compute = 0.0
+    for b, (lo, hi) in enumerate(batches):
+        batch = seqs[lo:hi]
+        n_pos = sum(len(x) - 1 for x in batch)
+        digest = content_hash([list(x) for x in batch], 16)
+        old = store.part_info(rid, b) if many else None
+        if old is not None and (old.get("lo"), old.get("hi"), old.get("ids")) == (lo, hi, digest):
+            seq_infos.extend(SequenceInfo.from_dict(x) for x in old["sequences"])
+            infos = infos or old.get("engines", {})
+            for why, k in (old.get("kl_why") or {}).items():
+                kl_why[why] = kl_why.get(why, 0) + k
+            via.update(old.get("via") or [])
+            done += n_pos
+            reused += 1
+            continue
+        t_b = time.perf_counter()
+        scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, len(batches))
+        infos = infos or info_b["engines"]
+        for k in ("vllm_load_s", "hf_load_s", "vllm_score_s", "hf_score_s"):
+            timing[k] += info_b["timing"][k]
+        if why_b:
+            kl_why[why_b] = kl_why.get(why_b, 0) + 1
+        via.update(via_b)
+        table, part_infos, m = batch_table([p.tokenized(i) for i in range(lo, hi)], scores["hf"], scores["vllm"], p.decode_many, lo)
+        seq_infos.extend(part_infos)
+        if many:
+            store.save_part(rid, b, table, {"lo": lo, "hi": hi, "ids": digest, "sequences": [asdict(x) for x in part_infos],
+                                            "engines": info_b["engines"], "kl_why": {why_b: 1} if why_b else {}, "via": sorted(via_b)})
+        else:
+            tables, metrics = [table], m
+        done += n_pos
+        computed += n_pos
+        t_compute += time.perf_counter() - t_b
+        ctx.on_progress(dtype, done, total)
+        if many:
+            rate = computed / t_compute if t_compute else 0.0
+            left = f", {_words_left((total - done) / rate)}" if rate and done < total else ""
+            ctx.emit("batch", dtype, f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s{left}"
+                     + (f" ({reused} batch(es) were already in the store)" if reused else ""))
+    if reused:
+        ctx.emit("cache", dtype, f"{reused} of {len(batches)} batches came from the store (an earlier run of this request "
+                 f"stopped before it finished); {len(batches) - reused} computed now")
+    ctx.emit("compare", dtype, "metrics over every position")
+    if many:
+        metrics = concat([metrics_of(store.part_table(rid, b, list(METRIC_COLUMNS))) for b in range(len(batches))])
+    summary = summarize(metrics)
+    if kl_why:
+        kl_full = "not computed: " + "; ".join(f"{why}" + (f" ({k} of {len(batches)} batches)" if many else "") for why, k in kl_why.items())
+    else:
+        runner = next(iter(via)) if len(via) == 1 else None
+        kl_full = f"exact, every position{f' (from vLLM’s {runner} model runner)' if runner else ''}"
+    infos = {**infos, "vllm": {**(infos.get("vllm") or {}), "kl_full": kl_full,
+                               "kl_transport": fullvocab.TRANSPORT_WORDS[fullvocab.transport(p.device)]}}
     now = dt.datetime.now(dt.timezone.utc)
     v = versions()
     meta = RunMeta(
@@ -178,9 +253,57 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> 
         bos=spec.bos,
         device=p.device,
         env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
-                   vllm_dist=v["vllm_dist"], hf_engine=infos["hf"], vllm_engine=infos["vllm"]),
-        timing={**timing, "total_s": round(time.perf_counter() - t0, 3)},
+                   vllm_dist=v["vllm_dist"], hf_engine=infos.get("hf") or {}, vllm_engine=infos["vllm"]),
+        timing={**{k: round(x, 3) for k, x in timing.items()}, "batches": len(batches), "batches_from_store": reused,
+                "total_s": round(time.perf_counter() - t0, 3)},
         summary=summary,
-        sequences=tuple(SequenceInfo(r.text, r.bos_added, len(r.token_ids), r.summary, tk.cut_from) for r, tk in zip(results, p.toks)),
+        sequences=tuple(seq_infos),
     )
-    return Run(meta=meta, sequences=results)
+    parts = tables if not many else (store.part_table(rid, b) for b in range(len(batches)))
+    store.write_run(meta, parts, request_key=request_key)
+    store.drop_partial(rid)
+    return Run(meta=meta, sequences=StoredSequences(store.path_of(rid), meta.sequences))
+
+
+def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], b: int,
+                 n_batches: int) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
+    """Both engines on one batch, on one device turn, with the exact KL by this device's transport:
+    (scores per backend, {"engines", "timing"}, why the KL is missing or None, the vLLM runner)."""
+    ctx, spec = p.ctx, p.spec
+    vreq, hreq = requests  # BACKEND_ORDER
+    timing: dict[str, float] = {}
+    engines: dict[str, Any] = {}
+    hosts = {}
+    for req in requests:
+        if b == 0:
+            ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
+                     f"{req.backend}: starting the engine ({start_words(p.device)}; it stays warm for the next run)")
+        t = time.perf_counter()
+        hosts[req.backend] = lease.host(req)
+        engines[req.backend] = hosts[req.backend].info
+        timing[f"{req.backend}_load_s"] = time.perf_counter() - t
+    vhost, hhost = hosts["vllm"], hosts["hf"]
+    n_tok = sum(map(len, seqs))
+    where = f" (batch {b + 1} of {n_batches})" if n_batches > 1 else ""
+    ex = fullvocab.Exchange(sum(len(s) - 1 for s in seqs), p.model.vocab_size, p.device)
+    scores: dict[str, list[Any]] = {}
+    try:
+        with ctx.pool.device_turn(ctx.waiter(dtype), what="scoring"):
+            ctx.emit("score", dtype, f"vllm: {n_tok:,} tokens{where}")
+            t = time.perf_counter()
+            scores["vllm"] = lease.call(vreq, lambda: vhost.score(seqs, spec.top_k, None, None, "right", ex.vllm_target))
+            ex.after_vllm(vhost)
+            timing["vllm_score_s"] = time.perf_counter() - t
+            gather = [s.topk_ids for s in scores["vllm"]]  # HF gathers its own values on vLLM's top-k ids
+            ctx.emit("score", dtype, f"hf: {n_tok:,} tokens{where}")
+            t = time.perf_counter()
+            scores["hf"] = lease.call(hreq, lambda: hhost.score(seqs, spec.top_k, gather, None, "right", ex.hf_source))
+            timing["hf_score_s"] = time.perf_counter() - t
+    finally:
+        ex.close(vhost)
+    return scores, {"engines": engines, "timing": timing}, ex.why, {ex.runner} if ex.runner else set()
+
+
+def start_words(device: str) -> str:
+    """What an engine's start takes on this kind of device, in words."""
+    return "on a GPU about 30-90 s" if device.startswith("cuda") else "on a CPU about 20-60 s"

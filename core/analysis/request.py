@@ -22,16 +22,23 @@ from core.env import dtype_support, resolve_device
 from core.errors import UserError
 from core.inputs.models import ResolvedModel, resolve_model
 from core.inputs.spec import RunSpec
-from core.inputs.tokens import TokenizedText, load_tokenizer, tokenize
+from core.inputs.tokens import TokenizedText, batch_decoder, describe, encode_texts, load_tokenizer
 from core.inputs.tokens import truncate as truncate_tokens
 from core.results.store import Store
 
 # on_event(stage, dtype or None, detail): stages are resolve, cache, tokenize, queue, load, score,
 # compare, store, and each diagnostic's name.
 EventFn = Callable[[str, "str | None", str], None]
+# on_progress(dtype, tokens done, tokens in all): the numbers behind a long job's "batch" events, for
+# a progress bar (the words go to on_event).
+ProgressFn = Callable[["str | None", int, int], None]
 
 
 def _noop(stage: str, dtype: str | None, detail: str) -> None:
+    pass
+
+
+def _no_progress(dtype: str | None, done: int, total: int) -> None:
     pass
 
 
@@ -48,6 +55,7 @@ class Context:
     model_roots: list[str] | None = None
     on_event: EventFn = _noop
     pool: EnginePool = POOL
+    on_progress: ProgressFn = _no_progress
 
     def emit(self, stage: str, dtype: str | None, detail: str) -> None:
         self.on_event(stage, dtype, detail)
@@ -58,8 +66,9 @@ class Context:
 
     @classmethod
     def of(cls, store: Store | None = None, on_event: EventFn | None = None, model_roots: list[str] | None = None,
-           pool: EnginePool | None = None) -> "Context":
-        return cls(store=store or Store(), model_roots=model_roots, on_event=on_event or _noop, pool=pool or POOL)
+           pool: EnginePool | None = None, on_progress: ProgressFn | None = None) -> "Context":
+        return cls(store=store or Store(), model_roots=model_roots, on_event=on_event or _noop, pool=pool or POOL,
+                   on_progress=on_progress or _no_progress)
 
 
 def model_max_len(longest: int, max_positions: int | None) -> int:
@@ -71,25 +80,29 @@ def model_max_len(longest: int, max_positions: int | None) -> int:
     return min(n, max_positions) if max_positions else n
 
 
-def check_lengths(toks: list[TokenizedText], model: ResolvedModel, top_k: int, truncate: bool = False) -> list[TokenizedText]:
-    """Refuse (or, with truncate, cut) prompts longer than the model's positions allow: vLLM keeps
-    one position for the token it must generate, so a prompt may use all but one."""
+def length_limit(lengths: list[int], model: ResolvedModel, top_k: int, truncate: bool = False) -> int | None:
+    """Refuse prompts longer than the model's positions allow (or, with truncate, return the length
+    to cut them to): vLLM keeps one position for the token it must generate, so a prompt may use
+    all but one. None: nothing to cut."""
     limit = None if model.max_positions is None else model.max_positions - 1
-    out = []
-    for i, t in enumerate(toks):
-        if limit is not None and len(t.token_ids) > limit:
-            if not truncate:
+    vocab = model.vocab_size
+    if limit is not None:
+        for i, n in enumerate(lengths):
+            if n > limit and not truncate:
                 raise UserError(
-                    f"prompt {i + 1} is {len(t.token_ids)} tokens but {model.name} has {model.max_positions} positions "
+                    f"prompt {i + 1} is {n} tokens but {model.name} has {model.max_positions} positions "
                     f"(vLLM keeps one for the token it generates). Shorten it, or tick 'Truncate prompts longer than the "
                     f"model's positions' (on the command line: --truncate) to keep its first {limit} tokens"
                 )
-            t = truncate_tokens(t, limit)
-        out.append(t)
-    vocab = model.vocab_size
     if vocab is not None and top_k > vocab:
         raise UserError(f"top-k {top_k} is above the vocabulary size {vocab}")
-    return out
+    return limit if limit is not None and any(n > limit for n in lengths) else None
+
+
+def check_lengths(toks: list[TokenizedText], model: ResolvedModel, top_k: int, truncate: bool = False) -> list[TokenizedText]:
+    """`length_limit` on tokenized texts: each one as it is, or cut to the limit."""
+    limit = length_limit([len(t.token_ids) for t in toks], model, top_k, truncate)
+    return [truncate_tokens(t, limit) if limit is not None else t for t in toks]
 
 
 class Prepared:
@@ -104,17 +117,41 @@ class Prepared:
         return load_tokenizer(self.model.path, self.spec.settings.trust_remote_code)
 
     @cached_property
-    def toks(self) -> list[TokenizedText]:
+    def _encoded(self) -> tuple[list[list[int]], bool, int | None]:
+        """(every text's ids as scored, whether a BOS was prepended, the length they were cut to or
+        None): one batch call of the tokenizer, so a 10,000-prompt set tokenizes in seconds and bad
+        input fails before any engine starts."""
         s = self.spec
-        return check_lengths([tokenize(self.tokenizer, text, s.bos) for text in s.texts], self.model, s.top_k, s.truncate)
+        ids, bos_added = encode_texts(self.tokenizer, s.texts, s.bos)
+        limit = length_limit([len(x) for x in ids], self.model, s.top_k, s.truncate)
+        return ids, bos_added, limit
 
-    @property
+    @cached_property
     def seqs(self) -> list[list[int]]:
-        return [list(t.token_ids) for t in self.toks]
+        """The token ids every engine scores, one list a text (cut where `truncate` cuts)."""
+        ids, _, limit = self._encoded
+        return ids if limit is None else [x[:limit] for x in ids]
+
+    def tokenized(self, i: int) -> TokenizedText:
+        """Text i with its token names and pieces (made when needed: a batch at a time for a large set)."""
+        ids, bos_added, limit = self._encoded
+        tok = describe(self.tokenizer, self.spec.texts[i], ids[i], bos_added)
+        return truncate_tokens(tok, limit) if limit is not None else tok
+
+    @cached_property
+    def texts(self) -> list[str]:
+        """Each text as scored: a cut text is what its kept tokens decode to."""
+        ids, _, limit = self._encoded
+        return [self.tokenized(i).text if limit is not None and len(x) > limit else t
+                for i, (t, x) in enumerate(zip(self.spec.texts, ids))]
+
+    @cached_property
+    def toks(self) -> list[TokenizedText]:
+        return [self.tokenized(i) for i in range(len(self.spec.texts))]
 
     @property
     def max_model_len(self) -> int:
-        return model_max_len(max(len(t.token_ids) for t in self.toks), self.model.max_positions)
+        return model_max_len(max(len(x) for x in self.seqs), self.model.max_positions)
 
     @cached_property
     def decode(self) -> Callable[[int], str]:
@@ -129,6 +166,11 @@ class Prepared:
 
         return decode
 
+    @cached_property
+    def decode_many(self) -> Callable[[list[list[int]]], list[str]]:
+        """Many id lists -> their texts in one call (core.inputs.tokens.batch_decoder)."""
+        return batch_decoder(self.tokenizer)
+
     def load(self, backend: str, dtype: str, settings: Any = None, device: str | None = None) -> LoadRequest:
         """The engine for one backend and dtype (settings and device default to the request's)."""
         return LoadRequest(backend, self.model.path, dtype, device or self.device, settings or self.spec.settings,
@@ -137,7 +179,7 @@ class Prepared:
 
 def prepare(spec: RunSpec, ctx: Context) -> Prepared:
     """Validate, resolve the model within ctx.model_roots, choose the device and parallel plan.
-    Tokenizing happens on first use of `.toks`, so a request answered from the store never loads a
+    Tokenizing happens on first use of `.seqs` or `.toks`, so a request answered from the store never loads a
     tokenizer."""
     spec.validate()
     device = resolve_device(spec.device)

@@ -17,27 +17,46 @@ vLLM has two model runners, and each computes prompt logprobs in its own place:
   takes the top k from each chunk of logits. There the wrapper wraps the chunk's `logits_fn` and
   takes the float32 log_softmax of each chunk's rows, mapped to requests by the input batch.
 Where a vLLM build computes prompt logprobs elsewhere, nothing is captured and the run says why.
+
+Two ways for the rows to reach the HF host (`Exchange`), per batch of sequences:
+- files (the CPU default): one `.npy` a sequence on /dev/shm, memory-mapped by the HF host;
+- tensors (the GPU default): the rows stay on the GPU in the vLLM host, which shares them with the
+  HF host through CUDA IPC (torch's tensor sharing between processes); the KL is summed on the GPU
+  and only one number a position crosses to the host. No byte cap applies there: a batch holds as
+  many positions as `LPP_GPU_ROWS_BYTES` allows (at least one sequence). On a CPU the same path
+  shares the rows through shared-memory files (torch's file_system strategy), which is how the CPU
+  tests check it against the files path (`LPP_FULL_KL_TRANSPORT=tensors`).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-# Above this many bytes of float32 [positions, vocab] a run skips the exact KL (it says so).
+# Above this many bytes of float32 [positions, vocab] a batch of the files path skips the exact KL
+# (it says so); comparisons plan their batches to stay below it.
 MAX_BYTES = int(os.environ.get("LPP_FULL_KL_MAX_BYTES", str(4 << 30)))
+TRANSPORT_ENV = "LPP_FULL_KL_TRANSPORT"  # auto (tensors on a GPU, files on a CPU), files or tensors
+GPU_ROWS_ENV = "LPP_GPU_ROWS_BYTES"  # rows a batch may keep on the GPU; default 15% of the card
+TRANSPORT_WORDS = {"files": "files on shared memory, read by the HF host",
+                   "tensors": "tensors shared with the HF host (CUDA IPC on a GPU), summed on the device"}
 ERROR_FILE = "error.txt"
 RUNNER_FILE = "runner.txt"  # which vLLM model runner's path the rows came from: "v1" or "v2"
 PREFIX = "lpp-fullvocab-"  # then the creating process's pid
 
-# Per vLLM host process: where the wrapper writes while a capture is on.
-_STATE: dict[str, Any] = {"dir": None, "files": {}, "error": None, "runner": None}
+# Per vLLM host process: where the wrapper writes while a capture is on ("dir" for files, "token"
+# for tensors), and the tensors kept for the HF host until it has read them.
+_STATE: dict[str, Any] = {"dir": None, "token": None, "files": {}, "error": None, "runner": None}
+_KEPT: dict[str, list[Any]] = {}
+_KEPT_ERROR: dict[str, str] = {}
 
 
 def new_folder(need_bytes: int = 0) -> str | None:
@@ -123,7 +142,7 @@ def install(worker: Any) -> str:
     original = sampler.gather_logprobs
 
     def gather_logprobs(logprobs: Any, num_logprobs: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        if _STATE["dir"] is not None:
+        if _capturing():
             _capture(sys._getframe(1).f_locals, logprobs)
         return original(logprobs, num_logprobs, token_ids, *args, **kwargs)
 
@@ -140,7 +159,7 @@ def _install_v2(worker: Any) -> str:
 
     def compute_prompt_logprobs(logits_fn: Any, hidden_states: Any, input_batch: Any, all_token_ids: Any,
                                 num_computed_tokens: Any, prompt_lens: Any, *args: Any, **kwargs: Any) -> Any:
-        if _STATE["dir"] is not None:
+        if _capturing():
             try:
                 logits_fn = _capturing_v2(worker, logits_fn, input_batch, all_token_ids, prompt_lens)
             except Exception as exc:  # a vLLM whose input batch has other fields: say so, score on
@@ -175,7 +194,7 @@ def _capturing_v2(worker: Any, logits_fn: Any, batch: Any, all_token_ids: Any, p
             continue
         if req_id not in files:
             ids = tuple(int(x) for x in all_token_ids[int(idx[i]), : int(lens[i])].tolist())
-            files[req_id] = (ids, Path(_STATE["dir"]) / f"req-{len(files)}.npy", None)
+            files[req_id] = (ids, _new_path(len(files)), None)
         plan.append((int(starts[i]), int(starts[i]) + n_rows, int(done[i]), req_id))
     offset = [0]
 
@@ -189,18 +208,47 @@ def _capturing_v2(worker: Any, logits_fn: Any, batch: Any, all_token_ids: Any, p
             if x >= y:
                 continue
             if rows is None:
-                rows = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
-            _rows_into(req_id, rows.shape[-1])[pos + x - a : pos + y - a] = rows[x - lo : y - lo]
+                rows = torch.log_softmax(logits.float(), dim=-1)
+                rows = rows if _STATE["token"] is not None else rows.cpu().numpy()
+            _store_rows(req_id, rows[x - lo : y - lo], pos + x - a, rows.shape[-1], rows)
         return logits
 
     return capturing
 
 
-def _rows_into(req_id: str, vocab: int) -> np.ndarray:
-    """The request's memory-mapped file, made on its first rows (the vocabulary width is known then)."""
+def _capturing() -> bool:
+    return _STATE["dir"] is not None or _STATE["token"] is not None
+
+
+def _new_path(n: int) -> Path | None:
+    return Path(_STATE["dir"]) / f"req-{n}.npy" if _STATE["dir"] is not None else None
+
+
+def _store_rows(req_id: str, rows: Any, at: int, vocab: int, like: Any) -> None:
+    """Rows (a numpy array for files, a tensor for tensors) into the request's array at row `at`."""
+    arr = _rows_into(req_id, vocab, like)
+    if arr is not None:
+        arr[at : at + rows.shape[0]] = rows
+
+
+def _rows_into(req_id: str, vocab: int, like: Any = None) -> Any:
+    """The request's rows, made on its first rows (the vocabulary width is known then): a memory-
+    mapped file, or a float32 tensor on the device of `like` (the logits'). A tensor that does not fit
+    in memory marks the capture failed, with how much it needed, and scoring goes on."""
     ids, path, arr = _STATE["files"][req_id]
     if arr is None:
-        arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(len(ids) - 1, vocab))
+        shape = (len(ids) - 1, vocab)
+        if path is not None:
+            arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+        else:
+            import torch
+
+            try:
+                arr = torch.empty(shape, dtype=torch.float32, device=like.device)
+            except torch.OutOfMemoryError:
+                _STATE["error"] = (f"no room on {like.device} for {shape[0]} x {shape[1]} float32 rows "
+                                   f"({4 * shape[0] * shape[1] / 2**30:.1f} GiB); lower {GPU_ROWS_ENV}")
+                return None
         _STATE["files"][req_id] = (ids, path, arr)
     return arr
 
@@ -213,27 +261,117 @@ def _capture(caller: dict[str, Any], logprobs: Any) -> None:
     files = _STATE["files"]
     if req_id not in files:
         ids = tuple(int(x) for x in request.prompt_token_ids)
-        files[req_id] = (ids, Path(_STATE["dir"]) / f"req-{len(files)}.npy", None)
-    rows = logprobs.float().cpu().numpy()
-    _rows_into(req_id, rows.shape[-1])[start : start + rows.shape[0]] = rows
+        files[req_id] = (ids, _new_path(len(files)), None)
+    rows = logprobs.float()
+    _store_rows(req_id, rows if _STATE["token"] is not None else rows.cpu().numpy(), start, rows.shape[-1], rows)
 
 
-def begin(folder: str) -> None:
-    _STATE.update(dir=folder, files={}, error=None)
+def begin(target: Any) -> None:
+    """Start capturing: `target` is a folder (files) or {"tensors": token} (tensors)."""
+    if isinstance(target, dict):
+        _STATE.update(dir=None, token=target["tensors"], files={}, error=None)
+    else:
+        _STATE.update(dir=target, token=None, files={}, error=None)
+
+
+def end(target: Any, sequences: list[list[int]]) -> None:
+    """Stop capturing, for either kind of target (see `finish` and `keep`)."""
+    if isinstance(target, dict):
+        keep(target["tensors"], sequences)
+    else:
+        finish(target, sequences)
+
+
+def keep(token: str, sequences: list[list[int]]) -> None:
+    """Stop capturing into tensors; keep each sequence's rows, in order, until `release(token)`."""
+    found, error = _by_ids(), _STATE["error"]
+    _STATE.update(token=None, files={}, error=None)
+    kept = []
+    if error is None:
+        for i, seq in enumerate(sequences):
+            arrs = found.get(tuple(seq))
+            if not arrs:
+                error = f"vLLM's full logprobs of sequence {i} were not captured"
+                break
+            kept.append(arrs.pop(0))
+    if error is None:
+        _KEPT[token] = kept
+    else:
+        _KEPT_ERROR[token] = error
+
+
+def share(token: str) -> dict[str, Any]:
+    """{"handles": [one per sequence]} for another process to open the kept tensors (`open_rows`),
+    {"error": why} when there are none, and the model runner they came from.
+
+    A handle is plain data, so it crosses the pool's process untouched: on a GPU, torch's CUDA IPC
+    handle (`reduce_tensor`: the memory stays on the card, the reader maps it); on a CPU, the name of
+    the shared-memory file torch moved the rows into (a file descriptor would not cross our socket)."""
+    if token not in _KEPT:
+        return {"error": _KEPT_ERROR.pop(token, "vLLM left no full logprobs for this batch"), "runner": _STATE["runner"]}
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles = []
+    for t in _KEPT[token]:
+        if t.is_cuda:
+            handles.append(("cuda", reduce_tensor(t)))
+        else:
+            manager, name, size = t.untyped_storage()._share_filename_cpu_()
+            handles.append(("cpu", (manager, name, size, t.storage_offset(), tuple(t.shape), tuple(t.stride()))))
+    return {"handles": handles, "runner": _STATE["runner"]}
+
+
+def release(token: str) -> None:
+    """Free the kept tensors of a batch once the HF host has read them."""
+    tensors = _KEPT.pop(token, None)
+    _KEPT_ERROR.pop(token, None)
+    if tensors and tensors[0].is_cuda:
+        import torch
+
+        del tensors
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+
+
+def open_rows(source: Any) -> list[Any]:
+    """Every sequence's rows from where vLLM left them (`Exchange.hf_source`), in the HF host: a
+    memory map per file, or the tensors behind `share`'s handles (opened, not copied)."""
+    if isinstance(source, dict):
+        import torch
+
+        out = []
+        for kind, data in source["handles"]:
+            if kind == "cuda":
+                rebuild, args = data
+                out.append(rebuild(*args))
+            else:
+                manager, name, size, offset, shape, stride = data
+                storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
+                out.append(torch.empty(0, dtype=torch.float32).set_(storage, offset, shape, stride))
+        return out
+    folder = Path(source)
+    n = sum(1 for p in folder.glob("*.npy") if p.stem.isdigit())
+    return [np.load(path_of(source, i), mmap_mode="r") for i in range(n)]
+
+
+def _by_ids() -> dict[tuple[int, ...], list[Any]]:
+    """The captured arrays of this batch, by the ids of their request (files flushed)."""
+    out: dict[tuple[int, ...], list[Any]] = {}
+    for ids, path, arr in _STATE["files"].values():
+        if arr is None:  # a request none of whose rows came through
+            continue
+        if path is not None:
+            arr.flush()
+        out.setdefault(ids, []).append(path if path is not None else arr)
+    return out
 
 
 def finish(folder: str, sequences: list[list[int]]) -> None:
     """Stop capturing; name each sequence's file by its index (`path_of`), or write why not."""
-    files, error = _STATE["files"], _STATE["error"]
+    by_ids, error = _by_ids(), _STATE["error"]
     _STATE.update(dir=None, files={}, error=None)
     if _STATE["runner"]:
         Path(folder, RUNNER_FILE).write_text(_STATE["runner"])
-    by_ids: dict[tuple[int, ...], list[Path]] = {}
-    for ids, path, arr in files.values():
-        if arr is None:  # a request none of whose rows came through
-            continue
-        arr.flush()
-        by_ids.setdefault(ids, []).append(path)
     if error is None:
         for i, seq in enumerate(sequences):
             found = by_ids.get(tuple(seq))
@@ -266,8 +404,86 @@ def kl_rows(lh: Any, ref: np.ndarray) -> Any:
 
     if tuple(ref.shape) != tuple(lh.shape):  # another vocabulary width: no exact KL, not a failed run
         return torch.full((lh.shape[0],), float("nan"), dtype=torch.float64, device=lh.device)
-    lv = torch.from_numpy(np.ascontiguousarray(ref)).to(lh.device).double()
+    lv = (ref if isinstance(ref, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(ref))).to(lh.device).double()
     lv = lv - torch.logsumexp(lv, dim=-1, keepdim=True)
     l64 = lh.double()
     l64 = l64 - torch.logsumexp(l64, dim=-1, keepdim=True)
     return (l64.exp() * (l64 - lv)).sum(dim=-1)
+
+
+def transport(device: str) -> str:
+    """"tensors" or "files": how vLLM's rows reach the HF host on this device (TRANSPORT_ENV)."""
+    how = os.environ.get(TRANSPORT_ENV, "auto")
+    if how in ("files", "tensors"):
+        return how
+    return "tensors" if device.startswith("cuda") else "files"
+
+
+def batch_bytes(device: str) -> int:
+    """The most bytes of float32 rows one batch keeps for the exact KL on this device."""
+    if transport(device) == "files":
+        return MAX_BYTES
+    if os.environ.get(GPU_ROWS_ENV):
+        return int(os.environ[GPU_ROWS_ENV])
+    if device.startswith("cuda"):
+        from core.engines.memory import gpus
+
+        cards = gpus()
+        if cards:
+            return int(0.15 * min(c["total"] for c in cards))
+    return MAX_BYTES
+
+
+class Exchange:
+    """vLLM's full rows of one batch of sequences on their way to the HF host, by the transport of
+    this device. `vllm_target` goes to the vLLM host's score; `after_vllm` asks it for what the HF
+    host needs (`hf_source`, or `why` there is none); `close` removes or frees the rows."""
+
+    def __init__(self, n_positions: int, vocab: int | None, device: str) -> None:
+        self.kind = transport(device)
+        self.folder: str | None = None
+        self.token: str | None = None
+        self.handles: list[Any] | None = None
+        self.runner: str | None = None
+        self.why: str | None = None if vocab else "the model's vocabulary size is unknown"
+        if self.why:
+            return
+        if self.kind == "files":
+            self.folder, self.why = folder_for(n_positions, vocab)
+        else:
+            self.token = f"{os.getpid()}-{next(_TOKENS)}"
+
+    @property
+    def vllm_target(self) -> Any:
+        if self.why:
+            return None
+        return self.folder if self.kind == "files" else {"tensors": self.token}
+
+    def after_vllm(self, vllm_host: Any) -> None:
+        if self.why:
+            return
+        if self.kind == "files":
+            self.why, self.runner = problem(self.folder), runner(self.folder)  # type: ignore[arg-type]
+            return
+        got = vllm_host.share_rows(self.token)
+        self.runner = got.get("runner")
+        self.handles = got.get("handles")
+        self.why = got.get("error")
+
+    @property
+    def hf_source(self) -> Any:
+        if self.why:
+            return None
+        return self.folder if self.kind == "files" else {"handles": self.handles}
+
+    def close(self, vllm_host: Any = None) -> None:
+        if self.folder:  # freeing gigabytes of shared memory takes a while: not on the request's time
+            threading.Thread(target=remove, args=(self.folder,), name="lpp-fullvocab-remove", daemon=True).start()
+        if self.token and vllm_host is not None:
+            try:
+                vllm_host.release_rows(self.token)
+            except Exception:  # noqa: BLE001 - a host that died has freed its memory with it
+                pass
+
+
+_TOKENS = itertools.count()

@@ -31,7 +31,8 @@ PARENT_ENV = "LPP_HOST_PARENT"  # the pid that started the host; it exits when r
 LOG_TAIL_CHARS = 2000
 # The backend methods a host answers (core.engines.backends.base): score and generate on every
 # backend; sample (vLLM) and rollout_score (HF) for rollouts; write_full (HF) for the frontier.
-BACKEND_OPS = ("score", "generate", "sample", "rollout_score", "write_full")
+# share_rows and release_rows (vLLM) hand the exact KL's full rows to the HF host (core.engines.fullvocab).
+BACKEND_OPS = ("score", "generate", "sample", "rollout_score", "write_full", "share_rows", "release_rows")
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
 # Root causes vLLM's engine core logs but does not raise to the caller, as (pattern, message).
@@ -294,6 +295,12 @@ class HostClient:
                       timeout: float = 3600.0) -> list[dict[str, Any]]:
         return self._request(HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk, full)),
                              "scoring the rollout", timeout)
+
+    def share_rows(self, token: str, timeout: float = 600.0) -> dict[str, Any]:
+        return self._request(HostRequest("share_rows", (token,)), "sharing full logprobs", timeout)
+
+    def release_rows(self, token: str, timeout: float = 600.0) -> None:
+        return self._request(HostRequest("release_rows", (token,)), "freeing full logprobs", timeout)
 
     def write_full(self, sequences: list[list[int]], folder: str, timeout: float = 3600.0) -> int:
         return self._request(HostRequest("write_full", (sequences, folder)), "writing full logprobs", timeout)

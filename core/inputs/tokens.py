@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from core.errors import UserError
-
-# Incremental decoding is quadratic; past this many tokens fall back to per-token decoding.
-_INCREMENTAL_DECODE_LIMIT = 4096
 
 
 @dataclass(frozen=True)
@@ -21,7 +19,26 @@ class TokenizedText:
     cut_from: int | None = None  # the token count before `truncate` cut it
 
 
+_TOKENIZERS: dict[tuple[str, bool, float], Any] = {}
+
+
 def load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer, loaded once per folder (and its config's modification time) in this
+    process: loading one takes longer than tokenizing a 64 x 512-token request. Encoding with the
+    same settings and decoding change no state, so one copy serves every request."""
+    import os
+
+    try:
+        stamp = os.stat(os.path.join(model_path, "tokenizer_config.json")).st_mtime
+    except OSError:
+        stamp = -1.0
+    key = (str(model_path), bool(trust_remote_code), stamp)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = _load_tokenizer(model_path, trust_remote_code)
+    return _TOKENIZERS[key]
+
+
+def _load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
     from core.env import from_transformers
 
     AutoTokenizer = from_transformers("AutoTokenizer")
@@ -44,37 +61,112 @@ def tokenizer_adds_bos(tokenizer: Any) -> bool:
     return bos is not None and len(ids) > 0 and ids[0] == bos
 
 
+def encode_texts(tokenizer: Any, texts: list[str] | tuple[str, ...], bos: str = "auto") -> tuple[list[list[int]], bool]:
+    """Every text's ids under the BOS policy (see `tokenize`), encoded in one batch call (the fast
+    tokenizers encode a batch in parallel, in Rust): a 10,000-prompt set costs one call, not 10,000."""
+    bos_id = tokenizer.bos_token_id
+    if bos == "add" and bos_id is None:
+        raise UserError("BOS policy 'add' but this tokenizer has no BOS token; use --bos auto or none")
+    bos_added = bos in ("auto", "add") and bos_id is not None
+    bodies = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+    out = []
+    for text, body in zip(texts, bodies):
+        ids = [int(bos_id)] + [int(i) for i in body] if bos_added else [int(i) for i in body]
+        if len(ids) < 2:
+            raise UserError(
+                f"{text!r} is {len(ids)} token(s) long: nothing to score (position 0 has no prediction); "
+                "use a longer text or --bos add"
+            )
+        out.append(ids)
+    return out, bos_added
+
+
+def describe(tokenizer: Any, text: str, ids: list[int], bos_added: bool) -> TokenizedText:
+    """The display side of one text's ids: the tokenizer's own token names and the pieces."""
+    return TokenizedText(
+        text=text,
+        token_ids=tuple(int(i) for i in ids),
+        tokens=tuple(tokenizer.convert_ids_to_tokens(list(ids))),
+        pieces=tuple(decode_pieces(tokenizer, list(ids))),
+        bos_added=bos_added,
+    )
+
+
 def tokenize(tokenizer: Any, text: str, bos: str = "auto") -> TokenizedText:
     """Encode `text` without special tokens, then apply the BOS policy.
 
     auto: prepend the tokenizer's BOS when it has one (whether or not its own call would add it, the
     ids are the same); add: the same but an error when it has none; none: never prepend.
     """
-    body = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    bos_id = tokenizer.bos_token_id
-    if bos == "add" and bos_id is None:
-        raise UserError("BOS policy 'add' but this tokenizer has no BOS token; use --bos auto or none")
-    bos_added = bos in ("auto", "add") and bos_id is not None
-    ids = [bos_id] + body if bos_added else body
-    if len(ids) < 2:
-        raise UserError(
-            f"{text!r} is {len(ids)} token(s) long: nothing to score (position 0 has no prediction); "
-            "use a longer text or --bos add"
-        )
-    return TokenizedText(
-        text=text,
-        token_ids=tuple(int(i) for i in ids),
-        tokens=tuple(tokenizer.convert_ids_to_tokens(ids)),
-        pieces=tuple(decode_pieces(tokenizer, ids)),
-        bos_added=bos_added,
-    )
+    (ids,), bos_added = encode_texts(tokenizer, [text], bos)
+    return describe(tokenizer, text, ids, bos_added)
 
 
-def decode_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
+    """A function decoding many id lists at once, equal to `tokenizer.decode` on each.
+
+    transformers' `decode` spends most of its time converting arguments in Python (it checks every
+    id); the Rust tokenizer behind a fast tokenizer decodes a whole batch in one call. That path is
+    used only when it gives the very strings `decode` gives (checked on the first call's first few
+    items; a tokenizer that cleans up spaces, or a slow tokenizer, keeps `decode`)."""
+    slow = lambda seqs: [tokenizer.decode(list(s)) for s in seqs]  # noqa: E731
+    rust = getattr(tokenizer, "_tokenizer", None)
+    if rust is None or not hasattr(rust, "decode_batch"):
+        return slow
+    state: dict[str, bool] = {}
+
+    def decode(seqs: list[list[int]]) -> list[str]:
+        seqs = [[int(i) for i in s] for s in seqs]
+        fast = rust.decode_batch(seqs, skip_special_tokens=False)
+        if "ok" not in state:
+            probe = [s for s in seqs[:16] if s]
+            state["ok"] = slow(probe) == [f for s, f in zip(seqs[:16], fast) if s]
+        return fast if state["ok"] else slow(seqs)
+
+    return decode
+
+
+def decode_pieces(tokenizer: Any, ids: list[int], window: int = 8) -> list[str]:
     """The text each token contributes, so joined pieces rebuild the decoded text faithfully
-    (spaces, newlines and multi-byte characters split across byte-level tokens)."""
-    if len(ids) > _INCREMENTAL_DECODE_LIMIT:
-        return [tokenizer.decode([i]) for i in ids]
+    (spaces, newlines and multi-byte characters split across byte-level tokens): token t's piece is
+    what it adds to the `window` tokens before it, all decoded in one batch call (linear time).
+    A token that ends inside a multi-byte character adds "" and the token that completes it adds
+    the character. If the pieces do not join to the whole text (an unusual tokenizer), every
+    prefix is decoded instead (`exact_pieces`)."""
+    ids = [int(i) for i in ids]
+    n = len(ids)
+    if n == 0:
+        return []
+    dec = batch_decoder(tokenizer)
+    los = [max(0, t - window) for t in range(n)]
+    texts = dec([ids[lo : t + 1] for t, lo in enumerate(los)] + [ids[lo:t] for t, lo in enumerate(los)] + [ids])
+    now, before, whole = texts[:n], texts[n : 2 * n], texts[-1]
+    pieces: list[str | None] = []
+    first = None  # the first token of a run that ends inside a character, not yet shown
+    for t in range(n):
+        if first is None:
+            b, c = before[t], now[t]
+        else:
+            lo = max(0, first - window)
+            b, c = dec([ids[lo:first], ids[lo : t + 1]])
+        if c.endswith("\ufffd"):
+            pieces.append("")
+            first = t if first is None else first
+            continue
+        pieces.append(c[len(b) :] if c.startswith(b) else None)
+        first = None
+    if None not in pieces:
+        joined = "".join(pieces)  # type: ignore[arg-type]
+        if first is not None and whole.startswith(joined):  # it ends inside a character: shown on the last token
+            pieces[-1] = (pieces[-1] or "") + whole[len(joined) :]
+            joined = whole
+        if joined == whole:
+            return pieces  # type: ignore[return-value]
+    return exact_pieces(tokenizer, ids)
+
+
+def exact_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+    """`decode_pieces` by decoding every prefix (quadratic): the definition the fast one must meet."""
     pieces, prev = [], ""
     for n in range(1, len(ids) + 1):
         cur = tokenizer.decode(ids[:n])
@@ -103,31 +195,8 @@ def truncate(tok: TokenizedText, limit: int) -> TokenizedText:
     )
 
 
-def decode_tail_pieces(tokenizer: Any, ids: list[int], start: int, window: int = 8) -> list[str]:
-    """The pieces of ids[start:] (a completion after its prompt) in linear time: each token's text is
-    read from a window of the `window` tokens before it, so a long rollout does not decode every
-    prefix. A token that ends inside a multi-byte character adds "" and the token that completes it
-    adds the character. Checked against decoding the whole: if the pieces do not join to the
-    completion's text (an unusual tokenizer), the exact quadratic `decode_pieces` is used instead."""
-    pieces: list[str | None] = []
-    first = None  # the first token of a run that ends inside a character, not yet shown
-    for t in range(start, len(ids)):
-        since = t if first is None else first
-        lo = max(0, since - window)
-        before, now = tokenizer.decode(ids[lo:since]), tokenizer.decode(ids[lo : t + 1])
-        if now.endswith("\ufffd"):
-            pieces.append("")
-            first = since
-            continue
-        pieces.append(now[len(before) :] if now.startswith(before) else None)
-        first = None
-    whole, head = tokenizer.decode(ids), tokenizer.decode(ids[:start])
-    tail = whole[len(head) :]
-    if None not in pieces and pieces and whole.startswith(head):
-        joined = "".join(pieces)  # type: ignore[arg-type]
-        if first is not None and tail.startswith(joined):  # it ends inside a character: as decode_pieces shows it
-            pieces[-1] = (pieces[-1] or "") + tail[len(joined) :]
-            joined = tail
-        if joined == tail:
-            return pieces  # type: ignore[return-value]
+def decode_tail_pieces(tokenizer: Any, ids: list[int], start: int) -> list[str]:
+    """The pieces of ids[start:] (a completion after its prompt): `decode_pieces` is linear, so a long
+    rollout does not decode every prefix, and a character split across the prompt's end is shown
+    on the completion token that completes it, as in the whole text's pieces."""
     return decode_pieces(tokenizer, ids)[start:]

@@ -12,19 +12,34 @@ from core.results.run import Run
 FLOOR = 1e-10  # |Δ| of exactly 0 drawn here on log axes
 
 
-def chart_frame(runs: list[Run], seq_index: int | None = None) -> pd.DataFrame:
-    """Scored positions of the runs (one sequence, or all), with a dtype column."""
-    frames = []
+COLUMNS = ["seq", "index", "token_id", "piece", "hf_logprob", "vllm_logprob", "delta", "abs_delta", "hf_prob", "prob_delta",
+           "kl_topk"]
+# A chart of every position of a large prompt set would be millions of marks: past this many rows a
+# run's chart shows its largest gaps and an even sample of the rest (thinned() says how many).
+MAX_CHART_ROWS = 20_000
+
+
+def chart_frame(runs: list[Run], seq_index: int | None = None, max_rows: int | None = MAX_CHART_ROWS) -> pd.DataFrame:
+    """Scored positions of the runs (one sequence, or all), with a dtype column. Over all sequences
+    only the scalar columns are read (never the top-k lists), and a run past max_rows keeps its
+    max_rows // 10 largest gaps plus an even sample of the rest (attrs["thinned"] counts them)."""
+    frames, thinned = [], {}
     for r in runs:
-        df = r.to_frame()
         if seq_index is not None:
-            df = df[df["seq"] == seq_index]
+            df = r.sequences[seq_index].to_frame().assign(seq=seq_index)
+        else:
+            df = r.column_frame([c for c in COLUMNS if c != "seq"] + ["scored"])
         df = df[df["scored"]]
-        frames.append(
-            df[["seq", "index", "token_id", "piece", "hf_logprob", "vllm_logprob", "delta", "abs_delta", "hf_prob", "prob_delta", "kl_topk"]]
-            .assign(dtype=r.dtype, abs_delta_plot=lambda d: d["abs_delta"].clip(lower=FLOOR))
-        )
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        if max_rows is not None and len(df) > max_rows:
+            worst = df.nlargest(max_rows // 10, "abs_delta")
+            rest = df.drop(worst.index)
+            step = max(1, len(rest) // (max_rows - len(worst)))
+            thinned[r.dtype] = len(df)
+            df = pd.concat([worst, rest.iloc[::step]]).sort_index()
+        frames.append(df[COLUMNS].assign(dtype=r.dtype, abs_delta_plot=lambda d: d["abs_delta"].clip(lower=FLOOR)))
+    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    out.attrs["thinned"] = thinned
+    return out
 
 
 def _tooltip() -> list[Any]:
@@ -118,7 +133,22 @@ CHARTS = {"histogram": histogram, "scatter": scatter, "by_position": by_position
 
 
 def worst_tokens(runs: list[Run], n: int = 20, seq_index: int | None = None) -> pd.DataFrame:
-    df = chart_frame(runs, seq_index)
+    """The n largest gaps of one sequence, or of every sequence (found from the gap column alone,
+    then only those positions read in full)."""
+    if seq_index is None:
+        rows = []
+        for r in runs:
+            f = r.column_frame(["index", "abs_delta", "scored"])
+            for seq, index in f[f["scored"]].nlargest(n, "abs_delta")[["seq", "index"]].itertuples(index=False):
+                s = r.sequences[int(seq)]
+                m = s.metrics
+                rows.append({"seq": int(seq), "index": int(index), "token_id": s.token_ids[index], "piece": s.pieces[index],
+                             "hf_logprob": s.hf.logprob[index], "vllm_logprob": s.vllm.logprob[index], "delta": m.delta[index],
+                             "abs_delta": m.abs_delta[index], "hf_prob": m.hf_prob[index], "prob_delta": m.prob_delta[index],
+                             "kl_topk": m.kl_topk[index], "dtype": r.dtype})
+        df = pd.DataFrame(rows, columns=[*COLUMNS, "dtype"])
+    else:
+        df = chart_frame(runs, seq_index, max_rows=None)
     if df.empty:
         return df
     cols = ["dtype", "seq", "index", "piece", "token_id", "hf_logprob", "vllm_logprob", "delta", "abs_delta", "prob_delta", "kl_topk"]

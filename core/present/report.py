@@ -125,7 +125,11 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
 
     df = chart_frame(runs)
     if not df.empty:
-        parts.append("<h2>Charts</h2><div class='charts'>")
+        parts.append("<h2>Charts</h2>")
+        for d, n_all in df.attrs.get("thinned", {}).items():
+            parts.append(f"<p>{_e(d)}: {n_all:,} positions; the charts draw the largest gaps and an even sample of the rest "
+                         f"({int((df['dtype'] == d).sum()):,} points).</p>")
+        parts.append("<div class='charts'>")
         parts.extend(f"<div>{_svg(make(df).properties(width=480, height=260))}</div>" for make in CHARTS.values())
         parts.append("</div>")
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,12 @@ def table_columns(table: Any) -> dict[str, Any]:
             width = len(flat) // n if n else 0
             if width * n != len(flat):
                 raise ValueError(f"column {name} has rows of different lengths")
-            values = np.asarray(flat.to_pylist(), dtype=object) if name.endswith("_text") else flat.to_numpy(zero_copy_only=False)
+            if name.endswith("_text"):  # each distinct string made once, then indexed
+                enc = flat.dictionary_encode() if not hasattr(flat, "dictionary") else flat
+                values = np.asarray(enc.dictionary.to_pylist(), dtype=object)[enc.indices.to_numpy(zero_copy_only=False)] \
+                    if len(enc) else np.asarray([], dtype=object)
+            else:
+                values = flat.to_numpy(zero_copy_only=False)
             cols[name] = values.reshape(n, width)
         elif name in ("token", "piece"):
             cols[name] = np.asarray(col.to_pylist(), dtype=object)
@@ -183,12 +189,72 @@ def _topk(sc: TokenScores, t: int) -> list[list[Any]]:
     return [[int(i), float(lp)] for i, lp in zip(sc.topk_ids[t], sc.topk_logprobs[t]) if i >= 0]
 
 
+class StoredSequences(Sequence):
+    """A stored run's sequences, read from its Parquet file when first asked for, a few row groups at
+    a time: opening one prompt of a 10,000-prompt run reads the row group that holds it, not the run.
+
+    Rows are stored in sequence order, sequence i holding meta.sequences[i].n_positions rows."""
+
+    CACHED_GROUPS = 4
+
+    def __init__(self, path: Any, infos: tuple[Any, ...]) -> None:
+        import threading
+
+        self._path = path
+        self._infos = infos
+        self._starts = np.concatenate([[0], np.cumsum([s.n_positions for s in infos])]).astype(np.int64)
+        self._file: Any = None
+        self._group_starts: np.ndarray | None = None
+        self._groups: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        lo, hi = int(self._starts[i]), int(self._starts[i + 1])
+        cols = self.rows(lo, hi)
+        return SequenceResult.from_columns(cols, slice(0, hi - lo), self._infos[i])
+
+    def rows(self, lo: int, hi: int, columns: list[str] | None = None) -> dict[str, Any]:
+        """Rows [lo, hi) of the file as numpy columns (see `table_columns`)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        with self._lock:
+            if self._file is None:
+                self._file = pq.ParquetFile(self._path)
+                md = self._file.metadata
+                self._group_starts = np.concatenate([[0], np.cumsum([md.row_group(g).num_rows for g in range(md.num_row_groups)])])
+            gs = self._group_starts
+            first = int(np.searchsorted(gs, lo, side="right") - 1)
+            last = int(np.searchsorted(gs, max(hi - 1, lo), side="right") - 1)
+            parts = []
+            for g in range(first, last + 1):
+                if columns is not None:
+                    parts.append(self._file.read_row_group(g, columns=columns))
+                    continue
+                if g not in self._groups:
+                    if len(self._groups) >= self.CACHED_GROUPS:
+                        self._groups.pop(next(iter(self._groups)))
+                    self._groups[g] = self._file.read_row_group(g)
+                parts.append(self._groups[g])
+            table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+            return table_columns(table.slice(lo - int(gs[first]), hi - lo))
+
+
 @dataclass(frozen=True, eq=False)
 class Run:
     """One model × one dtype × a list of texts. `meta` holds everything but per-position data."""
 
     meta: RunMeta
-    sequences: tuple[SequenceResult, ...]
+    sequences: Sequence[SequenceResult]  # a tuple, or StoredSequences read on demand
     from_store: bool = field(default=False, compare=False)
 
     @property
@@ -205,12 +271,58 @@ class Run:
 
     def to_frame(self) -> pd.DataFrame:
         """One row per position of every sequence, with a `seq` column."""
+        if isinstance(self.sequences, StoredSequences):
+            import pyarrow.parquet as pq
+
+            return pq.read_table(self.sequences._path).to_pandas()
         frames = [s.to_frame().assign(seq=i) for i, s in enumerate(self.sequences)]
         df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
         return df[["seq"] + [c for c in df.columns if c != "seq"]]
 
+    def column_frame(self, columns: list[str]) -> pd.DataFrame:
+        """These per-position columns (scalars only) of every sequence, with `seq`: a column read of
+        the stored file for a large run, never its top-k lists."""
+        cols = ["seq"] + [c for c in columns if c != "seq"]
+        if isinstance(self.sequences, StoredSequences):
+            import pyarrow.parquet as pq
+
+            return pq.read_table(self.sequences._path, columns=cols).to_pandas()
+        frames = []
+        for i, s in enumerate(self.sequences):
+            f = s.to_frame()
+            frames.append(f[[c for c in cols if c != "seq"]].assign(seq=i))
+        return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
+
     def to_json_dict(self) -> dict[str, Any]:
         """The `--json` object of DESIGN.md."""
+        return {**self._json_head(), "sequences": [self._sequence_json(s) for s in self.sequences]}
+
+    def write_json(self, f: Any, indent: int | None = 1) -> None:
+        """`to_json_dict` written to the text file `f` a sequence at a time, so a 10,000-prompt run
+        is never one object in memory; the text is what json.dumps of `to_json_dict` gives."""
+        head = json.dumps({**self._json_head(), "sequences": []}, indent=indent, allow_nan=False)
+        cut = head.rindex("[]")
+        f.write(head[:cut] + "[")
+        pad = "" if indent is None else "\n" + " " * (2 * indent)
+        for i, s in enumerate(self.sequences):
+            text = json.dumps(self._sequence_json(s), indent=indent, allow_nan=False)
+            if indent is not None:
+                text = text.replace("\n", pad)
+            f.write(("," if indent is not None else ", ") * bool(i) + pad + text)
+        f.write(("" if indent is None or not len(self.sequences) else "\n" + " " * indent) + "]" + head[cut + 2 :])
+
+    @staticmethod
+    def _sequence_json(s: SequenceResult) -> dict[str, Any]:
+        return {
+            "text": s.text,
+            "token_ids": list(s.token_ids),
+            "tokens": list(s.tokens),
+            "bos_added": s.bos_added,
+            "summary": s.summary,
+            "positions": s.positions_json(),
+        }
+
+    def _json_head(self) -> dict[str, Any]:
         m = self.meta
         return {
             "run_id": m.run_id,
@@ -224,15 +336,4 @@ class Run:
             "created": m.created or None,
             "top_k": m.top_k,
             "bos": m.bos,
-            "sequences": [
-                {
-                    "text": s.text,
-                    "token_ids": list(s.token_ids),
-                    "tokens": list(s.tokens),
-                    "bos_added": s.bos_added,
-                    "summary": s.summary,
-                    "positions": s.positions_json(),
-                }
-                for s in self.sequences
-            ],
         }

@@ -12,7 +12,7 @@ import os
 import sqlite3
 import tempfile
 import time
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import pandas as pd
 from core.errors import UserError
 from core.paths import store_root
 from core.results.records import DiagnosticsResult, RunMeta
-from core.results.run import SCHEMA_VERSION, Run, SequenceResult, table_columns
+from core.results.run import SCHEMA_VERSION, Run, StoredSequences
 
 META_KEY = b"logprob_parity_meta"
 REQUIRED_COLUMNS = {
@@ -77,6 +77,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     sha256 TEXT NOT NULL
 );
 """
+ROW_GROUP = 65536  # positions per Parquet row group of a run: the unit a view reads
 ROLLOUT_COLUMNS = {"sample", "prompt", "position", "token_id", "piece", "decode_raw", "decode_processed", "prefill", "hf",
                    "hf_tempered", "log_kept_mass"}
 
@@ -103,32 +104,115 @@ class Store:
 
     # -- write ---------------------------------------------------------------------------------
     def save(self, run: Run, request_key: str | None = None) -> None:
+        """An in-memory run (its table built through pandas); comparisons write theirs with
+        `write_run`, straight from the engines' arrays."""
         import pyarrow as pa
+
+        self.write_run(run.meta, [pa.Table.from_pandas(run.to_frame(), preserve_index=False)], request_key)
+
+    def write_run(self, meta: RunMeta, tables: Any, request_key: str | None = None) -> None:
+        """One run from its position tables (a list, or an iterator read one at a time: a run of
+        many batches is never held whole), with `meta` in the file; row groups of at most
+        ROW_GROUP rows, so one prompt of a large run is read without the rest."""
         import pyarrow.parquet as pq
 
-        table = pa.Table.from_pandas(run.to_frame(), preserve_index=False)
-        meta = dict(run.meta.to_dict(), schema_version=SCHEMA_VERSION)
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: json.dumps(meta)})
-        digest = _atomic_write(self.path_of(run.run_id), lambda f: pq.write_table(table, f))
-        s = run.summary
+        meta_d = dict(meta.to_dict(), schema_version=SCHEMA_VERSION)
+        blob = json.dumps(meta_d, allow_nan=False)
+
+        def write(f: Any) -> None:
+            writer = None
+            try:
+                for table in tables:
+                    table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: blob})
+                    if writer is None:
+                        writer = pq.ParquetWriter(f, table.schema)
+                    elif table.schema != writer.schema:
+                        table = table.cast(writer.schema)
+                    writer.write_table(table, row_group_size=ROW_GROUP)
+            except BaseException:
+                if writer is not None:
+                    with suppress(Exception):  # the half-written temp file is removed by _atomic_write
+                        writer.close()
+                raise
+            if writer is not None:
+                writer.close()
+
+        digest = _atomic_write(self.path_of(meta.run_id), write)
+        self._index_run(meta, meta_d, digest, request_key)
+
+    def _index_run(self, meta: RunMeta, meta_d: dict[str, Any], digest: str, request_key: str | None) -> None:
+        """The index row: the run's metadata without its per-sequence list (a 10,000-prompt run's
+        would be megabytes, read on every listing), plus what the Runs page shows of it."""
+        light = {k: v for k, v in meta_d.items() if k != "sequences"}
+        light["first_text"] = _first_text(meta_d)
+        light["comparison"] = _comparison_key(meta_d)
+        s = meta.summary
         with closing(self._db()) as db, db:
             db.execute(
                 "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
-                    run.run_id,
-                    meta.get("created_ts", time.time()),
-                    meta["model"],
-                    meta["dtype"],
-                    len(run.sequences),
+                    meta.run_id,
+                    meta_d.get("created_ts") or time.time(),
+                    meta.model,
+                    meta.dtype,
+                    len(meta.sequences),
                     s["n_tokens"],
                     s["max_abs_delta"],
                     s["mean_abs_delta"],
-                    json.dumps(meta),
+                    json.dumps(light, allow_nan=False),
                     digest,
                 ),
             )
             if request_key:
-                db.execute("INSERT OR REPLACE INTO requests VALUES (?,?)", (request_key, run.run_id))
+                db.execute("INSERT OR REPLACE INTO requests VALUES (?,?)", (request_key, meta.run_id))
+
+    # -- batches of a run in progress -----------------------------------------------------------
+    def partial_dir(self, run_id: str) -> Path:
+        """Where a run's finished batches wait for the rest: a killed run restarted with the same
+        request finds them here and computes only what is missing."""
+        return self.root / "partial" / run_id
+
+    def save_part(self, run_id: str, number: int, table: Any, info: dict[str, Any]) -> None:
+        """One finished batch: its table (Arrow IPC, read back column by column) with `info` (JSON:
+        its sequences, ids digest, engines and timing) inside, written atomically."""
+        import pyarrow as pa
+
+        folder = self.partial_dir(run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        table = table.replace_schema_metadata({META_KEY: json.dumps(info, allow_nan=False)})
+
+        def write(f: Any) -> None:
+            with pa.ipc.new_file(f, table.schema) as w:
+                w.write_table(table)
+
+        _atomic_write(folder / f"part-{number:06d}.arrow", write)
+
+    def part_info(self, run_id: str, number: int) -> dict[str, Any] | None:
+        """A stored batch's info, or None when it is missing or unreadable (then it is recomputed)."""
+        import pyarrow as pa
+
+        path = self.partial_dir(run_id) / f"part-{number:06d}.arrow"
+        if not path.is_file():
+            return None
+        try:
+            with pa.memory_map(str(path)) as src:
+                return json.loads(pa.ipc.open_file(src).schema.metadata[META_KEY])
+        except (OSError, KeyError, ValueError, pa.ArrowInvalid):
+            return None
+
+    def part_table(self, run_id: str, number: int, columns: list[str] | None = None) -> Any:
+        import pyarrow as pa
+
+        path = self.partial_dir(run_id) / f"part-{number:06d}.arrow"
+        with pa.memory_map(str(path)) as src:
+            table = pa.ipc.open_file(src).read_all()
+        table = table.select(columns) if columns else table
+        return table.replace_schema_metadata(None)
+
+    def drop_partial(self, run_id: str) -> None:
+        import shutil
+
+        shutil.rmtree(self.partial_dir(run_id), ignore_errors=True)
 
     def delete(self, run_id: str) -> None:
         run_id = self.resolve_id(run_id)
@@ -181,25 +265,28 @@ class Store:
         try:
             if _sha256(path) != expected:
                 raise UserError(f"stored run {run_id} failed its integrity check (file changed since it was written)")
-            table = pq.read_table(path)
-            raw = json.loads(table.schema.metadata[META_KEY])
+            schema = pq.read_schema(path)
+            raw = json.loads(schema.metadata[META_KEY])
+            rows = pq.ParquetFile(path).metadata.num_rows
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise UserError(f"stored run {run_id} is unreadable ({type(exc).__name__}: {exc})") from exc
         if raw.get("run_id") != run_id or raw.get("schema_version") != SCHEMA_VERSION:
             raise UserError(f"stored run {run_id} does not match its index entry (schema or id); delete and re-run it")
-        missing = REQUIRED_COLUMNS - set(table.column_names)
+        missing = REQUIRED_COLUMNS - set(schema.names)
         if missing:
             raise UserError(f"stored run {run_id} lacks columns {sorted(missing)}; delete and re-run it")
-        try:
-            cols = table_columns(table)
-        except ValueError as exc:
-            raise UserError(f"stored run {run_id} is unreadable ({exc}); delete and re-run it") from exc
         meta = RunMeta.from_dict(raw)
-        bounds = np.searchsorted(cols["seq"], np.arange(len(meta.sequences) + 1))  # rows are stored in seq order
-        seqs = tuple(
-            SequenceResult.from_columns(cols, slice(bounds[i], bounds[i + 1]), info) for i, info in enumerate(meta.sequences)
-        )
-        return Run(meta=meta, sequences=seqs, from_store=True)
+        if any(s.n_positions == 0 for s in meta.sequences):  # runs stored before sequences had their length
+            import dataclasses
+
+            counts = np.bincount(pq.read_table(path, columns=["seq"]).column("seq").to_numpy(), minlength=len(meta.sequences))
+            meta = dataclasses.replace(meta, sequences=tuple(dataclasses.replace(s, n_positions=int(c))
+                                                             for s, c in zip(meta.sequences, counts)))
+        if sum(s.n_positions for s in meta.sequences) != rows:
+            raise UserError(f"stored run {run_id} holds {rows} positions but its sequences list "
+                            f"{sum(s.n_positions for s in meta.sequences)}; delete and re-run it")
+        # sequences are read when first shown, a few row groups at a time (core.results.run.StoredSequences)
+        return Run(meta=meta, sequences=StoredSequences(path, meta.sequences), from_store=True)
 
     # -- diagnostics -----------------------------------------------------------------------------
     @property
@@ -398,8 +485,9 @@ class Store:
         df = pd.DataFrame([r[:-1] for r in rows], columns=cols)
         df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
         metas = [json.loads(r[-1]) for r in rows]
-        df["first_text"] = [_first_text(m) for m in metas]
-        df["comparison"] = [_comparison_key(m) for m in metas]
+        # index rows written before the index kept these carry the whole sequences list instead
+        df["first_text"] = [m["first_text"] if "first_text" in m else _first_text(m) for m in metas]
+        df["comparison"] = [m["comparison"] if "comparison" in m else _comparison_key(m) for m in metas]
         return df
 
 

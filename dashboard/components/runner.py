@@ -33,6 +33,7 @@ STAGE_WORDS = {
     "compare": "Computing the differences",
     "store": "Saving the result",
     "cache": "Found in the store: no engine needed",
+    "batch": "Scoring the prompts a batch at a time",
     "noise": "Measuring the noise floor",
     "reference": "Computing the float64 reference",
     "downstream": "Checking generated text and multiple-choice answers",
@@ -45,7 +46,11 @@ def describe(stage: str, dtype: str | None, detail: str) -> str:
     return f"{words}{f' [{dtype}]' if dtype else ''}: {detail}"
 
 
-def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool = False, clear: str = "runs") -> T | None:
+PROGRESS = "__progress__"  # an on_progress call on the events queue
+
+
+def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool = False, clear: str = "runs",
+            dtypes: int = 1) -> T | None:
     """Run job(ctx) with a live status; on failure show the message at once (outside the collapsed box)
     and clear the query key `clear`, so an older result does not stay on screen as if it were this one."""
     events: queue.Queue = queue.Queue()
@@ -53,7 +58,8 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
 
     def work() -> None:
         try:
-            box["result"] = job(request_context(lambda stage, d, detail: events.put((stage, d, detail))))
+            box["result"] = job(request_context(lambda stage, d, detail: events.put((stage, d, detail)),
+                                                lambda d, n, total: events.put((PROGRESS, d, (n, total)))))
         except BaseException as exc:  # noqa: BLE001 - handed to the page's thread, which shows it
             box["error"] = exc
         finally:
@@ -62,6 +68,7 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
     worker = threading.Thread(target=work, name="lpp-job", daemon=True)
     t0 = time.monotonic()
     done = 0
+    tokens: dict[str | None, tuple[int, int]] = {}  # dtype -> (tokens scored, tokens in all), from batches
     last = "starting"
     bar = st.progress(0.0, text="starting") if progress_bar else None
     with st.status(f"{title}…", expanded=True) as status:
@@ -73,16 +80,25 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
                 event = ()
             if event is None:
                 break
-            if event:
+            if event and event[0] == PROGRESS:
+                tokens[event[1]] = event[2]
+            elif event:
                 stage, d, detail = event
-                done += 6 if stage == "cache" else (0 if stage == "queue" else 1)
+                done += 6 if stage == "cache" else (0 if stage in ("queue", "batch") else 1)
                 last = describe(stage, d, detail)
                 status.write(last)
             elapsed = time.monotonic() - t0
-            label = f"Step {min(done, steps)} of about {steps} · {last} · {elapsed:.0f} s"
+            if tokens:  # a long set: the share of its tokens scored, in every dtype asked for
+                n_done = sum(n for n, _ in tokens.values())
+                n_all = max(tokens.values(), key=lambda x: x[1])[1] * max(1, dtypes)
+                frac = n_done / n_all if n_all else 0.0
+                label = f"{n_done:,} of {n_all:,} tokens scored · {last} · {elapsed:.0f} s"
+            else:
+                frac = done / steps
+                label = f"Step {min(done, steps)} of about {steps} · {last} · {elapsed:.0f} s"
             status.update(label=label)
             if bar is not None:
-                bar.progress(min(done / steps, 1.0), text=label)
+                bar.progress(min(frac, 1.0), text=label)
         worker.join()
         failed = box.get("error")
         if failed is None:
@@ -109,4 +125,5 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
 
 def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
     """A comparison with live progress (2 steps to prepare, then 6 per dtype)."""
-    return run_job(lambda ctx: compare(spec, ctx), "Comparing", 2 + 6 * max(1, len(spec.dtypes)), progress_bar)
+    return run_job(lambda ctx: compare(spec, ctx), "Comparing", 2 + 6 * max(1, len(spec.dtypes)), progress_bar,
+                   dtypes=len(spec.dtypes))

@@ -47,17 +47,21 @@ if runs:
     keys = list(runs[0].summary)
     agg = pd.DataFrame({r.dtype: [summary_value(k, r.summary.get(k)) for k in keys] for r in runs}, index=[summary_label(k) for k in keys])
     st.dataframe(agg, width="stretch")
-    st.subheader("Per prompt: click a row to open it below")
-    n = min(len(r.sequences) for r in runs)
-    table = pd.DataFrame({"prompt": range(n), "text": [s.text[:120] for s in runs[0].sequences[:n]],
-                          "tokens": [s.summary["n_tokens"] for s in runs[0].sequences[:n]]})
+    n = min(len(r.meta.sequences) for r in runs)
+    st.subheader(f"Per prompt, the largest gap first: click a row to open it below ({n:,} prompts)")
+    # from each run's per-prompt summaries (no prompt's positions are read until it is opened)
+    infos = runs[0].meta.sequences[:n]
+    table = pd.DataFrame({"prompt": range(n), "text": [s.text[:120] for s in infos],
+                          "tokens": [s.summary["n_tokens"] for s in infos]})
     for r in runs:
-        table[f"largest gap {r.dtype}"] = [s.summary["max_abs_delta"] for s in r.sequences[:n]]
-        table[f"mean gap {r.dtype}"] = [s.summary["mean_abs_delta"] for s in r.sequences[:n]]
+        table[f"largest gap {r.dtype}"] = [s.summary["max_abs_delta"] for s in r.meta.sequences[:n]]
+        table[f"mean gap {r.dtype}"] = [s.summary["mean_abs_delta"] for s in r.meta.sequences[:n]]
+    table = table.sort_values(f"largest gap {runs[0].dtype}", ascending=False, kind="stable", na_position="last")
     # a click on any cell opens that row's prompt (cell selection), as does the row's checkbox
     event = st.dataframe(table, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
                          key="ps-table", column_config=sci_columns(table, skip=("prompt", "tokens")))
     picked = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
+    picked = [int(table["prompt"].iloc[i]) for i in picked]  # the shown order is the largest gap first
     chosen = picked[0] if picked else query_int("seq", 0, 0, n - 1)
     set_query(seq=chosen)
     st.divider()

@@ -60,11 +60,12 @@ class HFBackend(Backend):
         bs = batch_size or self.batch_size
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
         out: list[TokenScores | None] = [None] * len(sequences)
+        rows = None if full is None else fullvocab.open_rows(full)
         for start in range(0, len(order), bs):
             idx = order[start : start + bs]
             chunk = [sequences[i] for i in idx]
             gathers = None if gather_ids is None else [np.asarray(gather_ids[i]) for i in idx]
-            refs = None if full is None else [np.load(fullvocab.path_of(full, i), mmap_mode="r") for i in idx]
+            refs = None if rows is None else [rows[i] for i in idx]
             for i, res in zip(idx, self._from_rows(chunk, self._forward(chunk, padding_side), top_k, gathers, refs)):
                 out[i] = res
         return out  # type: ignore[return-value]
@@ -193,6 +194,7 @@ class HFBackend(Backend):
         bs = self.batch_size  # the hf_batch_size setting: 1 (default) = one sequence a pass, no padding
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
         cut = 0 < top_k or top_p < 1.0
+        vrows = None if full is None else fullvocab.open_rows(full)
         got: list[torch.Tensor] = []  # per pass: [rows, 5] float64 on the device, read back once at the end
         for lo in range(0, len(order), bs):
             idx = order[lo : lo + bs]
@@ -200,7 +202,7 @@ class HFBackend(Backend):
             block = torch.cat([r[starts[i] - 1 :] for i, r in zip(idx, rows)])
             target = torch.tensor([t for i in idx for t in sequences[i][starts[i] :]], dtype=torch.long, device=block.device)
             # vLLM's rows of the same positions (row t-1 predicts token t on both sides)
-            refs = None if full is None else [np.load(fullvocab.path_of(full, i), mmap_mode="r")[starts[i] - 1 :] for i in idx]
+            refs = None if vrows is None else [vrows[i][starts[i] - 1 :] for i in idx]
             for a in range(0, block.shape[0], self.ROW_CHUNK):  # float32 [rows, vocab] a block at a time
                 f32 = block[a : a + self.ROW_CHUNK]
                 f32 = f32 if f32.dtype == torch.float64 else f32.float()
@@ -251,15 +253,22 @@ class HFBackend(Backend):
         }
 
 
-def _rows_of(parts: list[np.ndarray], a: int, b: int) -> np.ndarray:
-    """Rows [a, b) of the parts stacked end to end, reading only those rows (parts are memory maps)."""
+def _rows_of(parts: list[Any], a: int, b: int) -> Any:
+    """Rows [a, b) of the parts stacked end to end, reading only those rows (parts are memory maps,
+    or tensors another process shares)."""
     out, at = [], 0
     for part in parts:
         lo, hi = max(a, at), min(b, at + len(part))
         if lo < hi:
             out.append(part[lo - at : hi - at])
         at += len(part)
-    return np.concatenate(out) if len(out) > 1 else np.asarray(out[0])
+    return _joined(out)
+
+
+def _joined(parts: list[Any]) -> Any:
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
 
 
 def _block_stats(block: torch.Tensor, target: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -288,7 +297,7 @@ def _log_kept_mass(lp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return torch.logsumexp(lp.masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def _ref_rows(refs: list[np.ndarray], spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
+def _ref_rows(refs: list[Any], spans: np.ndarray, lo: int, hi: int) -> Any:
     """Rows [lo, hi) of the batch's concatenated positions, from each sequence's memory-mapped
     vLLM logprobs (sequence j holds rows [spans[j], spans[j+1]))."""
     parts = []
@@ -299,4 +308,4 @@ def _ref_rows(refs: list[np.ndarray], spans: np.ndarray, lo: int, hi: int) -> np
         if ref.shape[0] != b - a:
             raise ValueError(f"vLLM's full logprobs hold {ref.shape[0]} positions, HF scored {b - a}")
         parts.append(ref[max(lo, a) - a : min(hi, b) - a])
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return _joined(parts)

@@ -54,7 +54,8 @@ class VLLMBackend(Backend):
     ) -> list[TokenScores]:
         """Default: every sequence in one generate call (vLLM batches them); batch_size=1 scores
         each alone, which the noise-floor diagnostics compare against. full: a folder where the
-        same pass leaves each sequence's full-vocabulary logprobs (core.engines.fullvocab)."""
+        same pass leaves each sequence's full-vocabulary logprobs (core.engines.fullvocab): a
+        folder, or {"tensors": token} to keep them on the device for `share_rows`."""
         params = SamplingParams(prompt_logprobs=top_k, max_tokens=1, temperature=0.0, detokenize=False, flat_logprobs=True)
         bs = batch_size or max(1, len(sequences))
         if full is not None:
@@ -70,8 +71,19 @@ class VLLMBackend(Backend):
                 results.extend(self._parse(list(ids), out, top_k) for ids, out in zip(chunk, outputs))
         finally:
             if full is not None:
-                fullvocab.finish(full, [list(s) for s in sequences])
+                fullvocab.end(full, [list(s) for s in sequences])
         return results
+
+    def share_rows(self, token: str) -> dict[str, Any]:
+        """Handles to the full rows a `score(..., full={"tensors": token})` kept (fullvocab.share)."""
+        from core.engines import fullvocab
+
+        return fullvocab.share(token)
+
+    def release_rows(self, token: str) -> None:
+        from core.engines import fullvocab
+
+        fullvocab.release(token)
 
     def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, min_tokens=max_new_tokens, detokenize=False)
