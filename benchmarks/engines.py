@@ -50,10 +50,9 @@ def build_tinyllama(out: Path, tokenizer_path: str, device: str) -> str:
 
 
 def prompts_of(tokenizer, n: int, length: int) -> list[list[int]]:
-    text = " ".join((REPO / "core" / "data" / "sentences.txt").read_text().splitlines()) * (1 + n * length // 150)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [bos + ids[i * 37 : i * 37 + length - len(bos)] for i in range(n)]
+    from core.inputs.prompts import filler_ids
+
+    return filler_ids(tokenizer, n, length)
 
 
 def matmul_tflops(torch, device: str, dtype) -> float:

@@ -35,6 +35,9 @@ SUMMARY_ROWS = (
     ("same_top_p", "f"),
     ("dp_rms", "e"),
     ("ppl_ratio", "f"),
+    ("hf_noise_mean", "e"),
+    ("vllm_noise_mean", "e"),
+    ("noise_ratio", "f"),
 )
 
 
@@ -108,6 +111,7 @@ def _spec_from_args(args: argparse.Namespace, rollout: bool = False) -> RunSpec:
         bos=args.bos,
         settings=_settings(args),
         truncate=args.truncate,
+        noise_floor=not getattr(args, "no_noise_floor", False),
     )
     if rollout:
         from core.analysis.rollout import with_graph_default
@@ -162,7 +166,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from core.analysis.diagnostics import PARTS, diagnose, diagnostics_text
+    from core.analysis.diagnostics import PARTS, diagnose
+    from core.present.diagnostics_view import diagnostics_text
 
     spec = _spec_from_args(args)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip()) if args.parts != "all" else PARTS
@@ -427,6 +432,8 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
 
     c = sub.add_parser("compare", help="score text with HF and vLLM and compare token by token")
     _add_spec_args(c, registry)
+    c.add_argument("--no-noise-floor", action="store_true",
+                   help="skip measuring each engine's own noise beside the gap (then the verdict says it is not yet measured)")
     c.set_defaults(func=cmd_compare)
 
     g = sub.add_parser("diagnose", help="noise floor, knob ablation, float64 reference, downstream impact, verdict")

@@ -229,7 +229,7 @@ def make_rollout(rollout_id: str = "abc123", text: str = "The sea <b>is</b> 🌊
     """A stored rollout built by hand (plumbing for page tests; tests/test_rollout.py runs the engines)."""
     import numpy as np
 
-    from core.analysis.offpolicy import mismatch_metrics
+    from core.results.offpolicy import mismatch_metrics
     from core.analysis.verdict import rollout_verdict
     from core.results.records import RunEnv
     from core.results.rollout import PAIRS, Rollout, RolloutMeta, Sample
@@ -294,7 +294,12 @@ def make_frontier(frontier_id: str = "fee123"):
         return {"name": name, "dtype": dtype, "settings": {}, "skipped": skipped, "start_s": 12.0,
                 "ref_gap": None if skipped else {"mean": gap, "max": 3 * gap, "kl_mean": gap / 10},
                 "hf_ref_gap": None if skipped else {"mean": gap / 2, "max": gap, "kl_mean": None},
-                "tokens_per_s": None if skipped else {"prefill": speed, "generate": speed / 10}}
+                "tokens_per_s": None if skipped else {"prefill": speed, "generate": speed / 10, "repeats": 3,
+                                                      "prefill_spread": [0.9 * speed, 1.1 * speed],
+                                                      "generate_spread": [0.09 * speed, 0.11 * speed], "load": "4 x 128 tokens"},
+                "memory": None if skipped else {"weights_bytes": (4 if dtype == "float32" else 2) * 135_000_000,
+                                                "kv_bytes_per_token": 92_160 if "fp8" in name else 184_320,
+                                                "kv_cache_bytes": 64 << 20}}
 
     rows = [row("float32", "float32", 9e-6, 40.0), row("bfloat16", "bfloat16", 4e-2, 600.0),
             row("bfloat16 kv_cache_dtype=fp8", "bfloat16", 0.24, 90.0),
@@ -303,7 +308,8 @@ def make_frontier(frontier_id: str = "fee123"):
         r["pareto"] = r["name"] in pareto(rows)
     return FrontierResult(frontier_id=frontier_id, model="demo:tiny", device="cpu", versions={"torch": "t"}, texts=("Hi 🌊 مرحبا",),
                           n_tokens=5, tolerance={"value": 2e-5, "source": "given"}, configs=tuple(rows),
-                          recommendation=recommend(rows, 2e-5, "given"), created="2026-12-03", created_ts=2.0)
+                          recommendation=recommend(rows, 2e-5, "given"), created="2026-12-03", created_ts=2.0,
+                          speed={"load": "4 x 128 tokens", "repeats": 3, "gen_tokens": 32})
 
 
 def test_frontier_page_opens_a_stored_frontier_with_its_recommendation_and_the_skipped_ones(home):

@@ -185,7 +185,7 @@ def test_compare_runs_end_to_end_on_fake_engines(fake_engines, tiny_bos, home):
     (run,) = compare(RunSpec(texts=("Shall I compare thee to a summer's day?",), model=str(tiny_bos), dtypes=("bfloat16",)), ctx)
     assert run.meta.env.hf_engine["backend"] == "fake" and run.summary["n_tokens"] > 5
     assert 0 < run.summary["max_abs_delta"] < 1  # the fake vLLM role adds bfloat16-sized noise
-    assert [e[0] for e in events] == ["resolve", "tokenize", "load", "load", "score", "score", "compare", "store"]
+    assert [e[0] for e in events] == ["resolve", "tokenize", "load", "load", "score", "score", "noise", "compare", "store"]
     assert Store(home).load(run.run_id).summary == run.summary
 
 

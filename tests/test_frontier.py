@@ -42,6 +42,22 @@ def test_the_recommendation_is_the_fastest_within_the_tolerance():
     assert recommend([_row("off", None, None, "no GPU")], 1.0, "given")["name"] is None
 
 
+def test_a_speed_difference_inside_the_spread_of_the_repeats_does_not_count():
+    """Two configurations within the tolerance whose repeats overlap are equally fast: the more
+    accurate one is recommended, and the words say why; a lead beyond the spread still wins."""
+    def spread(row, lo, hi):
+        row["tokens_per_s"].update(prefill_spread=[lo, hi], repeats=3)
+        return row
+
+    exact = spread(_row("exact", 1e-6, 950), 900, 1000)
+    rough = spread(_row("rough", 1e-4, 990), 960, 1020)
+    rec = recommend([exact, rough], 1e-3, "given")
+    assert rec["name"] == "exact" and "no faster beyond the spread" in rec["why"] and "rough" in rec["why"]
+    far = spread(_row("rough", 1e-4, 2000), 1900, 2100)
+    rec = recommend([exact, far], 1e-3, "given")
+    assert rec["name"] == "rough" and "by more than the spread" in rec["why"]
+
+
 def test_the_cpu_grid_lists_what_it_cannot_run_with_the_reason():
     grid = default_grid("cpu")
     skipped = {c.name: c.skip for c in grid if c.skip}
@@ -92,6 +108,14 @@ def test_a_frontier_on_the_demo_model_measures_and_recommends(demo_model, home, 
     for c in ran:
         assert c["ref_gap"]["mean"] > 0 and c["ref_gap"]["max"] >= c["ref_gap"]["mean"] and c["ref_gap"]["kl_mean"] is not None
         assert c["hf_ref_gap"]["mean"] > 0 and c["tokens_per_s"]["prefill"] > 0 and c["tokens_per_s"]["generate"] > 0
+        tps = c["tokens_per_s"]  # speed on the load, repeated: the median inside the spread
+        assert tps["repeats"] == 3 and tps["load"] == "4 x 128 tokens"
+        assert tps["prefill_spread"][0] <= tps["prefill"] <= tps["prefill_spread"][1]
+        assert c["memory"]["weights_bytes"] > 0 and c["memory"]["kv_bytes_per_token"] > 0
+    # 8-bit keys and values: half of bfloat16's bytes a token
+    assert rows["bfloat16 kv_cache_dtype=fp8"]["memory"]["kv_bytes_per_token"] * 2 == rows["bfloat16"]["memory"]["kv_bytes_per_token"]
+    assert rows["float32"]["memory"]["weights_bytes"] == 2 * rows["bfloat16"]["memory"]["weights_bytes"]
+    assert result.speed == {"load": "4 x 128 tokens", "repeats": 3, "gen_tokens": 32}
     assert rows["float32"]["ref_gap"]["mean"] < rows["bfloat16"]["ref_gap"]["mean"]
     assert rows["float32"]["ref_gap"]["kl_mean"] < rows["bfloat16"]["ref_gap"]["kl_mean"]
     assert rows["bfloat16 kv_cache_dtype=fp8"]["ref_gap"]["mean"] > rows["bfloat16"]["ref_gap"]["mean"]  # 8-bit keys and values cost
@@ -102,7 +126,8 @@ def test_a_frontier_on_the_demo_model_measures_and_recommends(demo_model, home, 
     assert set(data["recommendation"]) == {"name", "why"}
     for c in data["configs"]:
         assert {"name", "settings", "ref_gap", "hf_ref_gap", "tokens_per_s", "start_s", "skipped"} <= set(c)
-        assert set(c["ref_gap"]) == {"mean", "max", "kl_mean"} and set(c["tokens_per_s"]) == {"prefill", "generate"}
+        assert set(c["ref_gap"]) == {"mean", "max", "kl_mean"}
+        assert set(c["tokens_per_s"]) == {"prefill", "generate", "prefill_spread", "generate_spread", "repeats", "load"}
     assert store.load_frontier(result.frontier_id).to_dict() == data
     text = frontier_text(result)
     assert "recommendation:" in text and "float32" in text

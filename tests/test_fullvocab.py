@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from core.analysis.metrics import TokenMetrics, llama_cpp_stats
+from core.results.metrics import TokenMetrics, llama_cpp_stats
 
 TEXT = "The quick brown fox jumps over the lazy dog, twice."
 

@@ -189,3 +189,96 @@ def test_frontier_on_cuda(gpu_model, store, monkeypatch):
     for c in ran.values():
         assert c["ref_gap"]["kl_mean"] is not None and c["tokens_per_s"]["prefill"] > 0, c
     assert result.recommendation["why"]
+
+
+def test_exact_kl_through_cuda_ipc_equals_the_host_row_path(gpu_model, store):
+    """The same vLLM rows, read two ways by the HF host: opened on the GPU through CUDA IPC (the GPU
+    default), and copied to a .npy file and memory-mapped (the CPU path). Both KLs agree to 1e-9 at
+    every position, and the rows hold what vLLM reported; then a comparison on the card takes the
+    IPC path and names it."""
+    import numpy as np
+
+    from core.analysis.request import model_max_len
+    from core.engines import fullvocab, pool
+    from core.engines.records import LoadRequest
+    from core.inputs.models import resolve_model
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gpu_model)
+    seqs = [tok(s)["input_ids"] for s in SENTENCES]
+    mml = model_max_len(max(map(len, seqs)), None)
+    settings = EngineSettings()
+    vreq, hreq = (LoadRequest(b, gpu_model, "float32", "cuda", settings, mml) for b in ("vllm", "hf"))
+    folder = fullvocab.new_folder(fullvocab.need_bytes(sum(len(s) - 1 for s in seqs), resolve_model(gpu_model).vocab_size))
+    try:
+        with pool.lease([vreq, hreq]) as lease:
+            vh, hh = lease.host(vreq), lease.host(hreq)
+            vscores = vh.score(seqs, 5, None, None, "right", {"tensors": "gpu-test"})
+            shared = vh.share_rows("gpu-test")
+            assert "handles" in shared and shared["runner"] == "v2", shared.get("error")
+            rows = fullvocab.open_rows({"handles": shared["handles"]})  # this process maps the same memory
+            for i, (ids, r, s) in enumerate(zip(seqs, rows, vscores)):
+                assert r.is_cuda and tuple(r.shape) == (len(ids) - 1, resolve_model(gpu_model).vocab_size)
+                host = r.cpu().numpy()
+                np.save(fullvocab.path_of(folder, i), host)
+                np.testing.assert_allclose(host[np.arange(len(ids) - 1), ids[1:]], s.logprob[1:], atol=2e-5)
+            del rows
+            gather = [s.topk_ids for s in vscores]
+            via_ipc = hh.score(seqs, 5, gather, None, "right", {"handles": shared["handles"]})
+            via_files = hh.score(seqs, 5, gather, None, "right", folder)
+            vh.release_rows("gpu-test")
+        for a, b in zip(via_ipc, via_files):
+            assert np.isfinite(a.kl_full[1:]).all()
+            np.testing.assert_allclose(a.kl_full[1:], b.kl_full[1:], rtol=0, atol=1e-9)
+            np.testing.assert_array_equal(a.logprob[1:], b.logprob[1:])
+    finally:
+        fullvocab.remove(folder)
+    (run,) = compare(RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=("float32",), device="cuda"), store=store, use_cache=False)
+    assert run.meta.env.vllm_engine["kl_transport"] == fullvocab.TRANSPORT_WORDS["tensors"]
+    assert run.meta.env.vllm_engine["kl_full"] == "exact, every position (from vLLM’s v2 model runner)"
+    print(f"IPC exact KL: mean {run.summary['kl_full_mean']:.3e}, max {run.summary['kl_full_max']:.3e}")
+
+
+LONG_TOKENS = 32000
+
+
+def test_an_8b_shaped_model_scores_a_32k_token_text_with_the_exact_kl(store, tmp_path_factory):
+    """Llama-3.1-8B's shape (random weights, a 128,256-entry vocabulary) on one 32,000-token text,
+    end to end: both engines score every position, the exact KL exists at every one (16 GB of
+    float32 rows kept on the card), and the stored run reopens its worst window for the token view."""
+    import time
+
+    import numpy as np
+
+    from benchmarks.compare_speed import build_llama8b
+    from benchmarks.engines import prompts_of
+    from core.inputs.models import resolve_model
+    from core.present.render import token_view_html, windows
+    from transformers import AutoTokenizer
+
+    path = os.environ.get("LPP_GPU_8B") or ""
+    if not Path(path, "config.json").is_file():
+        path = build_llama8b(tmp_path_factory.mktemp("llama8b"), os.environ.get("LPP_GPU_MODEL", "/tmp/models/smollm2-135m"), "cuda")
+    model = resolve_model(path)
+    assert model.vocab_size == 128256
+    tok = AutoTokenizer.from_pretrained(path)
+    (ids,) = prompts_of(tok, 1, LONG_TOKENS)
+    text = tok.decode(ids[1:])
+    t = time.perf_counter()
+    (run,) = compare(RunSpec(texts=(text,), model=path, dtypes=("bfloat16",), device="cuda"), store=store, use_cache=False)
+    took = time.perf_counter() - t
+    n = run.summary["n_tokens"]
+    assert n >= LONG_TOKENS - 64
+    assert run.meta.env.vllm_engine["kl_full"].startswith("exact, every position"), run.meta.env.vllm_engine["kl_full"]
+    kl = run.sequences[0].metrics.kl_full[1:]
+    assert np.isfinite(kl).all() and (kl >= -1e-9).all()
+    back = store.load(run.run_id)
+    t2 = time.perf_counter()
+    parts = windows([back], 0, 512)
+    html = token_view_html([back], 0, window=parts[0][:2])
+    drawn = time.perf_counter() - t2
+    assert parts[0][2] == max(w[2] for w in parts) and len(html) > 10_000
+    line = (f"| 8B shape, one {n + 1:,}-token text, bfloat16 | {took:.1f} s end to end with the engines' start | "
+            f"exact KL at {kl.size:,} positions, mean {run.summary['kl_full_mean']:.3e} | worst window drawn in {drawn:.2f} s |")
+    (RESULTS.with_name(RESULTS.stem + "-long.md")).write_text(line + "\n")
+    print(line)

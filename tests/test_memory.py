@@ -29,6 +29,9 @@ def test_kv_cache_is_sized_from_the_model(tiny_bos):
     # tiny models hit the 64 MiB floor; the GPU asks for more tokens than the CPU
     assert memory.kv_cache_bytes(str(tiny_bos), "float32", 256, "cpu") == 64 << 20
     assert memory.kv_cache_bytes(str(tiny_bos), "float32", 1 << 20, "cuda") == 4 * memory.GIB
+    # past the 4 GiB cap the cache still holds one whole sequence: a long text is never unscorable
+    huge = 2 * (4 * memory.GIB // per_token)
+    assert memory.kv_cache_bytes(str(tiny_bos), "float32", huge, "cuda") == per_token * (huge + 256)
     s = EngineSettings()
     assert memory.engine_bytes("vllm", str(tiny_bos), "float32", "cuda", 256, s) > memory.engine_bytes(
         "vllm", str(tiny_bos), "float32", "cuda", 256, dataclasses.replace(s, tensor_parallel_size=2))

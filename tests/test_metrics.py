@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from core.analysis.metrics import SUMMARY_KEYS, concat, kl_topk, summarize, token_metrics
+from core.results.metrics import SUMMARY_KEYS, concat, kl_topk, summarize, token_metrics
 
 NAN = float("nan")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.analysis.offpolicy import METRIC_KEYS, floor_stats, mismatch_metrics
+from core.results.offpolicy import METRIC_KEYS, floor_stats, mismatch_metrics
 from core.engines.backends.hf import _log_kept_mass
 
 # Two sequences. Rollout (vLLM decode) and trainer (HF) logprobs chosen so every ratio is round:

@@ -130,7 +130,7 @@ def test_prefill_vs_hf_exact_kl_equals_numpy_over_both_full_distributions(rolled
     llama.cpp's statistics in the summary, stored and reloaded, with the JSON per position."""
     from transformers import AutoModelForCausalLM
 
-    from core.analysis.metrics import exact_kl_stats
+    from core.results.metrics import exact_kl_stats
 
     ros, store, seen, _ = rolled
     ro = ros[dtype]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from core.analysis.metrics import concat, summarize
+from core.results.metrics import concat, summarize
 from core.results.records import RunMeta
 from core.results.run import Run, SequenceResult
-from core.results.scores import TokenScores
+from core.engines.scores import TokenScores
 from core.results.store import Store
 from core.inputs.tokens import TokenizedText
 

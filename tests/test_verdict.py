@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from core.analysis.diagnostics import diagnostics_text
+from core.present.diagnostics_view import diagnostics_text
 from core.analysis.verdict import Evidence, diagnosis_verdicts, run_verdicts, verdict
 from core.present.render import verdict_html
 from core.present.report import report_html
@@ -58,9 +58,32 @@ def test_a_gap_inside_tolerance_but_far_above_the_noise_is_systematic_not_a_matc
     assert "comes from vLLM's side" in text and "systematic, not run-to-run noise" in text
 
 
-def test_the_same_gap_without_diagnostics_is_a_match():
+def test_the_same_gap_with_no_noise_measured_is_not_called_a_match():
+    """Without any floor (no diagnostics, a comparison run without its own), the verdict says the
+    noise is not yet measured rather than "match"."""
     v = verdict(summary(4.1e-3, 4.6e-4), "float32")
-    assert v.level == "match" and "agree" in v.headline
+    assert v.level == "unmeasured" and "not yet measured" in v.headline and "agree" not in v.headline
+    assert v.title == "Within tolerance, noise not yet measured"
+
+
+def test_a_comparisons_own_floor_makes_its_verdict_the_diagnostics_level():
+    """A run's summary carries its own floor (core.analysis.floors): many times the gap's size below
+    it is systematic, in the verdict every view shows; about its size is a match."""
+    from core.analysis.verdict import run_verdicts
+
+    class R:
+        dtype, run_id = "float32", "r1"
+
+    for ratio, level in ((346.0, "systematic"), (1.7, "match")):
+        r = R()
+        r.summary = {**summary(4.1e-3, 4.6e-4), "hf_noise_mean": 4.6e-4 / ratio, "noise_ratio": ratio}
+        (v,) = run_verdicts([r])
+        assert v.level == level, (ratio, v)
+        assert v == verdict(r.summary, "float32", Evidence(noise_ratio=ratio, hf_noise=4.6e-4 / ratio))
+    r = R()
+    r.summary = {**summary(4.1e-3, 4.6e-4), "hf_noise_mean": 0.0, "noise_ratio": None}
+    (v,) = run_verdicts([r])
+    assert v.level == "systematic" and "noise measured 0" in " ".join(v.reasons)
 
 
 def test_a_gap_about_as_large_as_hf_own_noise_is_a_match():

@@ -10,9 +10,11 @@ from contextlib import ExitStack
 from dataclasses import asdict
 from typing import Any
 
-from core.analysis.metrics import concat, summarize
+from core.analysis import floors
+from core.results.metrics import concat, summarize
 from core.analysis.request import Context, EventFn, Prepared, prepare
 from core.engines import fullvocab
+from core.engines.host import start_words
 from core.engines.pool import Lease
 from core.env import device_name, versions
 from core.inputs.models import ResolvedModel
@@ -38,6 +40,8 @@ def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> d
         "bos": spec.bos,
         "versions": {k: v[k] for k in ("torch", "transformers", "vllm")},
         "device": device_name(device),
+        # a run without its noise floor is another run (the ids of runs with one are as before)
+        **({} if spec.noise_floor else {"noise_floor": False}),
     }
 
 
@@ -175,7 +179,8 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
     if not use_cache:
         store.drop_partial(rid)
     infos: dict[str, Any] = {}
-    timing: dict[str, float] = {"vllm_load_s": 0.0, "hf_load_s": 0.0, "vllm_score_s": 0.0, "hf_score_s": 0.0}
+    timing: dict[str, float] = {"vllm_load_s": 0.0, "hf_load_s": 0.0, "vllm_score_s": 0.0, "hf_score_s": 0.0, "noise_s": 0.0}
+    floor: dict[str, Any] | None = None
     kl_why: dict[str, int] = {}  # why the exact KL is missing -> how many batches
     via: set[str] = set()
     seq_infos: list[Any] = []
@@ -195,14 +200,17 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
             for why, k in (old.get("kl_why") or {}).items():
                 kl_why[why] = kl_why.get(why, 0) + k
             via.update(old.get("via") or [])
+            floor = floor or old.get("floor")
             done += n_pos
             reused += 1
             continue
         t_b = time.perf_counter()
-        scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, len(batches))
+        scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, len(batches),
+                                                    with_floor=spec.noise_floor and b == 0)
         infos = infos or info_b["engines"]
-        for k in ("vllm_load_s", "hf_load_s", "vllm_score_s", "hf_score_s"):
-            timing[k] += info_b["timing"][k]
+        floor = floor or info_b.get("floor")
+        for k in timing:
+            timing[k] += info_b["timing"].get(k, 0.0)
         if why_b:
             kl_why[why_b] = kl_why.get(why_b, 0) + 1
         via.update(via_b)
@@ -210,7 +218,8 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         seq_infos.extend(part_infos)
         if many:
             store.save_part(rid, b, table, {"lo": lo, "hi": hi, "ids": digest, "sequences": [asdict(x) for x in part_infos],
-                                            "engines": info_b["engines"], "kl_why": {why_b: 1} if why_b else {}, "via": sorted(via_b)})
+                                            "engines": info_b["engines"], "kl_why": {why_b: 1} if why_b else {}, "via": sorted(via_b),
+                                            "floor": info_b.get("floor")})
         else:
             tables, metrics = [table], m
         done += n_pos
@@ -229,6 +238,7 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
     if many:
         metrics = concat([metrics_of(store.part_table(rid, b, list(METRIC_COLUMNS))) for b in range(len(batches))])
     summary = summarize(metrics)
+    summary.update(floors.with_ratio(floor, summary["mean_abs_delta"]))
     if kl_why:
         kl_full = "not computed: " + "; ".join(f"{why}" + (f" ({k} of {len(batches)} batches)" if many else "") for why, k in kl_why.items())
     else:
@@ -266,9 +276,10 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
 
 
 def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], b: int,
-                 n_batches: int) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
-    """Both engines on one batch, on one device turn, with the exact KL by this device's transport:
-    (scores per backend, {"engines", "timing"}, why the KL is missing or None, the vLLM runner)."""
+                 n_batches: int, with_floor: bool = False) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
+    """Both engines on one batch, on one device turn, with the exact KL by this device's transport
+    and, with_floor, each engine's own noise on the batch's first texts (core.analysis.floors):
+    (scores per backend, {"engines", "timing", "floor"}, why the KL is missing or None, the vLLM runner)."""
     ctx, spec = p.ctx, p.spec
     vreq, hreq = requests  # BACKEND_ORDER
     timing: dict[str, float] = {}
@@ -277,7 +288,7 @@ def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seq
     for req in requests:
         if b == 0:
             ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
-                     f"{req.backend}: starting the engine ({start_words(p.device)}; it stays warm for the next run)")
+                     f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
         t = time.perf_counter()
         hosts[req.backend] = lease.host(req)
         engines[req.backend] = hosts[req.backend].info
@@ -299,11 +310,17 @@ def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seq
             t = time.perf_counter()
             scores["hf"] = lease.call(hreq, lambda: hhost.score(seqs, spec.top_k, gather, None, "right", ex.hf_source))
             timing["hf_score_s"] = time.perf_counter() - t
+            ex.close(vhost)
+            floor = None
+            if with_floor:
+                n = floors.sample_of(seqs)
+                ctx.emit("noise", dtype, f"each engine against itself on {n} of the texts (batched, padded, alone)")
+                t = time.perf_counter()
+                others = floors.other_prompts(p.tokenizer, spec.bos, vreq.max_model_len)
+                floor = lease.call(vreq, lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size))
+                timing["noise_s"] = time.perf_counter() - t
     finally:
         ex.close(vhost)
-    return scores, {"engines": engines, "timing": timing}, ex.why, {ex.runner} if ex.runner else set()
+    return scores, {"engines": engines, "timing": timing, "floor": floor}, ex.why, {ex.runner} if ex.runner else set()
 
 
-def start_words(device: str) -> str:
-    """What an engine's start takes on this kind of device, in words."""
-    return "on a GPU about 30-90 s" if device.startswith("cuda") else "on a CPU about 20-60 s"

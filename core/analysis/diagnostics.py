@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from core.analysis.compare import compare, compare_prepared
+from core.analysis.rollout import INCREMENTAL_TOKENS
 from core.analysis.request import Context, EventFn, prepare
 from core.analysis.verdict import diagnosis_verdicts
+from core.engines.host import start_words
 from core.env import device_name, versions
 from core.errors import UserError
 from core.inputs.spec import RunSpec, content_hash
@@ -28,6 +30,8 @@ from core.results.store import Store
 
 PARTS = ("noise", "reference", "downstream", "ablation")
 FILLER_PROMPTS = 6  # other prompts batched beside the user's, for batch-composition noise
+TRAINER_CHUNK = 64  # tokens a forward through HF's KV cache, as a trainer scoring in chunks
+INCREMENTAL_WHOLE = 512  # texts up to this long are scored one token a forward from their start
 REFERENCE_DTYPE = "float64"
 
 
@@ -121,7 +125,7 @@ def diagnose(
         other_r = p.load("hf", d, replace(p.spec.settings, attn_implementation=other))
         ref_r = p.load("hf", REFERENCE_DTYPE, device="cpu")
         needed = [hf_r, v_r] + ([other_r] if "noise" in parts else []) + ([ref_r] if "reference" in parts else [])
-        emit("load", d, f"{len(needed)} engines for diagnostics (cold ones take about 20-60 s each on a CPU)")
+        emit("load", d, f"{len(needed)} engines for diagnostics (a cold one: {start_words('vllm', p.device)})")
         base_hf = [s.hf.logprob for s in run.sequences]
         base_v = [s.vllm.logprob for s in run.sequences]
         n = len(seqs)
@@ -137,6 +141,9 @@ def diagnose(
                         "vllm_alone_vs_batched": gap(_lp(vl.score(seqs, 1, None, 1)), _lp(vl.score(ctx_seqs, 1)[:n])),
                         "vllm_repeat": gap(base_v, _lp(vl.score(seqs, 1))),
                     }
+                    # the trainer's and the scripts' ways: through the KV cache, a chunk or one token a forward
+                    emit("noise", d, f"HF through its KV cache: {TRAINER_CHUNK} tokens a forward, and one token a forward")
+                    noise.update(_cached_scoring(hf, seqs, base_hf))
                 hf_other = lease.host(other_r)
                 with turn(what="the noise floor"):
                     noise[f"hf_attn_{other}"] = gap(base_hf, _lp(hf_other.score(seqs, 1)))
@@ -182,6 +189,19 @@ def diagnose(
     result = DiagnosticsResult.from_dict(json.loads(json.dumps(result.to_dict(), allow_nan=False)))
     ctx.store.save_diagnostics(result)
     return result
+
+
+def _cached_scoring(hf: Any, seqs: list[list[int]], base_hf: list[np.ndarray]) -> dict[str, dict[str, Any]]:
+    """HF scoring the texts as trainers and per-prefix scripts do, through its KV cache, against one
+    pass: TRAINER_CHUNK tokens a forward (at least two chunks a text), and one token a forward (the
+    last INCREMENTAL_TOKENS tokens of a longer text, after the rest in one forward)."""
+    starts = [1] * len(seqs)
+    chunk = max(1, min(TRAINER_CHUNK, min(len(x) for x in seqs) // 2))
+    chunked = hf.rollout_score(seqs, starts, chunk=chunk)
+    tail = INCREMENTAL_TOKENS if max(map(len, seqs)) > INCREMENTAL_WHOLE else None
+    inc = hf.rollout_score(seqs, starts, chunk=1, tail=tail)
+    return {"hf_chunked": gap([b[1:] for b in base_hf], [c["logprob"] for c in chunked]),
+            "hf_incremental": gap([b[int(c["first"]):] for b, c in zip(base_hf, inc)], [c["logprob"] for c in inc])}
 
 
 def _reference(v: list[np.ndarray], h: list[np.ndarray], ref: list[np.ndarray]) -> dict[str, Any]:
@@ -282,9 +302,28 @@ def _ablation(spec: RunSpec, ctx: Context, base_runs: list[Run], device: str, sl
     return rows
 
 
-def biggest_knob(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    tried = [r for r in rows if r["knob"] != "baseline" and r["change"] is not None]
-    return max(tried, key=lambda r: abs(r["change"])) if tried else None
+def knob_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The ablation in words, one meaning per line: per dtype, the setting that removes the most of
+    the gap (only a setting that narrows it is ever named as the remedy), then each setting that
+    widens it, with how much. A setting that changes nothing is not listed."""
+    out = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        base = next((r["mean_abs_delta"] for r in mine if r["knob"] == "baseline"), None)
+        tried = [r for r in mine if r["knob"] != "baseline" and r.get("change") is not None]
+        if not base or not tried:
+            continue
+        cuts = [r for r in tried if r["change"] < 0]
+        if cuts:
+            best = min(cuts, key=lambda r: r["change"])
+            out.append(f"{dtype}: {best['knob']} removes the most of the gap, {-best['change'] / base:.1%} "
+                       f"(mean |Δ logp| {base:.2e} → {best['mean_abs_delta']:.2e})")
+        else:
+            out.append(f"{dtype}: no single setting tried here narrows the gap")
+        for r in sorted((r for r in tried if r["change"] > 0), key=lambda r: -r["change"]):
+            out.append(f"{dtype}: {r['knob']} widens it {r['mean_abs_delta'] / base:.3g}x (mean |Δ logp| {base:.2e} → "
+                       f"{r['mean_abs_delta']:.2e})")
+    return out
 
 
 def noise_source(key: str) -> str:
@@ -294,6 +333,9 @@ def noise_source(key: str) -> str:
         "hf_batched_left_padding": f"HF against itself: batched with {FILLER_PROMPTS} other prompts, padded on the left",
         "vllm_alone_vs_batched": "vLLM against itself: alone, then batched with other prompts",
         "vllm_repeat": "vLLM against itself: the same request again",
+        "hf_chunked": f"HF against itself: up to {TRAINER_CHUNK} tokens a forward through its KV cache, as trainers score in chunks",
+        "hf_incremental": ("HF against itself: one token a forward through its KV cache, as a per-prefix script or a decode "
+                           f"loop scores (the last {INCREMENTAL_TOKENS} tokens of a text longer than {INCREMENTAL_WHOLE})"),
     }
     if key.startswith("hf_attn_"):
         return f"HF against itself: the {key[len('hf_attn_'):]} attention kernel instead"
@@ -346,26 +388,3 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["note"] = "the settings as run" if r["knob"] == "baseline" else r.get("note", "")
         out.append(row)
     return out
-
-
-def diagnostics_text(result: DiagnosticsResult) -> str:
-    import pandas as pd
-
-    from core.present.labels import cell_text
-
-    lines = [f"diagnostics {result.diagnostics_id}  model {result.model}  device {result.device}"]
-    for v in diagnosis_verdicts(result).values():
-        lines += ["", f"[{v.title.upper()}] {v.headline}"] + [f"  - {r}" for r in v.reasons]
-    for name, rows in diagnostics_tables(result).items():
-        rows = ablation_table(rows) if name == "ablation" else rows
-        if rows:
-            lines += ["", f"== {name} =="]
-            df = pd.DataFrame(rows).drop(columns=["run_id"], errors="ignore")
-            df = df.astype(object).apply(lambda col: [cell_text(str(col.name), v) for v in col])
-            lines.append(df.to_string(index=False))
-    knob = biggest_knob(list(result.ablation))
-    if knob:
-        lines += ["", f"The knob that moves the gap most: {knob['knob']} ({knob['dtype']}: mean |Δ| change {knob['change']:+.3e})"]
-    if result.mcq_dtype_flips:
-        lines += ["", "MCQ answer flips between dtypes: " + ", ".join(f"{k}: {v}" for k, v in result.mcq_dtype_flips.items())]
-    return "\n".join(lines)

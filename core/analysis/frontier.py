@@ -6,14 +6,19 @@ against one reference, HF in float64 on the request's device:
 - `ref_gap`: vLLM in that configuration against the reference: mean and max |Δ logp| of the
   tokens, and the mean exact full-vocabulary KL(reference ‖ vLLM) (core.engines.fullvocab);
 - `hf_ref_gap`: the same for HF in that dtype (HF's own rounding, the yardstick);
-- `tokens_per_s`: vLLM prefill scoring (prompt logprobs of every token) and greedy generation;
+- `tokens_per_s`: vLLM prefill scoring (prompt logprobs of every token) and greedy generation, on a
+  load of realistic size (64 x 512 tokens of the same model on a GPU; `speed_load`), warm, timed
+  `repeats` times: the median and the spread (slowest, fastest). The user's few texts measure
+  accuracy; timed alone they would measure per-call overhead;
+- `memory`: the vLLM engine's weights and its KV cache's bytes per token, so FP8's halving shows;
 - `start_s`: the vLLM engine's imports and load in its own process, when this request started
   it. Configurations run in groups of as many as the pool has room for (memory and its engine
   cap); a group's engines start side by side, sharing the CPU, and nothing is timed until all of
   them have loaded.
 A configuration the platform cannot run is listed with the reason, not dropped. The recommendation
-is the fastest configuration (prefill tokens/s) whose mean gap is within a tolerance: by default twice
-HF's own float32 gap to the same reference, measured in the same request.
+is the fastest configuration (prefill tokens/s) whose mean gap is within a tolerance (by default twice
+HF's own float32 gap to the same reference, measured in the same request), counting as faster only
+a difference larger than the spread of the repeats: among those equally fast, the most accurate.
 """
 
 from __future__ import annotations
@@ -26,15 +31,22 @@ from typing import Any
 
 import numpy as np
 
-from core.analysis.request import Context, Prepared, prepare
+from core.analysis.request import Context, Prepared, model_max_len, prepare
 from core.engines import fullvocab
+from core.engines.host import start_words
 from core.engines.records import LoadRequest
 from core.env import device_name, versions
 from core.errors import EngineError, UserError
+from core.inputs.prompts import filler_ids
 from core.inputs.spec import RunSpec, content_hash
+from core.results.frontier import FrontierResult
 
 REFERENCE_DTYPE = "float64"
 GEN_TOKENS = 32  # greedy tokens per prompt for the generation throughput
+# The speed load, sequences x tokens: what a configuration's speed is measured on (its accuracy is
+# measured on the user's texts), and how many times each speed is timed.
+SPEED_LOAD = {"cuda": (64, 512), "cpu": (4, 128)}
+REPEATS = 3
 # The default tolerance: a configuration no more than this many times farther from float64 than HF
 # in float32 is "as accurate as HF float32" (the verdict's REFERENCE_SIDE_RATIO, the same rule).
 TOLERANCE_FACTOR = 2.0
@@ -134,35 +146,6 @@ PREQUANTIZED = Config("bfloat16", label="a pre-quantized checkpoint (GPTQ, AWQ, 
     "loads that checkpoint, scored on this model's token ids against this model in float64"))
 
 
-@dataclass(frozen=True)
-class FrontierResult:
-    """One frontier: configurations measured against one float64 reference (the `--json` shape)."""
-
-    frontier_id: str
-    model: str
-    device: str
-    versions: dict[str, Any]
-    texts: tuple[str, ...]
-    n_tokens: int
-    tolerance: dict[str, Any]  # {"value", "source"}
-    configs: tuple[dict[str, Any], ...]
-    recommendation: dict[str, Any]
-    created: str = ""
-    created_ts: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["texts"], d["configs"] = list(self.texts), list(self.configs)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "FrontierResult":
-        names = {f.name for f in dataclasses.fields(cls)}
-        d = {k: v for k, v in data.items() if k in names}
-        d["texts"], d["configs"] = tuple(d.get("texts", ())), tuple(d.get("configs", ()))
-        return cls(**d)
-
-
 def pareto(configs: list[dict[str, Any]]) -> list[str]:
     """Names of the configurations no other beats on both error (mean gap, lower) and speed
     (prefill tokens/s, higher)."""
@@ -176,7 +159,18 @@ def pareto(configs: list[dict[str, Any]]) -> list[str]:
     return front
 
 
+def _spread(c: dict[str, Any]) -> tuple[float, float]:
+    """(slowest, fastest) prefill tokens/s of a configuration's repeats (its median alone for
+    frontiers stored before repeats were kept)."""
+    tps = c["tokens_per_s"]
+    lo, hi = tps.get("prefill_spread") or (tps["prefill"], tps["prefill"])
+    return float(lo), float(hi)
+
+
 def recommend(configs: list[dict[str, Any]], tolerance: float | None, source: str) -> dict[str, Any]:
+    """The fastest configuration within the tolerance, where faster means faster than the spread of
+    the repeats: configurations whose spreads overlap the fastest one's are equally fast, and of
+    those the most accurate is recommended."""
     ok = [c for c in configs if not c["skipped"]]
     if not ok:
         return {"name": None, "why": "no configuration ran on this platform"}
@@ -188,15 +182,27 @@ def recommend(configs: list[dict[str, Any]], tolerance: float | None, source: st
         return {"name": None, "why": f"no configuration is within {tolerance:.2e} ({source}); the most accurate is "
                                      f"{best['name']} at {best['ref_gap']['mean']:.2e}"}
     fast = max(within, key=lambda c: c["tokens_per_s"]["prefill"])
-    return {"name": fast["name"], "why": (
-        f"the fastest configuration ({fast['tokens_per_s']['prefill']:,.0f} prefill tokens/s) whose mean gap to the float64 "
-        f"reference, {fast['ref_gap']['mean']:.2e}, is within {tolerance:.2e} ({source}); {len(within)} of {len(ok)} "
-        "configurations are within it")}
+    tied = [c for c in within if _spread(c)[1] >= _spread(fast)[0]]
+    pick = min(tied, key=lambda c: c["ref_gap"]["mean"])
+    lo, hi = _spread(pick)
+    speed = (f"{pick['tokens_per_s']['prefill']:,.0f} prefill tokens/s, {lo:,.0f}-{hi:,.0f} over "
+             f"{pick['tokens_per_s'].get('repeats', 1)} repeats")
+    if len(tied) > 1:
+        others = ", ".join(c["name"] for c in tied if c is not pick)
+        lead = (f"as fast as any configuration within the tolerance ({speed}): {others} "
+                f"{'is' if len(tied) == 2 else 'are'} no faster beyond the spread of the repeats, and of these it is the "
+                "most accurate")
+    else:
+        lead = f"the fastest configuration ({speed}), faster than every other within the tolerance by more than the spread"
+    return {"name": pick["name"], "why": (
+        f"{lead}; its mean gap to the float64 reference, {pick['ref_gap']['mean']:.2e}, is within {tolerance:.2e} ({source}); "
+        f"{len(within)} of {len(ok)} configurations are within it")}
 
 
 def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | None = None,
-             tolerance: float | None = None) -> FrontierResult:
-    """Measure each configuration on the same token ids against HF in float64; store and return."""
+             tolerance: float | None = None, speed_load: tuple[int, int] | None = None, repeats: int = REPEATS) -> FrontierResult:
+    """Measure each configuration on the same token ids against HF in float64, and its speed on
+    `speed_load` (sequences, tokens) `repeats` times; store and return."""
     ctx = ctx or Context.of()
     p = prepare(dataclasses.replace(spec, dtypes=("float32",)), ctx)
     quant = p.model.config.get("quantization_config") or {}
@@ -215,19 +221,27 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
     too_big = fullvocab.fits(n_tokens, p.model.vocab_size)
     if too_big:
         raise UserError(f"the frontier needs the exact KL of every position: {too_big}; use shorter texts")
-    ref_req = p.load("hf", REFERENCE_DTYPE)
+    n_load, load_len = speed_load or SPEED_LOAD["cuda" if p.device.startswith("cuda") else "cpu"]
+    if p.model.max_positions:  # a short-context model: the load and its generated tokens must fit
+        load_len = max(8, min(load_len, p.model.max_positions - GEN_TOKENS - 1))
+    load = filler_ids(p.tokenizer, n_load, load_len)
+    # one context length for the user's texts and the speed load (plus what generation adds)
+    mml = max(p.max_model_len, model_max_len(load_len + GEN_TOKENS, p.model.max_positions))
+    ref_req = LoadRequest("hf", p.model.path, REFERENCE_DTYPE, p.device, p.spec.settings, mml)
+    speed = {"load": load, "words": f"{n_load} x {load_len} tokens", "repeats": max(1, repeats)}
     hf_gap: dict[str, dict[str, Any]] = {}
-    rows: dict[int, dict[str, Any]] = {k: _measure(p, c, None, ref_req, hf_gap, seqs, n_tokens, None, k, len(configs))
+    rows: dict[int, dict[str, Any]] = {k: _measure(p, c, None, ref_req, hf_gap, seqs, n_tokens, None, k, len(configs), speed)
                                        for k, c in enumerate(configs) if c.skip}
     for group in _groups(p, [(k, c) for k, c in enumerate(configs) if not c.skip], ref_req):
         engines = _engines(p, [c for _, c in group], ref_req)
         if len(group) > 1:
             ctx.emit("load", None, f"starting {len(engines)} engines side by side for configurations "
-                                   f"{', '.join(str(k + 1) for k, _ in group)} of {len(configs)} (on a CPU about 20-60 s each, together)")
+                                   f"{', '.join(str(k + 1) for k, _ in group)} of {len(configs)} ({start_words('vllm', p.device)} alone; "
+                                   "side by side they share the machine)")
         with ctx.pool.lease(engines, on_wait=ctx.waiter(None if len(group) > 1 else group[0][1].dtype)) as lease:
-            started = {k: _start(lease, _requests(p, c)[0]) for k, c in group}
+            started = {k: _start(lease, _requests(p, c, mml)[0]) for k, c in group}
             for k, c in group:  # nothing is timed until every engine of the group has loaded
-                rows[k] = _measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, started[k], k, len(configs))
+                rows[k] = _measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, started[k], k, len(configs), speed)
     rows = [rows[k] for k in range(len(configs))]
     source = (f"{TOLERANCE_FACTOR:g}x HF's own float32 gap to the float64 reference, measured in this request: "
               "within it a configuration is as accurate as HF in float32")
@@ -244,12 +258,14 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
     v = {k: x for k, x in versions().items() if k != "vllm_dist"}
     identity = {"kind": "frontier", "model": p.model.identity, "device": device_name(p.device), "versions": v,
                 "texts": list(spec.texts), "configs": [c.name for c in configs], "tolerance": tolerance,
-                "settings": p.spec.settings.run_id_part(), "checkpoints": {k: m.identity for k, m in checkpoints.items()}}
+                "settings": p.spec.settings.run_id_part(), "checkpoints": {k: m.identity for k, m in checkpoints.items()},
+                "speed": {"load": speed["words"], "repeats": speed["repeats"]}}
     now = dt.datetime.now(dt.timezone.utc)
     result = FrontierResult(
         frontier_id=content_hash(identity), model=p.model.name, device=device_name(p.device), versions=v,
         texts=tuple(spec.texts), n_tokens=n_tokens, tolerance={"value": tolerance, "source": source}, configs=tuple(rows),
-        recommendation=rec, created=now.isoformat(timespec="seconds"), created_ts=now.timestamp())
+        recommendation=rec, created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(),
+        speed={"load": speed["words"], "repeats": speed["repeats"], "gen_tokens": GEN_TOKENS})
     ctx.store.save_frontier(result)
     ctx.emit("store", None, f"frontier {result.frontier_id} saved")
     return result
@@ -262,12 +278,13 @@ def _gap(ref: list[Any], other: list[Any]) -> dict[str, Any]:
     return {"mean": float(d.mean()), "max": float(d.max()), "kl_mean": float(kl.mean()) if np.isfinite(kl).all() else None}
 
 
-def _requests(p: Prepared, cfg: Config) -> tuple[LoadRequest, LoadRequest]:
+def _requests(p: Prepared, cfg: Config, mml: int) -> tuple[LoadRequest, LoadRequest]:
     """A configuration's vLLM engine (on its checkpoint, if it names one) and the HF engine of the
-    model in its dtype (and HF settings)."""
+    model in its dtype (and HF settings), for contexts of `mml` tokens (the reference's: the user's
+    texts and the speed load)."""
     settings = cfg.settings(p.spec.settings)
-    return (LoadRequest("vllm", cfg.checkpoint or p.model.path, cfg.dtype, p.device, settings, p.max_model_len),
-            LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, p.max_model_len))
+    return (LoadRequest("vllm", cfg.checkpoint or p.model.path, cfg.dtype, p.device, settings, mml),
+            LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, mml))
 
 
 def _checkpoint(p: Prepared, path: str) -> Any:
@@ -288,7 +305,7 @@ def _checkpoint(p: Prepared, path: str) -> Any:
 
 def _engines(p: Prepared, configs: list[Config], ref_req: LoadRequest) -> list[LoadRequest]:
     """Every engine these configurations need, each once, and the float64 reference."""
-    return list({r.key(): r for c in configs for r in _requests(p, c)}.values()) + [ref_req]
+    return list({r.key(): r for c in configs for r in _requests(p, c, ref_req.max_model_len)}.values()) + [ref_req]
 
 
 def _groups(p: Prepared, todo: list[tuple[int, Config]], ref_req: LoadRequest) -> list[list[tuple[int, Config]]]:
@@ -319,17 +336,17 @@ def _start(lease: Any, vreq: LoadRequest) -> tuple[float | None, str | None]:
 
 
 def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap: dict[str, dict[str, Any]], seqs: list[list[int]],
-             n_tokens: int, started: tuple[float | None, str | None] | None, k: int, n: int) -> dict[str, Any]:
+             n_tokens: int, started: tuple[float | None, str | None] | None, k: int, n: int, speed: dict[str, Any]) -> dict[str, Any]:
     ctx = p.ctx
     ctx.emit("frontier", cfg.dtype, f"configuration {k + 1} of {n}: {cfg.name}")
     row: dict[str, Any] = {"name": cfg.name, "dtype": cfg.dtype, "settings": dict(cfg.changes), "ref_gap": None, "hf_ref_gap": None,
-                           "tokens_per_s": None, "start_s": None, "skipped": cfg.skip}
+                           "tokens_per_s": None, "memory": None, "start_s": None, "skipped": cfg.skip}
     if cfg.skip or started is None:
         return row
     row["start_s"], row["skipped"] = started
     if row["skipped"]:
         return row
-    vreq, hreq = _requests(p, cfg)
+    vreq, hreq = _requests(p, cfg, ref_req.max_model_len)
     settings = vreq.settings
     vllm, hf, ref = lease.host(vreq), lease.host(hreq), lease.host(ref_req)
     vfolder, why = fullvocab.folder_for(n_tokens, p.model.vocab_size)
@@ -341,13 +358,18 @@ def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap:
         return row
     try:
         with ctx.pool.device_turn(ctx.waiter(cfg.dtype), what=cfg.name):
-            vllm.score(seqs[:1], 1)  # warm-up: the first call after a start pays for lazy set-up
-            t = time.perf_counter()
+            load, reps = speed["load"], speed["repeats"]
+            n_load = sum(len(x) - 1 for x in load)
+            ctx.emit("frontier", cfg.dtype, f"{cfg.name}: speed on {speed['words']}, {reps} times, warm")
+            vllm.call("bare_prefill", load, 1, True)  # warm-up: the first calls after a start pay for lazy set-up
+            vllm.generate(load[:2], GEN_TOKENS)
+            prefill_s = [vllm.call("bare_prefill", load, 1, True) for _ in range(reps)]
+            gen_s = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                vllm.generate(load, GEN_TOKENS)
+                gen_s.append(time.perf_counter() - t)
             vscores = vllm.score(seqs, 1)
-            prefill = n_tokens / (time.perf_counter() - t)
-            t = time.perf_counter()
-            gen = vllm.generate(seqs, GEN_TOKENS)
-            generate = sum(map(len, gen)) / (time.perf_counter() - t)
             vllm.score(seqs, 1, None, None, "right", vfolder)  # its full logprobs, for the exact KL
             kl_why = fullvocab.problem(vfolder)  # then its gaps are still measured, its KL is not
             ref_v = ref.score(seqs, 1, None, None, "right", None if kl_why else vfolder)
@@ -360,7 +382,12 @@ def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap:
         if kl_why:
             row["ref_gap"]["kl_why"] = f"vLLM's full logprobs could not be read: {kl_why}"
         row["hf_ref_gap"] = hf_gap[hkey]
-        row["tokens_per_s"] = {"prefill": prefill, "generate": generate}
+        n_gen = GEN_TOKENS * len(load)
+        row["tokens_per_s"] = {"prefill": n_load / float(np.median(prefill_s)), "generate": n_gen / float(np.median(gen_s)),
+                               "prefill_spread": [n_load / max(prefill_s), n_load / min(prefill_s)],
+                               "generate_spread": [n_gen / max(gen_s), n_gen / min(gen_s)], "repeats": reps, "load": speed["words"]}
+        info = vllm.info or {}
+        row["memory"] = {k: info.get(k) for k in ("weights_bytes", "kv_bytes_per_token", "kv_cache_bytes")}
     finally:
         fullvocab.remove(vfolder)
         fullvocab.remove(hfolder)
@@ -372,9 +399,15 @@ def frontier_table(result: FrontierResult) -> list[dict[str, Any]]:
     out = []
     for c in result.configs:
         g, h, tps = c["ref_gap"] or {}, c["hf_ref_gap"] or {}, c["tokens_per_s"] or {}
+        mem = c.get("memory") or {}
+        spread = tps.get("prefill_spread")
         out.append({"configuration": c["name"], "mean |Δ logp| to float64": g.get("mean"), "max": g.get("max"),
                     "exact KL to float64": g.get("kl_mean"), "HF in that dtype: mean |Δ|": h.get("mean"),
-                    "prefill tokens/s": tps.get("prefill"), "generate tokens/s": tps.get("generate"),
+                    "prefill tokens/s": tps.get("prefill"),
+                    "prefill spread": f"{spread[0]:,.0f}-{spread[1]:,.0f}" if spread else "",
+                    "generate tokens/s": tps.get("generate"),
+                    "weights GiB": mem["weights_bytes"] / 2**30 if mem.get("weights_bytes") else None,
+                    "KV bytes/token": mem.get("kv_bytes_per_token"),
                     "engine start s": c.get("start_s"), "on the front": c.get("pareto", False),
                     "skipped": c["skipped"] or ""})
     return out
@@ -382,16 +415,19 @@ def frontier_table(result: FrontierResult) -> list[dict[str, Any]]:
 
 def frontier_text(result: FrontierResult) -> str:
     rows = frontier_table(result)
-    head = ["configuration", "mean|Δ|", "max|Δ|", "KL", "HF mean|Δ|", "prefill tok/s", "gen tok/s", "start s", "front"]
+    head = ["configuration", "mean|Δ|", "max|Δ|", "KL", "HF mean|Δ|", "prefill tok/s", "spread", "gen tok/s", "weights GiB",
+            "KV B/tok", "start s", "front"]
     lines = []
     for r in rows:
         if r["skipped"]:
-            lines.append([r["configuration"], f"skipped: {r['skipped']}"] + [""] * 7)
+            lines.append([r["configuration"], f"skipped: {r['skipped']}"] + [""] * (len(head) - 2))
             continue
         f = lambda v, s="e": "-" if v is None else (f"{v:.3e}" if s == "e" else f"{v:,.0f}")  # noqa: E731
         lines.append([r["configuration"], f(r["mean |Δ logp| to float64"]), f(r["max"]), f(r["exact KL to float64"]),
-                      f(r["HF in that dtype: mean |Δ|"]), f(r["prefill tokens/s"], "d"), f(r["generate tokens/s"], "d"),
-                      "-" if r["engine start s"] is None else f"{r['engine start s']:.1f}", "yes" if r["on the front"] else ""])
+                      f(r["HF in that dtype: mean |Δ|"]), f(r["prefill tokens/s"], "d"), r["prefill spread"] or "-",
+                      f(r["generate tokens/s"], "d"), "-" if r["weights GiB"] is None else f"{r['weights GiB']:.2f}",
+                      f(r["KV bytes/token"], "d"), "-" if r["engine start s"] is None else f"{r['engine start s']:.1f}",
+                      "yes" if r["on the front"] else ""])
     widths = [max(len(str(x[i])) for x in [head] + [ln for ln in lines if not ln[1].startswith("skipped")]) for i in range(len(head))]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     for ln in lines:
@@ -399,7 +435,10 @@ def frontier_text(result: FrontierResult) -> str:
     out += [f"{c['name']}: no exact KL: {c['ref_gap']['kl_why']}" for c in result.configs if (c["ref_gap"] or {}).get("kl_why")]
     rec = result.recommendation
     tol = result.tolerance
-    out += ["", f"tolerance: {tol['value']:.3e} ({tol['source']})" if tol["value"] is not None else "tolerance: none",
+    sp = result.speed or {}
+    out += ["", f"speed: vLLM on {sp['load']}, warm, median of {sp['repeats']} (spread: slowest-fastest)" if sp else
+            "speed: on the texts above (a frontier stored before the speed load)",
+            f"tolerance: {tol['value']:.3e} ({tol['source']})" if tol["value"] is not None else "tolerance: none",
             f"recommendation: {rec['name'] or 'none'}: {rec['why']}", f"frontier {result.frontier_id}"]
     return "\n".join(out)
 

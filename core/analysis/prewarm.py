@@ -28,14 +28,18 @@ class PrewarmStatus:
     finished: float | None = None
     engines: tuple[str, ...] = ()
     error: str | None = None
+    device: str = "cpu"
 
     def words(self, now: float | None = None) -> str | None:
         """One sentence for the page, or None when there is nothing to say."""
         now = time.monotonic() if now is None else now
         if self.state == "starting":
+            from core.engines.host import start_words
+
             return (f"Starting the demo model's {len(self.engines) or 'default'} engines in the background "
-                    f"({', '.join(self.engines) or 'resolving the model'}): {now - self.started:.0f} s so far, about a minute "
-                    "on a CPU. A Run pressed now waits for them, then takes seconds.")
+                    f"({', '.join(self.engines) or 'finding the model'}): {now - self.started:.0f} s so far "
+                    f"(each: {start_words('vllm', self.device)}; they start side by side). "
+                    "A Run pressed now waits for them, then takes seconds.")
         if self.state == "failed":
             return f"The demo model's engines could not be started in the background ({self.error}); a Run starts them."
         return None
@@ -86,7 +90,7 @@ def warm_defaults(ctx: Any = None, model: str | None = None) -> tuple[str, ...]:
     p = prepare(spec, ctx)
     requests = [p.load(b, d) for d in spec.dtypes for b in ("hf", "vllm")]
     labels = tuple(r.label for r in requests)
-    _set(engines=labels)
+    _set(engines=labels, device=p.device)
     with ctx.pool.lease(requests) as lease:
         for r in requests:
             host = lease.host(r)

@@ -7,7 +7,7 @@ For each dtype:
 2. vLLM prefill (prompt_logprobs) rescores prompt+completion ids; HF rescores them teacher-forced
    (the trainer), also at the sampling temperature, with the mass top-k/top-p keep.
 3. Three pairs per token and per sequence (core.results.rollout.PAIRS) and the RL mismatch
-   metrics (core.analysis.offpolicy).
+   metrics (core.results.offpolicy).
 4. Noise floors: the same seeded samples decoded alone (decode batch size); HF in padded
    micro-batches, in chunks through the KV cache, and one token at a time, each against one pass.
 """
@@ -21,19 +21,27 @@ from typing import Any
 
 import numpy as np
 
-from core.analysis.offpolicy import floor_stats, mismatch_metrics
+from core.results.offpolicy import floor_stats, mismatch_metrics
 from core.analysis.request import Context, Prepared, model_max_len, prepare
+from core.analysis.verdict import rollout_verdict
 from core.engines import fullvocab
+from core.engines.host import start_words
 from core.engines.records import LoadRequest
 from core.env import device_name, resolve_device, versions
 from core.errors import UserError
 from core.inputs.spec import RunSpec, content_hash
 from core.inputs.tokens import decode_tail_pieces
 from core.results.records import RunEnv
-from core.results.rollout import COLUMNS, MAIN_PAIR, PAIRS, ROLLOUT_SCHEMA, Rollout, RolloutMeta, Sample, Sampling, exact_stats
+from core.results.rollout import COLUMNS, MAIN_PAIR, PAIRS, ROLLOUT_SCHEMA, Rollout, RolloutMeta, Sample, Sampling, exact_stats, hf_floor
 
 RAW, PROCESSED = "raw_logprobs", "processed_logprobs"
 NOISE_SAMPLES = 2  # seeded samples re-decoded alone and rescored in chunks / token by token
+# The floors' costs, kept below the rollout's own (a per-token loop over every token of a long
+# completion took ten times the rollout): the re-decoded samples stop after this many tokens (the
+# same seed gives the same first tokens alone as in the batch), and the one-token-a-forward loop
+# scores the last this many tokens of each sample, after their prefix in one forward.
+NOISE_DECODE_TOKENS = 128
+INCREMENTAL_TOKENS = 64
 CHUNK = 64  # tokens per HF forward in the chunked-scoring floor
 MICRO_BATCH = 8  # sequences per padded HF forward in the micro-batch floor
 STEPS_PER_DTYPE = 8  # progress steps: load, sample, (processed), prefill, hf, floors x3
@@ -113,7 +121,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
         for req in (vreq, hreq):
             ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
-                     f"{req.backend}: starting the engine (on a CPU about 20-60 s; it stays warm for the next run)")
+                     f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
         t = time.perf_counter()
         vllm, hf = lease.host(vreq), lease.host(hreq)
         timing["load_s"] = time.perf_counter() - t
@@ -131,19 +139,20 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             starts = [len(pr) for pr in req_prompts]
             ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
             # vLLM prefill leaves its full logprobs for the exact KL of prefill_vs_hf (core.engines.fullvocab)
-            folder, kl_why = fullvocab.folder_for(sum(len(f) - 1 for f in full), p.model.vocab_size)
+            ex = fullvocab.Exchange(sum(len(f) - 1 for f in full), p.model.vocab_size, p.device)
             try:
                 t = time.perf_counter()
-                prefill = lease.call(vreq, lambda: vllm.score(full, 1, None, None, "right", folder))
+                prefill = lease.call(vreq, lambda: vllm.score(full, 1, None, None, "right", ex.vllm_target))
+                ex.after_vllm(vllm)
                 timing["prefill_s"] = time.perf_counter() - t
-                kl_why = kl_why or fullvocab.problem(folder)
+                kl_why = ex.why
                 ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
                 t = time.perf_counter()
                 hf_scores = lease.call(hreq, lambda: hf.rollout_score(full, starts, sampling.temperature, sampling.top_k,
-                                                                          sampling.top_p, None, None if kl_why else folder))
+                                                                          sampling.top_p, None, ex.hf_source))
                 timing["hf_s"] = time.perf_counter() - t
             finally:
-                fullvocab.remove(folder)
+                ex.close(vllm)
             floors = _noise_floors(p, dtype, lease, vreq, hreq, req_prompts, seeds, samples, full, starts, hf_scores, sdict,
                                    noise, timing)
     timing["total_s"] = time.perf_counter() - t_all
@@ -188,8 +197,6 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         timing={k: round(x, 3) for k, x in timing.items()}, summary=summary, floors=floors,
         samples=tuple(r.info() for r in recs),
     )
-    from core.analysis.verdict import rollout_verdict  # verdict imports this module (hf_floor)
-
     return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
 
 
@@ -204,16 +211,20 @@ def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: 
         return floors
     vllm, hf = lease.host(vreq), lease.host(hreq)
     t = time.perf_counter()
-    ctx.emit("noise", dtype, f"vLLM decodes {k} seeded sample(s) again, each alone (batch of 1 instead of {len(samples)})")
+    n_dec = min(sdict["max_tokens"], NOISE_DECODE_TOKENS)
+    short = {**sdict, "max_tokens": n_dec}
+    ctx.emit("noise", dtype, f"vLLM decodes {k} seeded sample(s) again, each alone (batch of 1 instead of {len(samples)}), "
+             f"their first {n_dec} tokens")
     alone_raw, batch_raw, same = [], [], 0
     for i in range(k):
-        alone = lease.call(vreq, lambda i=i: vllm.sample([req_prompts[i]], [seeds[i]], sdict, (RAW,)))[0]
-        if alone["completion_ids"] == samples[i]["completion_ids"]:
+        alone = lease.call(vreq, lambda i=i: vllm.sample([req_prompts[i]], [seeds[i]], short, (RAW,)))[0]
+        if alone["completion_ids"] == samples[i]["completion_ids"][:n_dec]:
             same += 1
             alone_raw.append(alone["logprobs"][RAW])
-            batch_raw.append(samples[i]["logprobs"][RAW])
+            batch_raw.append(samples[i]["logprobs"][RAW][: len(alone["completion_ids"])])
     floors["decode_batch"] = {**floor_stats(alone_raw, batch_raw), "same_tokens": same, "of": k, "side": "vllm",
-                              "what": f"vLLM decode: each sample alone vs in the batch of {len(samples)}"}
+                              "what": f"vLLM decode: each sample alone vs in the batch of {len(samples)} "
+                                      f"(the first {n_dec} tokens)"}
     ctx.emit("noise", dtype, f"HF scores in padded micro-batches of {MICRO_BATCH}, in chunks of {CHUNK} tokens, and token by token")
     mb = lease.call(hreq, lambda: hf.score(full, 1, None, MICRO_BATCH))
     one = [h["logprob"] for h in hf_scores]
@@ -224,17 +235,14 @@ def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: 
     chunked = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
     floors["hf_chunked"] = {**floor_stats([c["logprob"] for c in chunked], one[:k]), "side": "hf", "chunk": chunk,
                             "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass"}
-    inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1))
-    floors["hf_incremental"] = {**floor_stats([c["logprob"] for c in inc], one[:k]), "side": "hf",
-                                "what": "HF: one token a forward through the KV cache (a per-prefix loop) vs one pass"}
+    inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1, tail=INCREMENTAL_TOKENS))
+    floors["hf_incremental"] = {**floor_stats([c["logprob"] for c in inc],
+                                              [o[int(c["first"]) - s:] for c, o, s in zip(inc, one[:k], starts[:k])]),
+                                "side": "hf", "tokens": INCREMENTAL_TOKENS,
+                                "what": f"HF: one token a forward through the KV cache (a per-prefix loop) vs one pass, "
+                                        f"the last {INCREMENTAL_TOKENS} tokens of each sample"}
     timing["noise_s"] = time.perf_counter() - t
     return floors
-
-
-def hf_floor(meta: RolloutMeta) -> float | None:
-    """The trainer side's own noise: the largest mean of HF's floors."""
-    vals = [f["mean"] for f in meta.floors.values() if f.get("side") == "hf" and f.get("mean") is not None]
-    return max(vals) if vals else None
 
 
 __all__ = ["COLUMNS", "MAIN_PAIR", "PAIRS", "Sampling", "rollout", "hf_floor"]

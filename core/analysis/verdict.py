@@ -16,7 +16,7 @@ Everything it says names a number a reader can check in the tables beside it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 # vLLM's own tests accept logprob differences of 1e-2 (tight) to 2e-2 (loose) between engines.
@@ -32,9 +32,10 @@ REFERENCE_SIDE_RATIO = 2.0
 # A knob "removes the gap" when changing it alone cuts the mean gap by at least this share.
 KNOB_SHARE = 0.5
 
-LEVELS = ("match", "systematic", "close", "differs")  # from best to worst
+LEVELS = ("match", "unmeasured", "systematic", "close", "differs")  # from best to worst
 LEVEL_WORDS = {
     "match": "Match",
+    "unmeasured": "Within tolerance, noise not yet measured",
     "systematic": "Small but systematic",
     "close": "Close",
     "differs": "Differs",
@@ -111,8 +112,12 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
     if agree is not None and agree < 1:
         reasons.append(f"The engines' most likely next token differs at {1 - agree:.1%} of positions: generated text can diverge.")
 
-    systematic = ev.noise_ratio is not None and ev.noise_ratio > SYSTEMATIC_NOISE_RATIO
-    if ev.noise_ratio is not None:
+    silent = ev.noise_ratio is None and ev.hf_noise == 0  # HF gave bit-identical values against itself
+    systematic = (ev.noise_ratio is not None and ev.noise_ratio > SYSTEMATIC_NOISE_RATIO) or (silent and mean > 0)
+    if silent:
+        reasons.append("HF gave identical values against itself (batched, padded or alone): its own noise measured 0, so "
+                       + ("any gap is above it: systematic." if mean > 0 else "and so is the gap."))
+    elif ev.noise_ratio is not None:
         if systematic:
             reasons.append(f"The gap is {ev.noise_ratio:.3g}x HF's own noise (HF against itself when batched, padded or run with "
                            "another attention kernel): it is systematic, not run-to-run noise.")
@@ -135,10 +140,17 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
         head = f"{dtype}: close on average ({percent_change(mean)} per token), but some tokens are beyond vLLM's test tolerance."
     elif systematic:
         level = "systematic"
-        head = f"{dtype}: within vLLM's test tolerance, but systematic: {ev.noise_ratio:.3g}x HF's own noise."
+        times = "above HF's own noise of 0" if silent else f"{ev.noise_ratio:.3g}x HF's own noise"
+        head = f"{dtype}: within vLLM's test tolerance, but systematic: {times}."
+    elif ev.noise_ratio is None and ev.hf_noise is None:
+        level = "unmeasured"
+        head = (f"{dtype}: within vLLM's own test tolerance; HF's own noise is not yet measured, so whether the gap is "
+                "more than noise is not known (Diagnostics measures it).")
+        reasons.append("HF's own noise (HF against itself when batched or padded) was not measured for this comparison: "
+                       "the gap is not yet judged against it.")
     else:
         level = "match"
-        head = f"{dtype}: vLLM and HF agree, within vLLM's own test tolerance" + (" and HF's own noise." if ev.noise_ratio is not None else ".")
+        head = f"{dtype}: vLLM and HF agree, within vLLM's own test tolerance and HF's own noise."
     extra = [s for s in (side_clause, fix) if s]
     if extra and level != "match":
         head += " " + "; ".join(extra) + "."
@@ -198,10 +210,33 @@ def best_knob(dtype: str, ablation: Any) -> tuple[str | None, float | None]:
     return best["knob"], -best["change"] / base
 
 
+def hf_noise_of(runs: list[Any], diagnostics: Any = None) -> dict[str, dict[str, Any]]:
+    """Per dtype, HF's own noise and the gap's ratio to it, with where they come from: the stored
+    diagnostics built on the run when any (they measure more), else the comparison's own floor;
+    dtypes with neither are left out. The token view's meaning scale and the verdict use the same."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        ev = evidence_for(r.dtype, r.run_id, diagnostics)
+        if ev.hf_noise is not None:
+            out[r.dtype] = {"floor": ev.hf_noise, "ratio": ev.noise_ratio,
+                            "source": "batching, padding, attention: stored diagnostics"}
+        elif r.summary.get("hf_noise_mean") is not None:
+            out[r.dtype] = {"floor": r.summary["hf_noise_mean"], "ratio": r.summary.get("noise_ratio"),
+                            "source": "batching and padding, measured with this comparison"}
+    return out
+
+
 def run_verdicts(runs: list[Any], diagnostics: Any = None) -> list[Verdict]:
-    """The verdict of each run, with the evidence of the stored diagnostics built on it when any.
-    The one place the CLI, the Compare page, the Diagnostics page and the HTML report get verdicts."""
-    return [verdict(r.summary, r.dtype, evidence_for(r.dtype, r.run_id, diagnostics)) for r in runs]
+    """The verdict of each run, with the evidence of the stored diagnostics built on it when any, and
+    otherwise the noise floor the comparison measured itself (core.analysis.floors). The one place
+    the CLI, the Compare page, the Diagnostics page and the HTML report get verdicts."""
+    out = []
+    for r in runs:
+        ev = evidence_for(r.dtype, r.run_id, diagnostics)
+        if ev.noise_ratio is None and ev.hf_noise is None:
+            ev = replace(ev, noise_ratio=r.summary.get("noise_ratio"), hf_noise=r.summary.get("hf_noise_mean"))
+        out.append(verdict(r.summary, r.dtype, ev))
+    return out
 
 
 def diagnosis_verdicts(diagnostics: Any) -> dict[str, Verdict]:
@@ -221,7 +256,7 @@ def rollout_verdict(meta: Any) -> Verdict:
     HF) judged against the same tolerances and against HF's own measured noise, then what is
     particular to a rollout: the importance ratios, decode against vLLM's own prefill, decoding
     alone against in a batch, and the bias top-k/top-p add."""
-    from core.analysis.rollout import hf_floor
+    from core.results.rollout import hf_floor
 
     s = meta.summary.get("decode_vs_hf") or {}
     floor = hf_floor(meta)

@@ -44,6 +44,9 @@ import numpy as np
 # Above this many bytes of float32 [positions, vocab] a batch of the files path skips the exact KL
 # (it says so); comparisons plan their batches to stay below it.
 MAX_BYTES = int(os.environ.get("LPP_FULL_KL_MAX_BYTES", str(4 << 30)))
+ENABLED_ENV = "LPP_FULL_KL"  # 0 leaves the exact KL out of every comparison (the top-k KL stays)
+ENABLED = os.environ.get(ENABLED_ENV, "1") != "0"
+BACKGROUND_REMOVE_BYTES = 256 << 20  # a files batch this large is removed in the background
 TRANSPORT_ENV = "LPP_FULL_KL_TRANSPORT"  # auto (tensors on a GPU, files on a CPU), files or tensors
 GPU_ROWS_ENV = "LPP_GPU_ROWS_BYTES"  # rows a batch may keep on the GPU; default 15% of the card
 TRANSPORT_WORDS = {"files": "files on shared memory, read by the HF host",
@@ -430,7 +433,7 @@ def batch_bytes(device: str) -> int:
 
         cards = gpus()
         if cards:
-            return int(0.15 * min(c["total"] for c in cards))
+            return int(0.15 * min(c.total for c in cards))
     return MAX_BYTES
 
 
@@ -445,7 +448,10 @@ class Exchange:
         self.token: str | None = None
         self.handles: list[Any] | None = None
         self.runner: str | None = None
+        self.need = need_bytes(n_positions, vocab)
         self.why: str | None = None if vocab else "the model's vocabulary size is unknown"
+        if not ENABLED:
+            self.why = f"switched off ({ENABLED_ENV}=0)"
         if self.why:
             return
         if self.kind == "files":
@@ -477,8 +483,14 @@ class Exchange:
         return self.folder if self.kind == "files" else {"handles": self.handles}
 
     def close(self, vllm_host: Any = None) -> None:
-        if self.folder:  # freeing gigabytes of shared memory takes a while: not on the request's time
+        """Remove the files or free the tensors; a second call does nothing."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.folder and self.need >= BACKGROUND_REMOVE_BYTES:  # freeing gigabytes of shared memory takes a while
             threading.Thread(target=remove, args=(self.folder,), name="lpp-fullvocab-remove", daemon=True).start()
+        elif self.folder:
+            remove(self.folder)
         if self.token and vllm_host is not None:
             try:
                 vllm_host.release_rows(self.token)

@@ -31,8 +31,10 @@ PARENT_ENV = "LPP_HOST_PARENT"  # the pid that started the host; it exits when r
 LOG_TAIL_CHARS = 2000
 # The backend methods a host answers (core.engines.backends.base): score and generate on every
 # backend; sample (vLLM) and rollout_score (HF) for rollouts; write_full (HF) for the frontier.
-# share_rows and release_rows (vLLM) hand the exact KL's full rows to the HF host (core.engines.fullvocab).
-BACKEND_OPS = ("score", "generate", "sample", "rollout_score", "write_full", "share_rows", "release_rows")
+# share_rows and release_rows (vLLM) hand the exact KL's full rows to the HF host (core.engines.fullvocab);
+# bare_prefill (vLLM) and bare_forward (HF) time each engine's plain call, the benchmarks' yardstick.
+BACKEND_OPS = ("score", "generate", "sample", "rollout_score", "write_full", "share_rows", "release_rows", "bare_prefill",
+               "bare_forward")
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
 # Root causes vLLM's engine core logs but does not raise to the caller, as (pattern, message).
@@ -45,6 +47,23 @@ _LOG_CAUSES = (
     (re.compile(r"trust_remote_code=True", re.I),
      "this model needs custom code: turn on trust_remote_code only if you trust its authors"),
 )
+
+
+# The last measured start of each backend on each kind of device in this process (imports and
+# load, seconds), so waiting messages say what a start takes here rather than a guess.
+LAST_START: dict[tuple[str, str], float] = {}
+TYPICAL_START = {"cpu": "about 20-60 s", "cuda": "about 30-90 s"}
+
+
+def start_words(backend: str, device: str) -> str:
+    """What starting this engine takes on this machine, in words: the last start measured here, or
+    the usual range for the kind of device."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    last = LAST_START.get((backend, kind))
+    where = "this GPU" if kind == "cuda" else "this CPU"
+    if last is not None:
+        return f"the last {backend} start on {where} took {last:.0f} s"
+    return f"on a {'GPU' if kind == 'cuda' else 'CPU'} {TYPICAL_START[kind]}"
 
 
 def _describe_error(exc: BaseException) -> tuple[str, str]:
@@ -276,6 +295,10 @@ class HostClient:
         self._connect(timeout=timeout)
         left = max(timeout - (time.monotonic() - start), 1.0)
         self.info = self._request(HostRequest("load", load=request), "loading the model", left)
+        t = (self.info or {}).get("load_timing") or {}
+        if t:
+            kind = "cuda" if request.device.startswith("cuda") else "cpu"
+            LAST_START[(request.backend, kind)] = float(t.get("import_s", 0)) + float(t.get("init_s", 0))
         return self.info
 
     def score(self, sequences: list[list[int]], top_k: int, gather_ids: Any = None, batch_size: int | None = None,
@@ -291,9 +314,9 @@ class HostClient:
         return self._request(HostRequest("sample", (prompts, seeds, sampling, modes)), "sampling", timeout)
 
     def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
-                      top_p: float = 1.0, chunk: int | None = None, full: str | None = None,
+                      top_p: float = 1.0, chunk: int | None = None, full: Any = None, tail: int | None = None,
                       timeout: float = 3600.0) -> list[dict[str, Any]]:
-        return self._request(HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk, full)),
+        return self._request(HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk, full, tail)),
                              "scoring the rollout", timeout)
 
     def share_rows(self, token: str, timeout: float = 600.0) -> dict[str, Any]:
@@ -301,6 +324,10 @@ class HostClient:
 
     def release_rows(self, token: str, timeout: float = 600.0) -> None:
         return self._request(HostRequest("release_rows", (token,)), "freeing full logprobs", timeout)
+
+    def call(self, op: str, *args: Any, timeout: float = 3600.0) -> Any:
+        """Any backend op by name (BACKEND_OPS), e.g. the benchmarks' bare_prefill and bare_forward."""
+        return self._request(HostRequest(op, args), op.replace("_", " "), timeout)
 
     def write_full(self, sequences: list[list[int]], folder: str, timeout: float = 3600.0) -> int:
         return self._request(HostRequest("write_full", (sequences, folder)), "writing full logprobs", timeout)

@@ -64,11 +64,14 @@ def kv_bytes_per_token(model_path: str, dtype: str, trust_remote_code: bool = Fa
 
 
 def kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, device: str, trust_remote_code: bool = False) -> int:
-    """vLLM's KV cache, sized from the model (KV_TOKENS), between 64 MiB and 4 GiB. An explicit size
-    also skips vLLM's guess from free memory, which engines starting side by side would skew."""
+    """vLLM's KV cache, sized from the model (KV_TOKENS), between 64 MiB and 4 GiB, and never below
+    one whole sequence of max_model_len (a 32k-token text of an 8B model needs 4.3 GB): a prompt that
+    does not fit the cache cannot be scored at all. An explicit size also skips vLLM's guess from free
+    memory, which engines starting side by side would skew."""
     seqs, least = KV_TOKENS[device]
-    want = kv_bytes_per_token(model_path, dtype, trust_remote_code) * max(seqs * max_model_len, least)
-    return int(min(max(want, 64 << 20), 4 * GIB))
+    per_token = kv_bytes_per_token(model_path, dtype, trust_remote_code)
+    want = per_token * max(seqs * max_model_len, least)
+    return int(min(max(want, 64 << 20), max(4 * GIB, per_token * (max_model_len + 256))))
 
 
 def weight_bytes(model_path: str, dtype: str) -> int:

@@ -7,6 +7,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from core.errors import UserError
 
@@ -87,3 +88,14 @@ def _csv(text: str, name: str) -> tuple[list[str], list[str]]:
         else:
             texts.append(value)
     return texts, skipped
+
+
+def filler_ids(tokenizer: Any, n: int, length: int) -> list[list[int]]:
+    """n token-id sequences of exactly `length` ids (the tokenizer's BOS first, when it has one),
+    cut from the bundled English sentences: a load of realistic size for timing a model, the same
+    ids every time for the same tokenizer."""
+    lines = (Path(__file__).resolve().parent.parent / "data" / "sentences.txt").read_text().splitlines()
+    text = " ".join(lines) * (1 + n * length // 150)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return [bos + ids[i * 37 : i * 37 + length - len(bos)] for i in range(n)]

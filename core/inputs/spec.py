@@ -32,6 +32,7 @@ class RunSpec:
     bos: str = "auto"
     settings: EngineSettings = field(default_factory=EngineSettings)
     truncate: bool = False  # keep the first positions of a prompt longer than the model allows
+    noise_floor: bool = True  # measure each engine's own noise beside the gap (core.analysis.floors)
 
     def validate(self) -> None:
         """Checks that need no model: fail fast, before anything loads."""

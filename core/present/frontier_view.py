@@ -18,6 +18,8 @@ def frontier_frame(result: Any) -> pd.DataFrame:
         rows.append({"configuration": c["name"], "dtype": c["dtype"], "mean gap": c["ref_gap"]["mean"],
                      "largest gap": c["ref_gap"]["max"], "exact KL": c["ref_gap"]["kl_mean"],
                      "prefill tokens/s": c["tokens_per_s"]["prefill"], "generate tokens/s": c["tokens_per_s"]["generate"],
+                     "slowest": (c["tokens_per_s"].get("prefill_spread") or [c["tokens_per_s"]["prefill"]] * 2)[0],
+                     "fastest": (c["tokens_per_s"].get("prefill_spread") or [c["tokens_per_s"]["prefill"]] * 2)[1],
                      "on the front": bool(c.get("pareto"))})
     return pd.DataFrame(rows)
 
@@ -43,7 +45,10 @@ def scatter(result: Any) -> Any:
               for i, dy in ((0, 9), (1, -9))]
     front = alt.Chart(df[df["on the front"]].sort_values("prefill tokens/s")).mark_line(color="#111827", strokeDash=[2, 2]).encode(
         x=x, y=y, order="prefill tokens/s:Q")
-    layers = [front, points, *labels]
+    # each point's spread over the repeats: a horizontal bar from its slowest to its fastest
+    bars = alt.Chart(df).mark_rule(strokeWidth=2, opacity=0.6).encode(x="slowest:Q", x2="fastest:Q", y=y,
+                                                                     color=dtype_color_encoding(df["dtype"]))
+    layers = [front, bars, points, *labels]
     tol = result.tolerance.get("value")
     if tol:
         layers.append(alt.Chart(pd.DataFrame({"tolerance": [tol]})).mark_rule(color="#D55E00", strokeDash=[6, 4]).encode(y="tolerance:Q"))
@@ -52,7 +57,7 @@ def scatter(result: Any) -> Any:
         layers.append(alt.Chart(df[df["configuration"] == name]).mark_point(size=600, shape="circle", color="#009E73", strokeWidth=2)
                       .encode(x=x, y=y))
     return alt.layer(*layers, title="Accuracy against speed: the dashed line joins the configurations nothing beats on both "
-                                    "(named); hover a point for the others").properties(height=420, width=760)
+                                    "(named); bars span each one's repeats; hover a point for the others").properties(height=420, width=760)
 
 
 def frontier_report_html(result: Any) -> str:

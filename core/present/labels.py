@@ -4,7 +4,7 @@ table, the HTML report), so `max_abs_delta` never reaches a page."""
 from __future__ import annotations
 
 
-# The summary keys (core.analysis.metrics.summarize) in words, for tables people read.
+# The summary keys (core.results.metrics.summarize) in words, for tables people read.
 SUMMARY_LABELS = {
     "n_tokens": "tokens compared",
     "max_abs_delta": "largest gap |Δ logp|",
@@ -37,6 +37,12 @@ SUMMARY_LABELS = {
     "dp_mean": "mean Δp (vLLM − HF probability of the token)",
     "dp_rms": "RMS Δp",
     "ppl_ratio": "perplexity ratio PPL(vLLM) / PPL(HF)",
+    "hf_noise_mean": "HF's own noise, mean |Δ logp| (HF against itself, batched and padded)",
+    "hf_noise_max": "HF's own noise, largest |Δ logp|",
+    "vllm_noise_mean": "vLLM's own noise, mean |Δ logp| (vLLM alone against batched)",
+    "vllm_noise_max": "vLLM's own noise, largest |Δ logp|",
+    "noise_ratio": "the gap as a multiple of HF's own noise",
+    "noise_tokens": "tokens the noise was measured on",
 }
 
 
@@ -51,8 +57,10 @@ def summary_value(key: str, v: object) -> str:
     """One summary figure as people read it: counts whole, shares as percentages, gaps in e-notation."""
     if v is None:
         return "–"
-    if key == "n_tokens":
+    if key in ("n_tokens", "noise_tokens"):
         return f"{int(v):,}"
+    if key == "noise_ratio":
+        return f"{float(v):.3g}x"
     if key in SHARE_KEYS:
         return f"{float(v):.2%}"
     if key == "pearson_prob":

@@ -21,6 +21,7 @@ OTHER = "#6b7280"
 # verdict level -> (background, text), as in the dashboard's success / warning / error boxes
 LEVEL_COLOURS = {
     "match": ("#ecfdf5", "#065f46"),
+    "unmeasured": ("#eff6ff", "#1e3a8a"),
     "systematic": ("#fffbeb", "#92400e"),
     "close": ("#fffbeb", "#92400e"),
     "differs": ("#fef2f2", "#991b1b"),

@@ -12,7 +12,7 @@ from core.paths import write_text_atomic
 from core.present.charts import CHARTS, chart_frame, worst_tokens
 from core.present.labels import cell_text, summary_label, summary_value
 from core.present.render import token_view_html, verdict_html
-from core.analysis.verdict import run_verdicts
+from core.analysis.verdict import hf_noise_of, run_verdicts
 from core.results.records import DiagnosticsResult
 from core.results.run import Run
 
@@ -76,7 +76,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def diagnostics_section(diag: dict) -> str:
-    from core.analysis.diagnostics import ablation_table, biggest_knob, diagnostics_tables
+    from core.analysis.diagnostics import ablation_table, diagnostics_tables, knob_lines
 
     tables = diagnostics_tables(diag)
     tables["ablation"] = ablation_table(tables["ablation"])
@@ -91,9 +91,9 @@ def diagnostics_section(diag: dict) -> str:
     for key, title in titles.items():
         if tables[key]:
             parts.append(f"<h3>{_e(title)}</h3>{_table(tables[key])}")
-    knob = biggest_knob(list(diag.ablation))
-    if knob:
-        parts.append(f"<p>The knob that moves the gap most: {_e(knob['knob'])} ({_e(knob['dtype'])}, {knob['change']:+.3e})</p>")
+    knobs = knob_lines(list(diag.ablation))
+    if knobs:
+        parts.append("<p>Setting by setting:</p><ul>" + "".join(f"<li>{_e(k)}</li>" for k in knobs) + "</ul>")
     return "".join(parts)
 
 
@@ -143,8 +143,7 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
 
     if diagnostics:
         parts.append(diagnostics_section(diagnostics))
-    ids = {r.run_id for r in runs}
-    floors = {d: o.floor["hf"] for d, o in diagnostics.dtypes.items() if o.floor and o.run_id in ids} if diagnostics else None
+    floors = {d: x["floor"] for d, x in hf_noise_of(runs, diagnostics).items()} or None
     n = min(len(first.sequences), MAX_SEQUENCES)
     parts.append(f"<h2>Tokens</h2><p>Hover a token for both logprobs, ranks and top-5 lists. Showing {n} of {len(first.sequences)} prompts.</p>")
     for i in range(n):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from core.analysis.offpolicy import MIS_BAND, RATIO_BANDS, TIS_CAP
+from core.results.offpolicy import MIS_BAND, RATIO_BANDS, TIS_CAP
 from core.present.render import CSS, meaning_legend_html, meaning_scale
 from core.results.rollout import PAIRS, Rollout
 
@@ -220,7 +220,7 @@ def _df_html(df: pd.DataFrame) -> str:
 
 
 def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
-    from core.analysis.rollout import hf_floor
+    from core.results.rollout import hf_floor
     from core.present.report import _PAGE_CSS
     from core.present.render import verdict_html
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from core.analysis.metrics import TokenMetrics, summarize, token_metrics
+from core.results.metrics import TokenMetrics, summarize, token_metrics
 from core.errors import TokenMismatchError
 from core.results.records import SequenceInfo
-from core.results.scores import TokenScores
+from core.engines.scores import TokenScores
 
 SIDES = ("hf", "vllm")
 

@@ -132,7 +132,7 @@ class RolloutMeta:
     processed: str  # how decode_processed was obtained (its own pass, or equal to raw by definition)
     env: RunEnv
     timing: dict[str, Any]
-    summary: dict[str, dict[str, Any]]  # pair -> mismatch metrics (core.analysis.offpolicy)
+    summary: dict[str, dict[str, Any]]  # pair -> mismatch metrics (core.results.offpolicy)
     floors: dict[str, dict[str, Any]]  # noise floor name -> {"mean", "max", "n", "what", ...}
     samples: tuple[dict[str, Any], ...] = ()  # Sample.info() per sample
     verdict: dict[str, Any] = field(default_factory=dict)
@@ -204,7 +204,7 @@ class Rollout:
 
     def to_json_dict(self) -> dict[str, Any]:
         """The `--json` shape: per sample its ids and, per completion position, every logprob and Δ."""
-        from core.analysis.offpolicy import mismatch_metrics
+        from core.results.offpolicy import mismatch_metrics
 
         out = self.meta.to_dict()
         out["samples"] = []
@@ -228,13 +228,19 @@ class Rollout:
 
 def exact_stats(samples: Any) -> dict[str, float | None]:
     """llama.cpp's exact-KL and same-top statistics of the prefill_vs_hf pair over these samples'
-    completion tokens (core.analysis.metrics); None where a sample lacks them."""
-    from core.analysis.metrics import exact_kl_stats, same_top_stats
+    completion tokens (core.results.metrics); None where a sample lacks them."""
+    from core.results.metrics import exact_kl_stats, same_top_stats
 
     have = all(c in s.exact for s in samples for c in EXACT)
     kl = np.concatenate([s.exact["kl_full"] for s in samples]) if have and samples else np.array([np.nan])
     same = np.concatenate([s.exact["same_top"] for s in samples]) if have and samples else np.array([])
     return {**exact_kl_stats(kl), **same_top_stats(same[np.isfinite(same)] > 0.5 if np.isfinite(same).all() else np.array([]))}
+
+
+def hf_floor(meta: RolloutMeta) -> float | None:
+    """The trainer side's own noise: the largest mean of HF's floors."""
+    vals = [f["mean"] for f in meta.floors.values() if f.get("side") == "hf" and f.get("mean") is not None]
+    return max(vals) if vals else None
 
 
 def _num(x: Any) -> float | None:

@@ -13,8 +13,8 @@ import pandas as pd
 
 from core.errors import TokenMismatchError
 from core.results.records import RunMeta
-from core.analysis.metrics import TokenMetrics, summarize, token_metrics
-from core.results.scores import TokenScores
+from core.results.metrics import TokenMetrics, summarize, token_metrics
+from core.engines.scores import TokenScores
 
 SCHEMA_VERSION = 1
 SIDES = ("hf", "vllm")

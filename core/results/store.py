@@ -379,7 +379,7 @@ class Store:
         return self._by_prefix("frontiers", "frontier_id", prefix, "frontier", "frontiers")[0]
 
     def load_frontier(self, frontier_id: str) -> Any:
-        from core.analysis.frontier import FrontierResult
+        from core.results.frontier import FrontierResult
 
         full, expected = self._by_prefix("frontiers", "frontier_id", frontier_id, "frontier", "frontiers", ", sha256")
         return FrontierResult.from_dict(_checked_json(self.root / "frontiers" / f"{full}.json", expected, f"stored frontier {full}"))

@@ -7,6 +7,7 @@ import json
 import streamlit as st
 
 from core.analysis.frontier import Config, default_grid, frontier, frontier_table, parse_configs
+from core.engines.host import start_words
 from core.env import resolve_device
 from core.errors import UserError
 from core.inputs.prompts import SEED_TEXT
@@ -22,9 +23,10 @@ KEY = "frontier"
 def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
     blocked = engines_available()
     try:
-        grid = default_grid(resolve_device("auto"))
+        device = resolve_device("auto")
     except UserError:
-        grid = default_grid("cpu")
+        device = "cpu"
+    grid = default_grid(device)
     runnable = [c.name for c in grid if not c.skip]
     with st.form(f"{KEY}-form"):
         c1, c2 = st.columns([3, 2])
@@ -33,7 +35,7 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
         tol = c2.number_input("Tolerance: largest mean |Δ logp| to float64 (0: twice HF's own float32 gap, measured)",
                               0.0, 10.0, 0.0, format="%.2e", key=f"{KEY}-tol")
         text = st.text_area("Text", SEED_TEXT, key=f"{KEY}-text", height=80)
-        chosen = st.multiselect("Configurations (each starts its own vLLM engine: on a CPU about 20-60 s each)", runnable,
+        chosen = st.multiselect(f"Configurations (each starts its own vLLM engine: {start_words('vllm', device)})", runnable,
                                 default=runnable[:4], key=f"{KEY}-configs")
         extra = st.text_input("More configurations: a dtype and setting=value pairs, ';' between them",
                               key=f"{KEY}-extra", placeholder="float32 attention_backend=FLEX_ATTENTION; bfloat16 checkpoint=/path/to/its-gptq-checkpoint")
@@ -103,10 +105,16 @@ def show_frontier(result) -> None:
                  column_config={**{k: st.column_config.NumberColumn(format="%.3e") for k in
                                    ("mean |Δ logp| to float64", "max", "exact KL to float64", "HF in that dtype: mean |Δ|")},
                                 **{k: st.column_config.NumberColumn(format="localized", step=1) for k in
-                                   ("prefill tokens/s", "generate tokens/s")},
+                                   ("prefill tokens/s", "generate tokens/s", "KV bytes/token")},
+                                "weights GiB": st.column_config.NumberColumn(format="%.2f"),
                                 "engine start s": st.column_config.NumberColumn(format="%.1f")})
+    sp = result.speed or {}
+    how = (f"Speed: each configuration's vLLM engine, warm, on {sp['load']} of this model, timed {sp['repeats']} times: the "
+           "median, and the spread from the slowest to the fastest repeat; a configuration counts as faster only by more than "
+           "that spread. " if sp else "Speed: measured on the text above (stored before speeds were measured on a load). ")
     st.caption("Every configuration scored the same token ids; the reference is HF in float64. The exact KL sums over the "
-               "whole vocabulary. Prefill: scoring every token of the text; generate: greedy tokens a second.")
+               "whole vocabulary. " + how + "Prefill: scoring every token; generate: greedy tokens a second. Weights and KV "
+               "bytes a token: what the engine holds on the device (FP8 halves them).")
     c1, c2, _ = st.columns([1, 1, 4])
     c1.download_button("HTML report", lambda: frontier_report_html(result), f"frontier-{result.frontier_id}.html", "text/html",
                        icon=":material/download:", key="frontier-html")

@@ -14,7 +14,7 @@ from core.present.render import SCALES, token_view_html, windows
 from core.present.report import report_html
 from core.results.records import DiagnosticsResult
 from core.results.run import Run
-from core.analysis.verdict import Verdict, run_verdicts
+from core.analysis.verdict import Verdict, hf_noise_of, run_verdicts
 from dashboard.state import query_float, query_int, query_metric, set_query
 
 METRIC_LABELS = {k: s.label for k, s in SCALES.items()}
@@ -75,7 +75,8 @@ def metric_cards(runs: list[Run]) -> None:
             b.metric("whole-text Δ logp", _fmt(s["seq_logprob_delta"]), help=HELP["seq"])
 
 
-VERDICT_BOX = {"match": (st.success, ":material/check_circle:"), "systematic": (st.warning, ":material/insights:"),
+VERDICT_BOX = {"match": (st.success, ":material/check_circle:"), "unmeasured": (st.info, ":material/help:"),
+               "systematic": (st.warning, ":material/insights:"),
                "close": (st.warning, ":material/warning:"), "differs": (st.error, ":material/error:")}
 
 
@@ -91,13 +92,12 @@ def verdict_cards(verdicts: list[Verdict]) -> None:
 
 
 def noise_floors(runs: list[Run], found: DiagnosticsResult | None) -> dict | None:
-    """HF's own noise per dtype, from diagnostics stored for these runs (if any were run)."""
-    if not found:
+    """HF's own noise per dtype: from diagnostics stored for these runs, else the comparison's own."""
+    got = hf_noise_of(runs, found)
+    if not got:
         return None
-    outs = {d: o for d, o in found.dtypes.items() if o.run_id in {r.run_id for r in runs} and o.floor is not None}
-    if not outs:
-        return None
-    return {"hf": {d: o.floor["hf"] for d, o in outs.items()}, "ratios": {d: o.ratio_to_hf_noise for d, o in outs.items()}}
+    return {"hf": {d: x["floor"] for d, x in got.items()}, "ratios": {d: x["ratio"] for d, x in got.items()},
+            "source": {d: x["source"] for d, x in got.items()}}
 
 
 def _provenance(run: Run) -> str:
@@ -199,8 +199,9 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
                             window=window))
 
     if floors:
-        st.caption("Noise floor from stored diagnostics: " + " · ".join(
-            f"{d}: the gap is {r:.3g}× HF's own noise (batching, padding, attention)" for d, r in floors["ratios"].items() if r is not None))
+        st.caption("Noise floor: " + " · ".join(
+            f"{d}: the gap is {r:.3g}× HF's own noise ({floors['source'][d]})" if r is not None else
+            f"{d}: HF's own noise measured {floors['hf'][d]:.2g} ({floors['source'][d]})" for d, r in floors["ratios"].items()))
     df = chart_frame(runs, int(seq))
     tabs = st.tabs(["How big the gaps are", "vLLM against HF", "Gap along the text", "Gap against probability", "Worst 20 tokens",
                     "All prompts"])

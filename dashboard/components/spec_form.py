@@ -37,7 +37,8 @@ def follow_view(key: str, runs: list, with_text: bool) -> None:
     state = {f"{key}-preset": labels.get(asked, other), f"{key}-custom": "" if asked in labels else asked,
              f"{key}-revision": m.revision if asked not in labels and m.revision and not asked.startswith("/") else "",
              f"{key}-bos": m.bos, f"{key}-topk": int(m.top_k),
-             f"{key}-truncate": any(s.cut_from for s in m.sequences)}
+             f"{key}-truncate": any(s.cut_from for s in m.sequences),
+             f"{key}-noise": m.summary.get("hf_noise_mean") is not None}
     if with_text and m.sequences:
         state[f"{key}-text"] = m.sequences[0].text
     shown = {r.dtype for r in runs}
@@ -74,7 +75,11 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
             if col.checkbox(d, value=default, key=f"{key}-dt-{d}", disabled=why is not None, help=why or f"compare in {d}"):
                 chosen.append(d)
         top_k = dcols[-1].number_input("top-k", 1, MAX_TOP_K, 5, key=f"{key}-topk")
-        truncate = st.checkbox("Truncate prompts longer than the model's positions", False, key=f"{key}-truncate")
+        c4, c5 = st.columns(2)
+        truncate = c4.checkbox("Truncate prompts longer than the model's positions", False, key=f"{key}-truncate")
+        noise = c5.checkbox("Measure each engine's own noise too (about a tenth more time)", True, key=f"{key}-noise",
+                            help="HF against itself (batched and padded) and vLLM against itself (alone and batched), on the "
+                                 "first texts: the verdict then says whether the gap is more than noise.")
         st.caption("Backends: HF transformers and vLLM, on the same token ids.")
         with st.expander("Engine settings (recorded in the run id)"):
             values = settings_inputs(key)
@@ -104,5 +109,6 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
         bos=bos,
         settings=settings,
         truncate=truncate,
+        noise_floor=noise,
     )
     return spec, True

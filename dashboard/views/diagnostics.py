@@ -7,7 +7,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from core.analysis.diagnostics import MEAN, PARTS, ablation_table, diagnose, diagnostics_tables
+from core.analysis.diagnostics import MEAN, PARTS, ablation_table, diagnose, diagnostics_tables, knob_lines
 from core.analysis.verdict import diagnosis_verdicts
 from core.errors import UserError
 from core.present.palette import dtype_color_encoding
@@ -120,6 +120,7 @@ if result:
                     st.text(f"HF:   {g['hf_text']!r}\nvLLM: {g['vllm_text']!r}")
     if tables["ablation"]:
         st.markdown("**Setting by setting**: the gap (mean |Δ logp|) with one engine setting changed")
+        st.markdown("\n".join(f"- {line}" for line in knob_lines(list(result.ablation))))
         ab = pd.DataFrame(ablation_table(tables["ablation"]))
         st.dataframe(ab, hide_index=True, width="stretch", column_config=columns(ab))
         tried = ab.dropna(subset=[MEAN])

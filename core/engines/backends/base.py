@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from core.errors import UserError
-from core.results.scores import TokenScores
+from core.engines.scores import TokenScores
 from core.inputs.spec import EngineSettings
 
 BACKEND_REGISTRY: dict[str, str] = {
@@ -78,12 +78,9 @@ def load_backend_class(name: str) -> Any:
     LPP_FAKE_ENGINES=1 in the host's environment, the fake backend plays every role."""
     import os
 
+    role = None
     if os.environ.get(FAKE_ENV) == "1" and name in ("hf", "vllm"):
-        from functools import partial
-
-        from core.engines.backends.fake import FakeBackend
-
-        return partial(FakeBackend, role=name)
+        name, role = "fake", name  # the fake backend plays the role it stands in for
     try:
         target = BACKEND_REGISTRY[name]
     except KeyError:
@@ -93,7 +90,12 @@ def load_backend_class(name: str) -> Any:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise UserError(f"backend {name!r} is not installed ({exc.name} missing): {INSTALL_HINTS[name]}") from exc
-    return getattr(module, cls_name)
+    cls = getattr(module, cls_name)
+    if role is not None:
+        from functools import partial
+
+        return partial(cls, role=role)
+    return cls
 
 
 def apply_tf32(settings: EngineSettings) -> None:

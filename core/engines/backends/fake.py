@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from core.engines.backends.base import Backend
-from core.results.scores import TokenScores
+from core.engines.scores import TokenScores
 
 NOISE = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 3e-3, "float64": 0.0}
 

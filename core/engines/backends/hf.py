@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from core.engines import fullvocab
 from core.engines.backends.base import Backend, apply_tf32
-from core.results.scores import TokenScores
+from core.engines.scores import TokenScores
 from core.inputs.spec import EngineSettings
 
 
@@ -92,6 +92,33 @@ class HFBackend(Backend):
             lo = 0 if padding_side == "right" else width - len(ids)
             rows.append(logits[b, lo : lo + len(ids) - 1])
         return rows
+
+    @torch.inference_mode()
+    def bare_forward(self, sequences: list[list[int]], batch_size: int, top_k: int) -> float:
+        """Seconds a plain forward pass over these ids takes, `batch_size` sequences a pass (right-
+        padded with a mask when lengths differ), with the least a comparison needs from it: float32
+        log_softmax, the target's logprob and the top k. The benchmarks' yardstick for HF."""
+        import time
+
+        dev = self.device
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for lo in range(0, len(sequences), batch_size):
+            chunk = sequences[lo : lo + batch_size]
+            width = max(map(len, chunk))
+            x = torch.zeros((len(chunk), width), dtype=torch.long, device=dev)
+            mask = torch.zeros_like(x)
+            for b, ids in enumerate(chunk):
+                x[b, : len(ids)] = torch.as_tensor(ids, device=dev)
+                mask[b, : len(ids)] = 1
+            logits = self.model(input_ids=x, attention_mask=None if bool(mask.all()) else mask, use_cache=False).logits[:, :-1]
+            logits.topk(top_k, dim=-1)
+            for b in range(len(chunk)):  # a [batch, T, vocab] float32 copy at once would not fit for large models
+                torch.log_softmax(logits[b].float(), dim=-1).gather(1, x[b, 1:, None])
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
 
     @torch.inference_mode()
     def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -174,7 +201,8 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
-                      top_p: float = 1.0, chunk: int | None = None, full: str | None = None) -> list[dict[str, np.ndarray]]:
+                      top_p: float = 1.0, chunk: int | None = None, full: Any = None,
+                      tail: int | None = None) -> list[dict[str, np.ndarray]]:
         """The trainer's side of a rollout: teacher-forced logprobs of tokens [start, end) of each
         sequence (the completion), in passes of hf_batch_size sequences (default 1: no padding).
 
@@ -184,13 +212,14 @@ class HFBackend(Backend):
         temperature; 0 when nothing is cut), computed from the full distribution.
 
         chunk: feed each sequence `chunk` tokens at a time through the KV cache (1 = a per-token
-        incremental loop), for the trainer-side noise floors; only `logprob` is returned then.
+        incremental loop), for the trainer-side noise floors; only `logprob` is returned then, from the
+        completion's start or, with `tail`, for its last `tail` tokens (and `first`, where they start).
 
         full: the folder where vLLM's prefill left each sequence's full logprobs
         (core.engines.fullvocab); then also `kl_full`, the exact KL(HF || vLLM prefill) at each
         completion token. `top_id` is HF's most likely token there, always."""
         if chunk is not None:
-            return [self._incremental(ids, start, chunk) for ids, start in zip(sequences, starts)]
+            return [self._incremental(ids, start, chunk, tail) for ids, start in zip(sequences, starts)]
         bs = self.batch_size  # the hf_batch_size setting: 1 (default) = one sequence a pass, no padding
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
         cut = 0 < top_k or top_p < 1.0
@@ -227,19 +256,26 @@ class HFBackend(Backend):
             at += n
         return out  # type: ignore[return-value]
 
-    def _incremental(self, ids: list[int], start: int, chunk: int) -> dict[str, np.ndarray]:
-        """Teacher-forced logprobs of ids[start:] fed `chunk` tokens a forward through the KV cache."""
+    def _incremental(self, ids: list[int], start: int, chunk: int, tail: int | None = None) -> dict[str, np.ndarray]:
+        """Teacher-forced logprobs of ids[first:] fed `chunk` tokens a forward through the KV cache,
+        first = start, or with `tail` the last `tail` tokens only (what comes before them is fed in
+        one forward, which fills the cache as a trainer's prefix would): a per-token loop over a
+        whole long completion would cost more than the rollout it is the floor of."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        first = start if tail is None else max(start, len(ids) - tail)
         rows, past = [], None
-        for lo in range(0, len(ids), chunk):
-            hi = min(lo + chunk, len(ids))
+        # chunks of `chunk` from position 0, or with a tail: the prefix [0, first) at once, then chunks
+        bounds = list(range(0, len(ids), chunk)) if tail is None else [0, *range(first, len(ids), chunk)]
+        bounds = sorted(set(bounds)) + [len(ids)]
+        for lo, hi in zip(bounds, bounds[1:]):
             pos = torch.arange(lo, hi, device=self.device)[None]
             res = self.model(input_ids=x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=True)
             past = res.past_key_values
             rows.append(res.logits[0])
-        f32 = torch.cat(rows)[start - 1 : len(ids) - 1]
+        f32 = torch.cat(rows)[first - 1 : len(ids) - 1]
         f32 = f32 if f32.dtype == torch.float64 else f32.float()
-        return {"logprob": torch.log_softmax(f32, dim=-1).gather(1, x[0, start:, None])[:, 0].double().cpu().numpy()}
+        return {"logprob": torch.log_softmax(f32, dim=-1).gather(1, x[0, first:, None])[:, 0].double().cpu().numpy(),
+                "first": np.asarray(first)}
 
     def info(self) -> dict[str, Any]:
         dev = torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else "cpu"

@@ -12,7 +12,7 @@ from vllm.inputs import TokensPrompt
 
 from core.engines.backends.base import Backend, apply_tf32
 from core.engines.memory import engine_share, kv_cache_bytes
-from core.results.scores import TokenScores
+from core.engines.scores import TokenScores
 from core.inputs.spec import MAX_TOP_K, EngineSettings
 
 
@@ -73,6 +73,17 @@ class VLLMBackend(Backend):
             if full is not None:
                 fullvocab.end(full, [list(s) for s in sequences])
         return results
+
+    def bare_prefill(self, sequences: list[list[int]], top_k: int, flat: bool = True) -> float:
+        """Seconds one plain `LLM.generate(prompt_logprobs=top_k)` of these ids takes on this engine,
+        results unread: the yardstick the benchmarks hold our scoring against (same engine, same
+        settings, no host round trip, no parsing)."""
+        import time
+
+        params = SamplingParams(prompt_logprobs=top_k, max_tokens=1, temperature=0.0, detokenize=False, flat_logprobs=flat)
+        t = time.perf_counter()
+        self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params, use_tqdm=False)
+        return time.perf_counter() - t
 
     def share_rows(self, token: str) -> dict[str, Any]:
         """Handles to the full rows a `score(..., full={"tensors": token})` kept (fullvocab.share)."""
@@ -192,7 +203,31 @@ class VLLMBackend(Backend):
             "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
             "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
             "engine_kwargs": {k: v for k, v in self.engine_kwargs.items() if k not in ("model", "tokenizer")},
+            **self._memory(cfg),
         }
+
+    def _memory(self, cfg: Any) -> dict[str, Any]:
+        """What this engine holds: its weights' bytes (as loaded: FP8 weights are 1 byte a value) and
+        its KV cache's bytes per token (FP8 keys and values: 1 byte each) and in all."""
+
+        def weights(worker: Any) -> int:
+            model = worker.model_runner.model
+            return sum(t.numel() * t.element_size() for t in model.parameters())
+
+        try:
+            w = int(self.llm.collective_rpc(weights)[0])
+        except Exception:  # noqa: BLE001 - a runner without .model: left out, not a failed start
+            w = None
+        kv_dtype = str(cfg.cache_config.cache_dtype)
+        m = cfg.model_config
+        try:
+            per_elem = 1 if kv_dtype.startswith("fp8") else torch.empty(0, dtype=m.dtype).element_size()
+            heads = m.get_num_kv_heads(cfg.parallel_config)
+            per_token = 2 * m.get_num_layers(cfg.parallel_config) * heads * m.get_head_size() * per_elem
+        except Exception:  # noqa: BLE001
+            per_token = None
+        return {"weights_bytes": w, "kv_cache_dtype": kv_dtype, "kv_bytes_per_token": per_token,
+                "kv_cache_bytes": self.engine_kwargs.get("kv_cache_memory_bytes")}
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()

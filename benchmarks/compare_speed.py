@@ -1,0 +1,232 @@
+"""A comparison at the engines' own speed, with and without the exact KL, at production scale.
+
+    python benchmarks/compare_speed.py [--model tinyllama|llama8b|PATH] [--tokenizer PATH] [--prompts 64] [--tokens 512]
+        [--dtype bfloat16] [--hf-batch 32] [--parts speed,long,set] [--long-tokens 32000] [--set 1000x2048] [--out FILE]
+
+Parts, on warm engines (each started and used once before any timing):
+  speed  `compare` of P x L tokens without the exact KL and with it, against the bare engines on the
+         same ids: one plain `LLM.generate(prompt_logprobs=k)` in our vLLM host plus one plain batched
+         HF forward (float32 log_softmax, the target's logprob, the top k) in our HF host, both timed
+         inside the host (no socket, no parsing). Targets: compare <= 1.5x bare; with the exact KL
+         <= 1.25x without it; with it >= 20,000 tokens/s on the 1.1B shape (H200).
+  long   one text of --long-tokens tokens, end to end with the exact KL at every position, and the
+         token view of its worst window drawn (the page's cost for a long text).
+  set    N x L tokens (--set) with the exact KL at every position, in batches: tokens/s, batches,
+         and this process's peak memory.
+Models: tinyllama is TinyLlama-1.1B's shape, llama8b Llama-3.1-8B's (128,256-entry vocabulary),
+both random weights with the demo model's tokenizer (its ids are a subset of the vocabulary), built
+here. Results go to --out as they come (a run cut short keeps what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B).
+LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
+               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192})
+TARGETS = {"ratio": 1.5, "kl_ratio": 1.25, "kl_rate_1b": 20000.0}
+
+
+def build_llama8b(out: Path, tokenizer_path: str, device: str) -> str:
+    """Random weights (std 0.02) in bfloat16 with Llama-3.1-8B's config, saved as a plain HF folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    cfg = LlamaConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **LLAMA8B)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.save_pretrained(out, max_shard_size="5GB")
+    tok.save_pretrained(out)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return str(out)
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tinyllama", help="tinyllama (random 1.1B), llama8b (random 8B, 128k vocabulary), demo, or a folder")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for the random models (default: the demo model's)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--hf-batch", type=int, default=32, help="hf_batch_size of our HF engine and of the bare forward")
+    ap.add_argument("--parts", default="speed", help="speed,long,set")
+    ap.add_argument("--long-tokens", type=int, default=32000)
+    ap.add_argument("--set", default="1000x2048", help="N x L of the set part")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats of each speed measurement (the median is reported)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-speed-"))
+
+    import statistics
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.engines import Table, build_tinyllama, prompts_of
+    from core.analysis import request as request_mod
+    from core.analysis.compare import compare
+    from core.analysis.request import Context, prepare
+    from core.engines import fullvocab, pool
+    from core.env import device_name, resolve_device, versions
+    from core.inputs.models import resolve_model
+    from core.inputs.settings import EngineSettings
+    from core.inputs.spec import RunSpec
+    from core.results.store import Store
+
+    device = resolve_device("auto")
+    work = Path(tempfile.mkdtemp(prefix="lpp-speed-"))
+    tok_path = a.tokenizer or resolve_model(None).path
+    t = time.perf_counter()
+    if a.model == "tinyllama":
+        model = resolve_model(build_tinyllama(work / "tinyllama-1.1b-random", tok_path, device))
+    elif a.model == "llama8b":
+        model = resolve_model(build_llama8b(work / "llama-3.1-8b-shape-random", tok_path, device))
+    else:
+        model = resolve_model(None if a.model == "demo" else a.model)
+    built = time.perf_counter() - t
+    tok = AutoTokenizer.from_pretrained(model.path)
+    v = versions()
+    out = Path(a.out) if a.out else REPO / "benchmarks" / "results" / f"compare_speed_{a.model}_{device}.md"
+    table = Table(out, f"Device {device_name(device)} · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
+                       f"model {model.name} ({model.vocab_size:,}-entry vocabulary) · {a.dtype} · hf_batch_size {a.hf_batch} · "
+                       f"{os.cpu_count()} CPU cores · `python benchmarks/compare_speed.py {' '.join(sys.argv[1:])}`")
+    table.add("model built (random weights, saved) or found", f"{built:.1f} s")
+    settings = dataclasses.replace(EngineSettings(), hf_batch_size=a.hf_batch)
+    store = Store(work / "home")
+
+    def texts_of(n: int, length: int) -> tuple[str, ...]:
+        seqs = prompts_of(tok, n, length)
+        return tuple(tok.decode(s[1:] if s and s[0] == tok.bos_token_id else s) for s in seqs)
+
+    def run(texts: tuple[str, ...], kl: bool):
+        fullvocab.ENABLED = kl
+        try:
+            t = time.perf_counter()
+            (r,) = compare(RunSpec(texts=texts, model=model.path, dtypes=(a.dtype,), device=device, settings=settings),
+                           store=store, use_cache=False)
+            return r, time.perf_counter() - t
+        finally:
+            fullvocab.ENABLED = True
+
+    if "speed" in parts:
+        texts = texts_of(a.prompts, a.tokens)
+        t = time.perf_counter()
+        run(texts[:2], True)
+        table.add(f"speed: engines started and used once (two texts of {a.tokens} tokens)", f"{time.perf_counter() - t:.1f} s")
+        plain_t, kl_t, plain, with_kl = [], [], None, None
+        for _ in range(a.repeats):
+            plain, took = run(texts, False)
+            plain_t.append(took)
+            with_kl, took = run(texts, True)
+            kl_t.append(took)
+        n = plain.summary["n_tokens"]
+        assert with_kl.meta.env.vllm_engine["kl_full"].startswith("exact"), with_kl.meta.env.vllm_engine["kl_full"]
+        # the bare engines: the same hosts, the same ids, their plain calls timed inside them
+        spec = RunSpec(texts=texts, model=model.path, dtypes=(a.dtype,), device=device, settings=settings)
+        p = prepare(spec, Context.of(store=store))
+        vreq, hreq = p.load("vllm", a.dtype), p.load("hf", a.dtype)
+        with pool.POOL.lease([vreq, hreq]) as lease:
+            vh, hh = lease.host(vreq), lease.host(hreq)
+            vh.call("bare_prefill", p.seqs, spec.top_k, True)
+            hh.call("bare_forward", p.seqs, a.hf_batch, spec.top_k)
+            bare_v = [min(vh.call("bare_prefill", p.seqs, spec.top_k, flat) for flat in (True, False)) for _ in range(a.repeats)]
+            bare_h = [hh.call("bare_forward", p.seqs, a.hf_batch, spec.top_k) for _ in range(a.repeats)]
+        med = statistics.median
+        bare = med(bare_v) + med(bare_h)
+        t_plain, t_kl = med(plain_t), med(kl_t)
+        spread = lambda xs: f"{min(xs):.3f}-{max(xs):.3f} s"  # noqa: E731
+        table.add("speed: positions compared", f"{n:,} ({a.prompts} x {a.tokens} tokens)")
+        table.add("speed: bare vLLM prefill (prompt_logprobs=5, in our host, faster of flat/list logprobs)",
+                  f"{med(bare_v):.3f} s (of {a.repeats}: {spread(bare_v)})")
+        table.add(f"speed: bare HF forward (batch {a.hf_batch}, float32 log_softmax, target, top 5, in our host)",
+                  f"{med(bare_h):.3f} s (of {a.repeats}: {spread(bare_h)})")
+        table.add("**speed: compare without the exact KL**",
+                  f"**{t_plain:.3f} s = {n / t_plain:,.0f} tokens/s = {t_plain / bare:.2f}x bare** (target <= {TARGETS['ratio']}x: "
+                  f"{'met' if t_plain / bare <= TARGETS['ratio'] else 'NOT met'}; of {a.repeats}: {spread(plain_t)})")
+        table.add("  of it vLLM / HF scoring (host round trips included)",
+                  f"{plain.meta.timing['vllm_score_s']:.3f} s / {plain.meta.timing['hf_score_s']:.3f} s")
+        table.add("**speed: compare with the exact KL at every position**",
+                  f"**{t_kl:.3f} s = {n / t_kl:,.0f} tokens/s = {t_kl / t_plain:.2f}x without it** (target <= {TARGETS['kl_ratio']}x: "
+                  f"{'met' if t_kl / t_plain <= TARGETS['kl_ratio'] else 'NOT met'}; of {a.repeats}: {spread(kl_t)}; "
+                  f"{with_kl.meta.env.vllm_engine['kl_full']}, {with_kl.meta.env.vllm_engine.get('kl_transport')})")
+        if a.model == "tinyllama":
+            rate = n / t_kl
+            table.add("speed: exact-KL rate against the 1.1B target", f"{rate:,.0f} tokens/s (target >= {TARGETS['kl_rate_1b']:,.0f}: "
+                                                                      f"{'met' if rate >= TARGETS['kl_rate_1b'] else 'NOT met'})")
+        s = with_kl.summary
+        table.add("speed: exact KL mean ± err, max; same top token", f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, "
+                                                                     f"{s['kl_full_max']:.4e}; {s['same_top_p']:.4f}")
+    if "long" in parts or "set" in parts:
+        # one engine pair for both parts: the longest text's max_model_len for every request here
+        longest = max(a.long_tokens if "long" in parts else 0, int(a.set.split("x")[1]) if "set" in parts else 0)
+        fixed = request_mod.model_max_len(longest, model.max_positions)
+        request_mod.model_max_len = lambda n, m, fixed=fixed: fixed  # type: ignore[assignment]
+    if "long" in parts:
+        (text,) = texts_of(1, a.long_tokens)
+        t = time.perf_counter()
+        run(texts_of(1, 64), True)
+        table.add(f"long: engines for {fixed:,}-token contexts started and used once", f"{time.perf_counter() - t:.1f} s")
+        r, took = run((text,), True)
+        n = r.summary["n_tokens"]
+        import numpy as np
+
+        kl = r.sequences[0].metrics.kl_full[1:]
+        table.add(f"**long: one {n + 1:,}-token text with the exact KL**",
+                  f"**{took:.1f} s = {n / took:,.0f} tokens/s; exact KL at {int(np.isfinite(kl).sum()):,} of {n:,} positions** "
+                  f"({r.meta.env.vllm_engine['kl_full']}); {n * model.vocab_size * 4 / 1e9:.1f} GB of float32 rows; "
+                  f"mean |Δ logp| {r.summary['mean_abs_delta']:.3e}, KL mean {r.summary['kl_full_mean']}")
+        from core.present.render import token_view_html, windows
+
+        back = store.load(r.run_id)
+        t = time.perf_counter()
+        parts_w = windows([back], 0, 512)
+        html = token_view_html([back], 0, window=parts_w[0][:2])
+        table.add("long: reopen and draw its worst 512-token window (the page's token view)",
+                  f"{time.perf_counter() - t:.2f} s ({len(parts_w)} windows, {len(html) / 1e6:.1f} MB of HTML)")
+    if "set" in parts:
+        n_set, l_set = (int(x) for x in a.set.split("x"))
+        texts = texts_of(n_set, l_set)
+        t = time.perf_counter()
+        run(texts[:2], True)
+        table.add("set: engines ready", f"{time.perf_counter() - t:.1f} s")
+        r, took = run(texts, True)
+        n = r.summary["n_tokens"]
+        table.add(f"**set: {n_set:,} x {l_set:,} tokens with the exact KL**",
+                  f"**{took:.1f} s = {n / took:,.0f} tokens/s; {r.meta.timing['batches']} batches; exact KL "
+                  f"{'at every position' if r.summary['kl_full_mean'] is not None else 'MISSING: ' + r.meta.env.vllm_engine['kl_full']}**; "
+                  f"{n * model.vocab_size * 4 / 1e12:.2f} TB of float32 rows in all; peak memory of this process {peak_rss_gb():.2f} GB")
+        s = r.summary
+        if s["kl_full_mean"] is not None:
+            table.add("set: exact KL mean ± err, p99, max", f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, "
+                                                            f"{s['kl_full_p99']:.4e}, {s['kl_full_max']:.4e}")
+    pool.shutdown_all()
+    print("\n" + table.text())
+
+
+if __name__ == "__main__":
+    main()
