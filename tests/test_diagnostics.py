@@ -28,8 +28,15 @@ def test_noise_floor(demo_diag):
     _, r = demo_diag
     f32, bf16 = r.dtypes["float32"], r.dtypes["bfloat16"]
     for out in (f32, bf16):
-        assert set(out.noise) == {"hf_batched_right_padding", "hf_batched_left_padding", "vllm_alone_vs_batched", "vllm_repeat", "hf_attn_eager"}
+        assert set(out.noise) == {"hf_batched_right_padding", "hf_batched_left_padding", "vllm_alone_vs_batched", "vllm_repeat",
+                                  "hf_attn_eager", "hf_chunked", "hf_incremental"}
         assert all(v["n"] == 29 for v in out.noise.values())
+    # the trainer-style rows are in the noise table, in words
+    from core.analysis.diagnostics import diagnostics_tables
+
+    whats = {row["what"] for row in diagnostics_tables(r)["noise"]}
+    assert any("one token a forward through its KV cache" in w for w in whats)
+    assert any("tokens a forward through its KV cache, as trainers score in chunks" in w for w in whats)
         assert out.floor["hf"] >= 0 and out.floor["vllm"] >= 0
     assert f32.floor["hf"] < 1e-3  # float32 noise is tiny
     assert bf16.gap["mean"] > 10 * f32.gap["mean"]

@@ -282,3 +282,20 @@ def test_an_8b_shaped_model_scores_a_32k_token_text_with_the_exact_kl(store, tmp
             f"exact KL at {kl.size:,} positions, mean {run.summary['kl_full_mean']:.3e} | worst window drawn in {drawn:.2f} s |")
     (RESULTS.with_name(RESULTS.stem + "-long.md")).write_text(line + "\n")
     print(line)
+
+
+def test_compare_verdict_equals_the_diagnostics_level_in_float32(gpu_model, store):
+    """A comparison judges its gap against the noise floor it measures itself; on the card in float32
+    its verdict has the level the full Diagnostics give (the gap is many times HF's own noise there)."""
+    from core.analysis.diagnostics import diagnose
+    from core.analysis.verdict import diagnosis_verdicts, run_verdicts
+
+    spec = RunSpec(texts=(SENTENCES[0],), model=gpu_model, dtypes=("float32",), device="cuda")
+    (run,) = compare(spec, store=store, use_cache=False)
+    assert run.summary["hf_noise_mean"] is not None and run.summary["noise_tokens"] > 0
+    (own,) = run_verdicts([run])  # the comparison's own floor only, as the Compare page and the CLI give it
+    diag = diagnose(spec, store=store, parts=("noise",))
+    full = diagnosis_verdicts(diag)["float32"]
+    print(f"compare: {own.level} ({run.summary['noise_ratio']}x); diagnostics: {full.level} "
+          f"({diag.dtypes['float32'].ratio_to_hf_noise}x)")
+    assert own.level == full.level and own.level != "unmeasured"

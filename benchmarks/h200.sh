@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The H200 measurements of the production-scale work, one part per device call (each under 10 minutes),
+# run from the project root after `source .gpu/setup.sh` (../shared/gpu/README.md). Results go to $OUT
+# (default: benchmarks/results/h200-run). Parts share /root/models between calls on the same machine.
+#   bash benchmarks/h200.sh tests     IPC exact-KL test, Compare-vs-Diagnostics verdict test, 1.1B compare speed
+#   bash benchmarks/h200.sh rollout   rollout cost against the bare path, and its noise floors
+#   bash benchmarks/h200.sh 8b        8B shape: a 32,000-token text (GPU test), compare speed
+#   bash benchmarks/h200.sh set       8B shape: 1,000 x 2,048 tokens with the exact KL
+#   bash benchmarks/h200.sh frontier  the demo model's frontier on the default GPU grid (speed on 64 x 512)
+set -uo pipefail
+OUT=${OUT:-benchmarks/results/h200-run}
+mkdir -p "$OUT" /root/models
+export PYTHONUNBUFFERED=1 LPP_GPU_RESULTS="$OUT/gpu.md" LOGPROB_PARITY_HOME=/root/lpp-home
+TOK=/tmp/models/smollm2-135m
+B8=/root/models/llama-3.1-8b-shape
+build8b() {
+  [ -f "$B8/config.json" ] || python -c "
+from pathlib import Path; from benchmarks.compare_speed import build_llama8b
+build_llama8b(Path('$B8'), '$TOK', 'cuda')" 2>&1 | tail -3
+}
+case "${1:-}" in
+  tests)
+    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py -k "ipc or verdict_equals" 2>&1 | tail -15 | tee "$OUT/tests.log"
+    python benchmarks/compare_speed.py --model tinyllama --tokenizer $TOK --out "$OUT/compare_speed_1b.md" 2>&1 | tail -16 ;;
+  rollout)
+    python benchmarks/rollout.py --model $TOK --hf-batch-size 16 --out "$OUT/rollout.md" 2>&1 | tail -25 ;;
+  8b)
+    build8b
+    LPP_GPU_8B=$B8 python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py -k "32k" 2>&1 | tail -8 | tee "$OUT/tests-8b.log"
+    python benchmarks/compare_speed.py --model $B8 --out "$OUT/compare_speed_8b.md" 2>&1 | tail -14 ;;
+  set)
+    build8b
+    python benchmarks/compare_speed.py --model $B8 --parts set --set 1000x2048 --hf-batch 8 --out "$OUT/set_8b.md" 2>&1 | tail -8 ;;
+  frontier)
+    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py -k "frontier" -s 2>&1 | tail -40 | tee "$OUT/frontier.log" ;;
+  *) echo "usage: $0 tests|rollout|8b|set|frontier" >&2; exit 2 ;;
+esac
