@@ -100,7 +100,7 @@ def main() -> None:
 
     device = resolve_device("auto")
     work = Path(tempfile.mkdtemp(prefix="lpp-speed-"))
-    tok_path = a.tokenizer or resolve_model(None).path
+    tok_path = a.tokenizer or (resolve_model(None).path if a.model in ("tinyllama", "llama8b") else a.model)
     t = time.perf_counter()
     if a.model == "tinyllama":
         model = resolve_model(build_tinyllama(work / "tinyllama-1.1b-random", tok_path, device))

@@ -37,6 +37,7 @@ def test_noise_floor(demo_diag):
     whats = {row["what"] for row in diagnostics_tables(r)["noise"]}
     assert any("one token a forward through its KV cache" in w for w in whats)
     assert any("tokens a forward through its KV cache, as trainers score in chunks" in w for w in whats)
+    for out in (f32, bf16):
         assert out.floor["hf"] >= 0 and out.floor["vllm"] >= 0
     assert f32.floor["hf"] < 1e-3  # float32 noise is tiny
     assert bf16.gap["mean"] > 10 * f32.gap["mean"]
@@ -110,7 +111,8 @@ def test_dashboard_shows_diagnostics(demo_diag, monkeypatch):
     at2.query_params["runs"] = ",".join(r.run_ids.values())
     at2.run()
     assert not at2.exception
-    assert any("HF's own noise (batching, padding, attention)" in c.value for c in at2.caption)
+    assert any("HF's own noise (batching, padding, attention, scoring through the KV cache: stored diagnostics)" in c.value
+               for c in at2.caption)
     st.cache_resource.clear()
 
 

@@ -6,6 +6,7 @@ import datetime as dt
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict
 from typing import Any
@@ -205,16 +206,23 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
             reused += 1
             continue
         t_b = time.perf_counter()
-        scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, len(batches),
-                                                    with_floor=spec.noise_floor and b == 0)
+        # the texts' token names and pieces are made while the engines score (no engine waits on them)
+        described = _BESIDE.submit(lambda lo=lo, hi=hi: [p.tokenized(i) for i in range(lo, hi)])
+        scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, len(batches))
         infos = infos or info_b["engines"]
-        floor = floor or info_b.get("floor")
+        floor_job = _BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores) if spec.noise_floor and b == 0 else None
+        try:
+            table, part_infos, m = batch_table(described.result(), scores["hf"], scores["vllm"], p.decode_many, lo)
+        finally:  # the engines measured their own noise while this process built the table (never left running)
+            measured = floor_job.result() if floor_job is not None else None
+        if measured is not None:
+            floor, info_b["timing"]["noise_s"] = measured
+            info_b["floor"] = floor
         for k in timing:
             timing[k] += info_b["timing"].get(k, 0.0)
         if why_b:
             kl_why[why_b] = kl_why.get(why_b, 0) + 1
         via.update(via_b)
-        table, part_infos, m = batch_table([p.tokenized(i) for i in range(lo, hi)], scores["hf"], scores["vllm"], p.decode_many, lo)
         seq_infos.extend(part_infos)
         if many:
             store.save_part(rid, b, table, {"lo": lo, "hi": hi, "ids": digest, "sequences": [asdict(x) for x in part_infos],
@@ -275,11 +283,30 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
     return Run(meta=meta, sequences=StoredSequences(store.path_of(rid), meta.sequences))
 
 
+def _measure_floor(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]],
+                   scores: dict[str, list[Any]]) -> tuple[dict[str, Any], float]:
+    """Each engine's own noise on a scored batch's first texts (core.analysis.floors), on a device
+    turn of its own: (the floor, seconds)."""
+    ctx, spec = p.ctx, p.spec
+    vreq, hreq = requests
+    vhost, hhost = lease.host(vreq), lease.host(hreq)
+    t = time.perf_counter()
+    with ctx.pool.device_turn(ctx.waiter(dtype), what="the noise floor"):
+        ctx.emit("noise", dtype, f"each engine against itself on {floors.sample_of(seqs)} of the texts (batched, padded, alone)")
+        others = floors.other_prompts(p.tokenizer, spec.bos, vreq.max_model_len)
+        floor = lease.call(vreq, lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size))
+    return floor, time.perf_counter() - t
+
+
+# Work done beside the engines: describing a batch's texts while they score it, and measuring the
+# noise floor while this process builds the batch's table.
+_BESIDE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lpp-beside")
+
+
 def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], b: int,
-                 n_batches: int, with_floor: bool = False) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
-    """Both engines on one batch, on one device turn, with the exact KL by this device's transport
-    and, with_floor, each engine's own noise on the batch's first texts (core.analysis.floors):
-    (scores per backend, {"engines", "timing", "floor"}, why the KL is missing or None, the vLLM runner)."""
+                 n_batches: int) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
+    """Both engines on one batch, on one device turn, with the exact KL by this device's transport:
+    (scores per backend, {"engines", "timing"}, why the KL is missing or None, the vLLM runner)."""
     ctx, spec = p.ctx, p.spec
     vreq, hreq = requests  # BACKEND_ORDER
     timing: dict[str, float] = {}
@@ -310,17 +337,8 @@ def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seq
             t = time.perf_counter()
             scores["hf"] = lease.call(hreq, lambda: hhost.score(seqs, spec.top_k, gather, None, "right", ex.hf_source))
             timing["hf_score_s"] = time.perf_counter() - t
-            ex.close(vhost)
-            floor = None
-            if with_floor:
-                n = floors.sample_of(seqs)
-                ctx.emit("noise", dtype, f"each engine against itself on {n} of the texts (batched, padded, alone)")
-                t = time.perf_counter()
-                others = floors.other_prompts(p.tokenizer, spec.bos, vreq.max_model_len)
-                floor = lease.call(vreq, lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size))
-                timing["noise_s"] = time.perf_counter() - t
     finally:
         ex.close(vhost)
-    return scores, {"engines": engines, "timing": timing, "floor": floor}, ex.why, {ex.runner} if ex.runner else set()
+    return scores, {"engines": engines, "timing": timing}, ex.why, {ex.runner} if ex.runner else set()
 
 

@@ -219,7 +219,7 @@ def hf_noise_of(runs: list[Any], diagnostics: Any = None) -> dict[str, dict[str,
         ev = evidence_for(r.dtype, r.run_id, diagnostics)
         if ev.hf_noise is not None:
             out[r.dtype] = {"floor": ev.hf_noise, "ratio": ev.noise_ratio,
-                            "source": "batching, padding, attention: stored diagnostics"}
+                            "source": "batching, padding, attention, scoring through the KV cache: stored diagnostics"}
         elif r.summary.get("hf_noise_mean") is not None:
             out[r.dtype] = {"floor": r.summary["hf_noise_mean"], "ratio": r.summary.get("noise_ratio"),
                             "source": "batching and padding, measured with this comparison"}

@@ -137,6 +137,9 @@ def decode_pieces(tokenizer: Any, ids: list[int], window: int = 8) -> list[str]:
     n = len(ids)
     if n == 0:
         return []
+    fast = _byte_level_pieces(tokenizer, ids)
+    if fast is not None and "".join(fast) == tokenizer._tokenizer.decode(ids, skip_special_tokens=False):
+        return fast
     dec = batch_decoder(tokenizer)
     los = [max(0, t - window) for t in range(n)]
     texts = dec([ids[lo : t + 1] for t, lo in enumerate(los)] + [ids[lo:t] for t, lo in enumerate(los)] + [ids])
@@ -163,6 +166,63 @@ def decode_pieces(tokenizer: Any, ids: list[int], window: int = 8) -> list[str]:
         if joined == whole:
             return pieces  # type: ignore[return-value]
     return exact_pieces(tokenizer, ids)
+
+
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> the byte it stands for (the ByteLevel decoder's map)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_OF = _byte_table()
+
+
+def _byte_level_pieces(tokenizer: Any, ids: list[int]) -> list[str] | None:
+    """Pieces without decoding any text, for byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM, Qwen):
+    each token is a fixed run of bytes, so the text each one adds is what an incremental UTF-8 decoder
+    yields on its bytes ("" while a character is incomplete, the character on the token completing it).
+    None when the tokenizer is not purely byte-level; the caller checks the pieces join to its decode."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import decoders
+
+        if rust is None or not isinstance(rust.decoder, decoders.ByteLevel) or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            return None
+    except ImportError:
+        return None
+    import codecs
+
+    special = getattr(tokenizer, "_lpp_added", None)
+    if special is None:  # the added tokens (<s>, <|im_start|>, ...) are plain text, not byte runs
+        special = {int(i): t for t, i in tokenizer.get_added_vocab().items()}
+        tokenizer._lpp_added = special
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    out, carry = [], ""  # carry: text of tokens that ended inside a character, shown with the one completing it
+    for i in ids:
+        t = special.get(i) or rust.id_to_token(i)
+        if t is None:
+            return None
+        try:
+            raw = bytes(_BYTE_OF[c] for c in t) if i not in special else t.encode("utf-8")
+        except KeyError:
+            raw = t.encode("utf-8")
+        carry += dec.decode(raw)
+        if dec.getstate()[0]:  # bytes of an unfinished character wait in the decoder
+            out.append("")
+        else:
+            out.append(carry)
+            carry = ""
+    rest = carry + dec.decode(b"", final=True)
+    if rest:
+        out[-1] += rest
+    return out
 
 
 def exact_pieces(tokenizer: Any, ids: list[int]) -> list[str]:

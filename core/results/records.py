@@ -71,9 +71,15 @@ class RunMeta:
     sequences: tuple[SequenceInfo, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        """What dataclasses.asdict gives, built field by field: asdict copies every value of every
+        sequence's summary recursively, which took longer than writing a 10,000-prompt run."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["env"] = asdict(self.env)
         d["backends"] = list(self.backends)
-        d["sequences"] = [asdict(s) for s in self.sequences]
+        d["settings"], d["timing"], d["summary"] = dict(self.settings), dict(self.timing), dict(self.summary)
+        d["model_identity"] = dict(self.model_identity)
+        names = [f.name for f in fields(SequenceInfo)]
+        d["sequences"] = [{**{n: getattr(s, n) for n in names}, "summary": dict(s.summary)} for s in self.sequences]
         return d
 
     @classmethod
