@@ -4,6 +4,7 @@
 # (default: benchmarks/results/h200-run). Parts share /root/models between calls on the same machine.
 #   bash benchmarks/h200.sh tests     IPC exact-KL test, Compare-vs-Diagnostics verdict test, 1.1B compare speed
 #   bash benchmarks/h200.sh rollout   rollout cost against the bare path, and its noise floors
+#   bash benchmarks/h200.sh again     the 1.1B compare speed again, and where the rollout's HF side spends its time
 #   bash benchmarks/h200.sh 8b        8B shape: a 32,000-token text (GPU test), compare speed
 #   bash benchmarks/h200.sh set       8B shape: 1,000 x 2,048 tokens with the exact KL
 #   bash benchmarks/h200.sh frontier  the demo model's frontier on the default GPU grid (speed on 64 x 512)
@@ -24,6 +25,9 @@ case "${1:-}" in
     python benchmarks/compare_speed.py --model tinyllama --tokenizer $TOK --out "$OUT/compare_speed_1b.md" 2>&1 | tail -16 ;;
   rollout)
     python benchmarks/rollout.py --model $TOK --hf-batch-size 16 --out "$OUT/rollout.md" 2>&1 | tail -25 ;;
+  again)
+    python benchmarks/compare_speed.py --model tinyllama --tokenizer $TOK --repeats 2 --out "$OUT/compare_speed_1b.md" 2>&1 | tail -18
+    LPP_HF_TIMING=1 python benchmarks/rollout_probe.py --model $TOK --out "$OUT/rollout_probe.txt" 2>&1 | tail -16 ;;
   8b)
     build8b
     LPP_GPU_8B=$B8 python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py -k "32k" 2>&1 | tail -8 | tee "$OUT/tests-8b.log"

@@ -61,7 +61,8 @@ def measure(vllm: Any, hf: Any, seqs: list[list[int]], scores: dict[str, list[An
     sample = [list(s) for s in seqs[:n]]
     main_v = [s.logprob for s in scores["vllm"][:n]]
     main_h = [s.logprob for s in scores["hf"][:n]]
-    v_alone = [s.logprob for s in vllm.score(sample, 1, None, 1)]
+    # one text alone was already scored alone: the batched-with-others call is its floor then
+    v_alone = [s.logprob for s in vllm.score(sample, 1, None, 1)] if len(seqs) > 1 else main_v
     v_batched = [s.logprob for s in vllm.score(sample + others, 1)[:n]]
     if hf_batch_size > 1:  # the comparison batched HF: its floor is one sequence a pass
         h_other, how = [s.logprob for s in hf.score(sample, 1, None, 1)], "one sequence a pass"

@@ -223,11 +223,14 @@ class HFBackend(Backend):
         bs = self.batch_size  # the hf_batch_size setting: 1 (default) = one sequence a pass, no padding
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
         cut = 0 < top_k or top_p < 1.0
+        clock = _Clock(self.device)
         vrows = None if full is None else fullvocab.open_rows(full)
+        clock.lap("open_rows")
         got: list[torch.Tensor] = []  # per pass: [rows, 5] float64 on the device, read back once at the end
         for lo in range(0, len(order), bs):
             idx = order[lo : lo + bs]
             rows = self._forward([sequences[i] for i in idx], "right")
+            clock.lap("forward")
             block = torch.cat([r[starts[i] - 1 :] for i, r in zip(idx, rows)])
             target = torch.tensor([t for i in idx for t in sequences[i][starts[i] :]], dtype=torch.long, device=block.device)
             # vLLM's rows of the same positions (row t-1 predicts token t on both sides)
@@ -244,7 +247,10 @@ class HFBackend(Backend):
                       else fullvocab.kl_rows(lp, _rows_of(refs, a, a + lp.shape[0])))
                 got.append(torch.stack([lp.gather(1, tgt)[:, 0].double(), scaled.gather(1, tgt)[:, 0].double(), kept.double(),
                                         kl, lp.argmax(dim=-1).double()], 1))
+            clock.lap("logprobs and KL")
         flat = torch.cat(got).cpu().numpy() if got else np.zeros((0, 5))
+        clock.lap("read back")
+        clock.report("rollout_score", sum(len(sequences[i]) - starts[i] for i in order))
         out: list[dict[str, np.ndarray] | None] = [None] * len(sequences)
         at = 0
         for i in order:
@@ -287,6 +293,34 @@ class HFBackend(Backend):
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
         }
+
+
+class _Clock:
+    """Where one call's time goes, by phase (the GPU synchronised at each lap), printed to the host's
+    log when LPP_HF_TIMING=1; nothing is measured otherwise."""
+
+    def __init__(self, device: str) -> None:
+        import os
+        import time
+
+        self.on = os.environ.get("LPP_HF_TIMING") == "1"
+        self.cuda = device.startswith("cuda")
+        self.spent: dict[str, float] = {}
+        self._time = time.perf_counter
+        self.t = self._time()
+
+    def lap(self, name: str) -> None:
+        if not self.on:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = self._time()
+        self.spent[name] = self.spent.get(name, 0.0) + now - self.t
+        self.t = now
+
+    def report(self, what: str, tokens: int) -> None:
+        if self.on:
+            print(f"[lpp-timing] {what} {tokens} tokens: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.spent.items()), flush=True)
 
 
 def _rows_of(parts: list[Any], a: int, b: int) -> Any:
