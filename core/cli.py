@@ -130,10 +130,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     dtypes = spec.dtypes
     t0 = time.perf_counter()
     # the bar counts tokens scored, over every dtype: its rate and time left are tokens/s and the rest
-    bar = tqdm(total=None, desc="compare", unit="tok", unit_scale=True, file=sys.stderr, disable=args.quiet, smoothing=0.1)
+    # a bar where a person watches a terminal; piped output (CI, logs) gets the event lines alone
+    bar = tqdm(total=None, desc="compare", unit="tok", unit_scale=True, file=sys.stderr, smoothing=0.1,
+               disable=args.quiet or not sys.stderr.isatty())
     done: dict[str, int] = {}
 
     def on_event(stage: str, dtype: str | None, detail: str) -> None:
+        if args.quiet:
+            return
         bar.set_description(f"{stage}{f' [{dtype}]' if dtype else ''}")
         bar.write(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
 

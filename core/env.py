@@ -26,6 +26,13 @@ def dist_version(*names: str) -> str | None:
 
 
 def versions() -> dict[str, str | None]:
+    """The libraries whose versions enter every run id. Read once a process (each lookup scans the
+    installed packages' metadata: a tenth of a second a comparison, asked several times)."""
+    return dict(_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict[str, str | None]:
     return {
         "torch": dist_version("torch"),
         "transformers": dist_version("transformers"),

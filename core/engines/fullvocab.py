@@ -429,11 +429,11 @@ def batch_bytes(device: str) -> int:
     if os.environ.get(GPU_ROWS_ENV):
         return int(os.environ[GPU_ROWS_ENV])
     if device.startswith("cuda"):
-        from core.engines.memory import gpus
+        from core.engines.memory import gpu_totals
 
-        cards = gpus()
-        if cards:
-            return int(0.15 * min(c.total for c in cards))
+        totals = gpu_totals()
+        if totals:
+            return int(0.15 * min(totals))
     return MAX_BYTES
 
 

@@ -99,7 +99,7 @@ def engine_bytes(backend: str, model_path: str, dtype: str, device: str, max_mod
 def engine_share(model_path: str, dtype: str, max_model_len: int, settings: Any) -> float:
     """gpu_memory_utilization for a vLLM engine whose KV cache is sized explicitly: vLLM only checks
     at start that this share of the card is free, so ask for what the engine will really take."""
-    total = min((g.total for g in gpus()), default=0)
+    total = min(gpu_totals(), default=0)
     if not total:
         return 0.9
     need = engine_bytes("vllm", model_path, dtype, "cuda", max_model_len, settings)
@@ -131,6 +131,18 @@ def gpus() -> list[GPU]:
         idx, name, total, free = (p.strip() for p in line.split(","))
         found.append(GPU(int(idx), name, int(total) << 20, int(free) << 20))
     return found
+
+
+@lru_cache(maxsize=1)
+def gpu_cards() -> tuple[GPU, ...]:
+    """The GPUs as nvidia-smi listed them the first time this process asked (calling it takes a tenth
+    of a second): for what does not change, their number, names and total memory, never free memory."""
+    return tuple(gpus())
+
+
+def gpu_totals() -> tuple[int, ...]:
+    """Each GPU's total memory (gpu_cards)."""
+    return tuple(g.total for g in gpu_cards())
 
 
 def free_bytes(device: str) -> int:

@@ -33,7 +33,7 @@ def resolve(settings: EngineSettings, model_path: str, dtype: str, device: str,
         if (tp or 1) > 1 or (pp or 1) > 1 or dmap:
             raise UserError("tensor/pipeline parallelism and hf_device_map='auto' need GPUs; this run is on the CPU")
         return dataclasses.replace(settings, tensor_parallel_size=1, pipeline_parallel_size=1)
-    cards = memory.gpus() if cards is None else cards
+    cards = memory.gpu_cards() if cards is None else cards
     n = max(len(cards), 1)
     if (tp or 1) * (pp or 1) > n and not ray:  # a Ray cluster may hold more GPUs than this machine
         raise UserError(f"tensor_parallel_size x pipeline_parallel_size = {(tp or 1) * (pp or 1)}, "

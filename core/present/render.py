@@ -279,13 +279,13 @@ def token_view_html(runs: list[Run], seq_index: int, metric: str = "abs_delta", 
 
 def windows(runs: list[Run], seq_index: int, size: int) -> list[tuple[int, int, float]]:
     """A long sequence cut into windows of `size` positions, worst first: (start, stop, largest |Δ logp|)."""
-    n = min(len(r.sequences[seq_index].token_ids) for r in runs)
+    seqs = [r.sequences[seq_index] for r in runs]
+    n = min(len(s.token_ids) for s in seqs)
     out = []
     for start in range(0, n, size):
         stop = min(start + size, n)
-        worst = max((float(np.nanmax(np.where(r.sequences[seq_index].metrics.scored[start:stop],
-                                                r.sequences[seq_index].metrics.abs_delta[start:stop], -np.inf)))
-                     for r in runs), default=0.0)
+        worst = max((float(np.nanmax(np.where(s.metrics.scored[start:stop], s.metrics.abs_delta[start:stop], -np.inf)))
+                     for s in seqs), default=0.0)
         out.append((start, stop, worst if math.isfinite(worst) else 0.0))
     return sorted(out, key=lambda w: -w[2])
 

@@ -196,6 +196,7 @@ class StoredSequences(Sequence):
     Rows are stored in sequence order, sequence i holding meta.sequences[i].n_positions rows."""
 
     CACHED_GROUPS = 4
+    CACHED_SEQUENCES = 8  # views ask for the same sequence many times a render
 
     def __init__(self, path: Any, infos: tuple[Any, ...]) -> None:
         import threading
@@ -206,6 +207,7 @@ class StoredSequences(Sequence):
         self._file: Any = None
         self._group_starts: np.ndarray | None = None
         self._groups: dict[int, dict[str, Any]] = {}
+        self._seqs: dict[int, SequenceResult] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -218,9 +220,16 @@ class StoredSequences(Sequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
+        with self._lock:
+            if i in self._seqs:
+                return self._seqs[i]
         lo, hi = int(self._starts[i]), int(self._starts[i + 1])
-        cols = self.rows(lo, hi)
-        return SequenceResult.from_columns(cols, slice(0, hi - lo), self._infos[i])
+        seq = SequenceResult.from_columns(self.rows(lo, hi), slice(0, hi - lo), self._infos[i])
+        with self._lock:
+            if len(self._seqs) >= self.CACHED_SEQUENCES:
+                self._seqs.pop(next(iter(self._seqs)))
+            self._seqs[i] = seq
+        return seq
 
     def rows(self, lo: int, hi: int, columns: list[str] | None = None) -> dict[str, Any]:
         """Rows [lo, hi) of the file as numpy columns (see `table_columns`)."""

@@ -26,6 +26,8 @@ class HFBackend(Backend):
     def __init__(self, model_path: str, dtype: str, device: str, settings: EngineSettings, max_model_len: int):
         super().__init__(model_path, dtype, device, settings, max_model_len)
         apply_tf32(settings)
+        if settings.hf_cudnn_attention is not None and device.startswith("cuda"):
+            torch.backends.cuda.enable_cudnn_sdp(bool(settings.hf_cudnn_attention))
         # every registered HF setting that is set, under its own name (core.inputs.settings)
         kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), **settings.passthrough("hf")}
         if settings.hf_device_map:  # accelerate spreads the layers over every visible GPU
@@ -291,6 +293,7 @@ class HFBackend(Backend):
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+            "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if self.device.startswith("cuda") else None,
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
         }
 
