@@ -166,6 +166,63 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, runs)
         print(f"wrote {args.json}")
+    if args.check:
+        return _run_check(args, runs)
+    return 0
+
+
+def add_check_flags(c: argparse.ArgumentParser) -> None:
+    """The parity gate's bounds (core.analysis.check), for `check` and `compare --check`."""
+    g = c.add_argument_group("parity gate (exit 1 when a bound fails)")
+    g.add_argument("--max-mean-abs-delta", type=float, default=None, help="largest mean |Δ logp| allowed")
+    g.add_argument("--max-abs-delta", type=float, default=None, help="largest |Δ logp| of any token allowed")
+    g.add_argument("--max-kl-mean", type=float, default=None, help="largest mean exact KL allowed")
+    g.add_argument("--min-argmax-agreement", type=float, default=None, help="least share of positions whose top token agrees")
+    g.add_argument("--baseline", default=None, metavar="RUN_ID", help="an earlier run of the same model and texts to hold these to")
+    g.add_argument("--max-worsening", type=float, default=1.5, help="how many times the baseline's gap a run may have (default 1.5)")
+    g.add_argument("--junit", default=None, metavar="FILE", help="write JUnit XML (one test case a bound)")
+    g.add_argument("--markdown", default=None, metavar="FILE", help="write a Markdown summary a CI can post")
+
+
+def _run_check(args: argparse.Namespace, runs: list[Any]) -> int:
+    from core.analysis.check import Bounds, check
+    from core.paths import write_text_atomic
+    from core.present.check_view import junit_xml, markdown
+    from core.results.store import Store
+
+    bounds = Bounds(args.max_mean_abs_delta, args.max_abs_delta, args.max_kl_mean, args.min_argmax_agreement, args.max_worsening)
+    baseline = Store().load(args.baseline) if args.baseline else None
+    result = check(runs, bounds, baseline)
+    print("\n".join(result.lines()))
+    if args.junit:
+        write_text_atomic(args.junit, junit_xml(result))
+        print(f"wrote {args.junit}")
+    if args.markdown:
+        write_text_atomic(args.markdown, markdown(result))
+        print(f"wrote {args.markdown}")
+    print("parity holds" if result.passed else "parity check FAILED")
+    return result.exit_code
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from core.results.store import Store
+
+    store = Store()
+    return _run_check(args, [store.load(r) for r in args.run_ids])
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from core.analysis.diff import diff_runs, diff_text
+    from core.results.store import Store
+
+    store = Store()
+    d = diff_runs(store.load(args.a), store.load(args.b))
+    print(diff_text(d))
+    if args.json:
+        from core.paths import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps(d.to_dict(), indent=1, allow_nan=False))
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -246,6 +303,34 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rescore(args: argparse.Namespace) -> int:
+    from core.analysis.request import Context
+    from core.analysis.rescore import rescore
+    from core.inputs.rollout_logs import parse_mapping
+
+    path = Path(args.rollouts)
+    if not path.is_file():
+        raise UserError(f"rollouts file {str(path)!r} does not exist")
+    args.prompt, args.prompts = "logged rollouts", None  # the prompts come from the file
+    spec = _spec_from_args(args)
+    t0 = time.perf_counter()
+
+    def on_event(stage: str, dtype: str | None, detail: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
+
+    ros = rescore(path.read_bytes(), path.name, spec, Context.of(on_event=on_event), mapping=parse_mapping(args.map),
+                  use_cache=not args.no_cache)
+    for ro in ros:
+        print(rollout_text(ro))
+        print()
+    print(f"elapsed {time.perf_counter() - t0:.2f} s")
+    if args.json:
+        write_json(args.json, list(ros))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_frontier(args: argparse.Namespace) -> int:
     from core.analysis.frontier import default_grid, frontier, frontier_text, parse_configs
     from core.analysis.request import Context
@@ -260,7 +345,19 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
 
-    result = frontier(spec, configs, Context.of(on_event=on_event), tolerance=args.tolerance)
+    load = None
+    if args.speed_load:
+        try:
+            n, length = (int(x) for x in args.speed_load.lower().split("x"))
+        except ValueError:
+            raise UserError(f"--speed-load takes SEQUENCESxTOKENS, e.g. 64x512 (got {args.speed_load!r})") from None
+        if n < 1 or length < 8:
+            raise UserError("--speed-load needs at least 1 sequence of at least 8 tokens")
+        load = (n, length)
+    if args.repeats < 1:
+        raise UserError("--repeats must be at least 1")
+    result = frontier(spec, configs, Context.of(on_event=on_event), tolerance=args.tolerance, speed_load=load,
+                      repeats=args.repeats)
     print(frontier_text(result))
     print(f"elapsed {time.perf_counter() - t0:.2f} s")
     if args.json:
@@ -406,14 +503,16 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def _add_spec_args(c: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS, rollout: bool = False) -> None:
+def _add_spec_args(c: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS, rollout: bool = False,
+                   texts: bool = True) -> None:
     """The flags every analysis shares; a rollout's --top-k is its sampling cut, not a top-k list."""
     c.add_argument("--model", default=None, help="hub id or local folder (default: the embedded demo model)")
     c.add_argument("--revision", default=None)
     c.add_argument("--dtype", default="float32", help="float16, bfloat16, float32, comma-separated")
-    c.add_argument("--prompt", default=None)
-    c.add_argument("--prompts", default=None, help=".txt (a prompt a line), .jsonl ({'text': ...}) or .csv (text column)")
-    if not rollout:
+    if texts:
+        c.add_argument("--prompt", default=None)
+        c.add_argument("--prompts", default=None, help=".txt (a prompt a line), .jsonl ({'text': ...}) or .csv (text column)")
+    if not rollout and texts:
         c.add_argument("--backends", default="hf,vllm")
         c.add_argument("--top-k", type=int, default=5)
     c.add_argument("--device", choices=DEVICES, default="auto")
@@ -438,6 +537,19 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     _add_spec_args(c, registry)
     c.add_argument("--no-noise-floor", action="store_true",
                    help="skip measuring each engine's own noise beside the gap (then the verdict says it is not yet measured)")
+    c.add_argument("--check", action="store_true", help="then gate the runs on the bounds below, as `check` does (exit 1 on a failure)")
+    add_check_flags(c)
+
+    k = sub.add_parser("check", help="a parity gate for CI: exit 0 when every bound holds, 1 when one fails, 2 for bad input")
+    k.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    add_check_flags(k)
+    k.set_defaults(func=cmd_check)
+
+    df = sub.add_parser("diff", help="two runs of the same model and token ids side by side: what changed, how the gap moved")
+    df.add_argument("a", metavar="RUN_A")
+    df.add_argument("b", metavar="RUN_B")
+    df.add_argument("--json", default=None, metavar="OUT")
+    df.set_defaults(func=cmd_diff)
     c.set_defaults(func=cmd_compare)
 
     g = sub.add_parser("diagnose", help="noise floor, knob ablation, float64 reference, downstream impact, verdict")
@@ -460,6 +572,15 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     ro.add_argument("--noise-samples", type=int, default=2, help="samples re-decoded alone and rescored in chunks (noise floors)")
     ro.set_defaults(func=cmd_rollout)
 
+    rs = sub.add_parser("rescore", help="rescore logged rollouts (their engine's logprobs) with vLLM prefill and HF, as rollout does")
+    rs.add_argument("--rollouts", required=True, metavar="FILE",
+                    help="JSONL or Parquet, one sequence a record (prompt_token_ids or prompt, completion_token_ids, logprobs; "
+                         "optional temperature, top_p, top_k, step, id), or `rollout --json` output")
+    rs.add_argument("--map", default=None, metavar="FIELD=COLUMN,...",
+                    help="read a field from another column, e.g. logprobs=rollout_log_probs,completion_token_ids=responses")
+    _add_spec_args(rs, registry, texts=False)
+    rs.set_defaults(func=cmd_rescore)
+
     fr = sub.add_parser("frontier", help="accuracy against speed over dtypes, kernels and quantization, against HF float64")
     _add_spec_args(fr, registry)
     fr.add_argument("--configs", default=None,
@@ -469,6 +590,10 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     fr.add_argument("--tolerance", type=float, default=None,
                     help="largest mean |Δ logp| to the float64 reference a recommendation may have "
                          "(default: HF's own float32 gap to it, measured)")
+    fr.add_argument("--speed-load", default=None, metavar="NxL",
+                    help="what each configuration's speed is timed on: N sequences of L tokens of this model "
+                         "(default: 64x512 on a GPU, 4x128 on a CPU); accuracy is measured on the texts")
+    fr.add_argument("--repeats", type=int, default=3, help="timed repeats of each speed (median and spread are reported)")
     fr.set_defaults(func=cmd_frontier)
 
     sub.add_parser("runs", help="list stored runs").set_defaults(func=cmd_runs)

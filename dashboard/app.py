@@ -19,5 +19,6 @@ pages = [
     st.Page(VIEWS / "frontier.py", title="Frontier", icon=":material/speed:", url_path="frontier"),
     st.Page(VIEWS / "diagnostics.py", title="Diagnostics", icon=":material/stethoscope:", url_path="diagnostics"),
     st.Page(VIEWS / "runs.py", title="Runs", icon=":material/folder_open:", url_path="runs"),
+    st.Page(VIEWS / "diff.py", title="Diff", icon=":material/difference:", url_path="diff"),
 ]
 st.navigation(pages).run()

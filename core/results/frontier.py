@@ -25,6 +25,20 @@ class FrontierResult:
     created_ts: float = 0.0
     speed: dict[str, Any] | None = None  # {"load": "64 x 512 tokens", "repeats", "gen_tokens"}; None in older frontiers
 
+    def to_pandas(self) -> Any:
+        """One row a configuration (core.analysis.frontier.frontier_table's columns, flattened here)."""
+        import pandas as pd
+
+        rows = []
+        for c in self.configs:
+            g, h, t, m = c.get("ref_gap") or {}, c.get("hf_ref_gap") or {}, c.get("tokens_per_s") or {}, c.get("memory") or {}
+            rows.append({"configuration": c["name"], "gap_mean": g.get("mean"), "gap_max": g.get("max"), "kl_mean": g.get("kl_mean"),
+                         "hf_gap_mean": h.get("mean"), "prefill_tokens_per_s": t.get("prefill"),
+                         "generate_tokens_per_s": t.get("generate"), "weights_bytes": m.get("weights_bytes"),
+                         "kv_bytes_per_token": m.get("kv_bytes_per_token"), "on_front": c.get("pareto", False),
+                         "skipped": c.get("skipped")})
+        return pd.DataFrame(rows)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["texts"], d["configs"] = list(self.texts), list(self.configs)

@@ -8,6 +8,7 @@ metadata as JSON beside it, like a comparison run. Nothing is pickled.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,6 +91,18 @@ class Sampling:
                 f"up to {self.max_tokens} tokens, seed {self.seed}")
 
 
+def sampling_words(sampling: dict[str, Any]) -> str:
+    """How a stored rollout's tokens were sampled, in words: by this tool (Sampling.words) or logged
+    elsewhere and imported (core.analysis.rescore)."""
+    if sampling.get("source") == "logged":
+        how = ("temperatures and cuts vary by record" if sampling.get("varies") else
+               f"temperature {sampling.get('temperature', 1):g}, top-p {sampling.get('top_p', 1):g}"
+               + ("" if sampling.get("top_k", -1) < 0 else f", top-k {sampling['top_k']}"))
+        return f"{sampling.get('records')} logged sequences from {sampling.get('file')} ({how})"
+    names = {f.name for f in dataclasses.fields(Sampling)}
+    return Sampling(**{k: v for k, v in sampling.items() if k in names}).words()
+
+
 @dataclass(frozen=True, eq=False)
 class Sample:
     """One sampled completion and each of its tokens' logprobs (arrays over completion tokens)."""
@@ -165,6 +178,40 @@ class Rollout:
     @property
     def dtype(self) -> str:
         return self.meta.dtype
+
+    def to_pandas(self) -> pd.DataFrame:
+        """`to_frame`: one row a completion token (the Python API's name for it)."""
+        return self.to_frame()
+
+    def worst_tokens(self, pair: str = "decode_vs_hf", n: int = 20) -> pd.DataFrame:
+        """The n tokens whose importance ratio is furthest from 1 for this pair (|Δ logp| largest),
+        worst first: sample, position, token, both sides' logprobs, Δ and the ratio trainer/rollout."""
+        a, b, _ = PAIRS[pair]
+        rows = []
+        for i, smp in enumerate(self.samples):
+            d = smp.delta(pair)
+            for t in np.argsort(-np.abs(np.nan_to_num(d, nan=-1.0)))[:n]:
+                rows.append({"sample": i, "position": int(t), "token": smp.pieces[t], "token_id": smp.completion_token_ids[t],
+                             a: float(smp.logprob[a][t]), b: float(smp.logprob[b][t]), "delta": float(d[t]),
+                             "ratio": float(np.exp(-d[t]))})
+        df = pd.DataFrame(rows)
+        if df.empty:
+            return df
+        return df.reindex(df["delta"].abs().sort_values(ascending=False, kind="stable").index).head(n).reset_index(drop=True)
+
+    def worst_sequences(self, pair: str = "decode_vs_hf", n: int = 20) -> pd.DataFrame:
+        """The n sequences whose whole-sequence importance ratio exp(Σ log ρ) is furthest from 1, worst first."""
+        rows = []
+        for i, smp in enumerate(self.samples):
+            d = smp.delta(pair)
+            ok = np.isfinite(d)
+            rows.append({"sample": i, "tokens": int(ok.sum()), "seq_log_ratio": float(-d[ok].sum()),
+                         "largest |Δ|": float(np.abs(d[ok]).max()) if ok.any() else None,
+                         "what": smp.finish_reason or ""})
+        df = pd.DataFrame(rows)
+        if df.empty:
+            return df
+        return df.reindex(df["seq_log_ratio"].abs().sort_values(ascending=False, kind="stable").index).head(n).reset_index(drop=True)
 
     def to_frame(self) -> pd.DataFrame:
         """One row per completion token (what the store writes as Parquet)."""

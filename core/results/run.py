@@ -288,6 +288,10 @@ class Run:
         df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
         return df[["seq"] + [c for c in df.columns if c != "seq"]]
 
+    def to_pandas(self) -> pd.DataFrame:
+        """`to_frame`: one row a position of every sequence (the Python API's name for it)."""
+        return self.to_frame()
+
     def column_frame(self, columns: list[str]) -> pd.DataFrame:
         """These per-position columns (scalars only) of every sequence, with `seq`: a column read of
         the stored file for a large run, never its top-k lists."""

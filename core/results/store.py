@@ -494,6 +494,8 @@ class Store:
 def _sampling_words(s: dict[str, Any]) -> str:
     if not s:
         return ""
+    if s.get("source") == "logged":
+        return f"logged: {s.get('records')} sequences from {s.get('file')}"
     k = "" if s.get("top_k", -1) < 0 else f" top-k {s['top_k']}"
     return f"n={s.get('samples')} T={s.get('temperature'):g} top-p {s.get('top_p'):g}{k} ≤{s.get('max_tokens')} tok seed {s.get('seed')}"
 

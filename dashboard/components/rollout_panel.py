@@ -16,7 +16,7 @@ from core.present.rollout_view import (
     SHORT, completion_html, delta_histogram, floors_table, metrics_table, ratio_histogram, ratio_strip, rollout_report_html,
     shown_pairs, token_frame,
 )
-from core.results.rollout import PAIRS, Rollout, Sampling
+from core.results.rollout import PAIRS, Rollout, Sampling, sampling_words
 from core.analysis.verdict import Verdict
 from dashboard.components.run_view import verdict_cards
 from dashboard.components.runner import run_job
@@ -93,6 +93,71 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
     return spec, sampling
 
 
+IMPORT_KEY = "rollout-import"
+
+
+def import_form() -> tuple[bytes, str, dict[str, str], RunSpec] | None:
+    """Logged rollouts to rescore (core.inputs.rollout_logs): an uploaded file within the server's size
+    limit, or a path under the server's model-root rules; (bytes, file name, field mapping, spec) when
+    Rescore was pressed with usable input, else None (with the reason on the page)."""
+    from pathlib import Path
+
+    from core.inputs.models import check_allowed
+    from core.inputs.prompts import MAX_UPLOAD_BYTES
+    from core.inputs.rollout_logs import parse_mapping
+    from dashboard.state import model_roots
+
+    blocked = engines_available()
+    reasons = dtype_reasons()
+    with st.form(f"{IMPORT_KEY}-form"):
+        st.markdown("**Rescore rollouts you already have**: one sequence a record, with your rollout engine's logprobs "
+                    "(`prompt_token_ids` or `prompt`, `completion_token_ids`, `logprobs`; JSONL, Parquet, or this page's "
+                    "JSON download)")
+        upload = st.file_uploader(f"Rollouts file, up to {MAX_UPLOAD_BYTES >> 20} MiB", type=["jsonl", "parquet", "json"],
+                                  key=f"{IMPORT_KEY}-file")
+        path = st.text_input("or a path on the server", key=f"{IMPORT_KEY}-path", placeholder="/data/rollouts/step-100.jsonl")
+        c1, c2 = st.columns([3, 2])
+        preset = c1.selectbox("Model (the one that sampled them)", list(PRESETS), key=f"{IMPORT_KEY}-preset")
+        custom = c1.text_input("Hub id or local folder", key=f"{IMPORT_KEY}-custom", placeholder="org/name or /path/to/model")
+        mapping = c2.text_input("Other column names (FIELD=COLUMN, commas between)", key=f"{IMPORT_KEY}-map",
+                                placeholder="logprobs=rollout_log_probs")
+        chosen = [d for col, d in zip(st.columns(len(DTYPES)), DTYPES)
+                  if col.checkbox(d, value=d == "float32" and reasons.get(d) is None, key=f"{IMPORT_KEY}-dt-{d}",
+                                  disabled=reasons.get(d) is not None, help=reasons.get(d) or f"rescore in {d}")]
+        submitted = st.form_submit_button("Rescore", type="primary", disabled=blocked is not None, icon=":material/upload_file:")
+    if not submitted:
+        return None
+    try:
+        if upload is not None:
+            data, name = upload.getvalue(), upload.name
+            if len(data) > MAX_UPLOAD_BYTES:
+                raise UserError(f"{name} is {len(data) >> 20} MiB; the limit is {MAX_UPLOAD_BYTES >> 20} MiB")
+        elif path.strip():
+            p = Path(path.strip()).expanduser()
+            check_allowed(str(p.resolve()), model_roots())  # the same rules as a model folder
+            if not p.is_file():
+                raise UserError(f"{p} is not a file on this server")
+            data, name = p.read_bytes(), p.name
+        else:
+            raise UserError("Upload a rollouts file or give a path on the server.")
+        model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
+        if PRESETS[preset] is None and not custom.strip():
+            raise UserError("Enter a Hub id or a local folder for 'Other'.")
+        spec = RunSpec(texts=("logged rollouts",), model=model, dtypes=tuple(chosen))
+        spec.validate()
+        return data, name, parse_mapping(mapping), spec
+    except UserError as exc:
+        st.error(str(exc), icon=":material/error:")
+        return None
+
+
+def run_rescore(data: bytes, name: str, mapping: dict[str, str], spec: RunSpec) -> list[Rollout] | None:
+    from core.analysis.rescore import rescore
+
+    return run_job(lambda ctx: rescore(data, name, spec, ctx, mapping=mapping), "Rescoring the logged rollouts",
+                   2 + 5 * max(1, len(spec.dtypes)), clear="rollout", progress_bar=True, dtypes=len(spec.dtypes))
+
+
 def run_rollout(spec: RunSpec, sampling: Sampling) -> list[Rollout] | None:
     return run_job(lambda ctx: rollout(spec, sampling, ctx), "Sampling and rescoring",
                    2 + STEPS_PER_DTYPE * max(1, len(spec.dtypes)), clear="rollout")
@@ -136,11 +201,40 @@ def _provenance(r: Rollout) -> str:
     return f"computed now, in {total:.1f} s" if isinstance(total, (int, float)) else "computed now"
 
 
+def worst_lists(r: Rollout, pair: str) -> None:
+    """Where the importance ratio breaks most, worst first: sequences and tokens; clicking a row opens
+    that sequence's coloured view above."""
+    with st.expander(f"Where the ratio breaks most ({r.dtype}): the sequences and tokens furthest from 1, worst first",
+                     expanded=r.meta.sampling.get("source") == "logged", icon=":material/sort:"):
+        c1, c2 = st.columns(2)
+        seqs = r.worst_sequences(pair, 20)
+        seqs = seqs.assign(sample=seqs["sample"] + 1) if not seqs.empty else seqs  # numbered as the Sample list numbers them
+        c1.caption("Sequences by their whole-sequence log ratio Σ log ρ (0 is a perfect match)")
+        ev1 = c1.dataframe(seqs, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
+                           key=f"{KEY}-worst-seq", column_config={"seq_log_ratio": st.column_config.NumberColumn(format="%.3e"),
+                                                                  "largest |Δ|": st.column_config.NumberColumn(format="%.3e")})
+        toks = r.worst_tokens(pair, 20)
+        toks = toks.assign(sample=toks["sample"] + 1) if not toks.empty else toks
+        c2.caption("Tokens by |Δ logp|; ratio = the trainer's probability / the rollout's")
+        ev2 = c2.dataframe(toks, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
+                           key=f"{KEY}-worst-tok",
+                           column_config={k: st.column_config.NumberColumn(format="%.3e") for k in toks.columns
+                                          if k not in ("sample", "position", "token_id", "token")})
+        # a click on any cell opens that row's sequence, as does the row's checkbox
+        rows1 = (list(ev1.selection.rows) + [c[0] for c in ev1.selection.cells]) if ev1 else []
+        rows2 = (list(ev2.selection.rows) + [c[0] for c in ev2.selection.cells]) if ev2 else []
+        picked = [int(seqs.loc[i, "sample"]) - 1 for i in rows1] + [int(toks.loc[i, "sample"]) - 1 for i in rows2]
+        if picked and picked[0] != query_int("sample", 0, 0, max(len(r.samples) - 1, 0)):
+            set_query(sample=picked[0])
+            st.session_state.pop(f"{KEY}-sample", None)
+            st.rerun()
+
+
 def show_rollouts(ros: list[Rollout]) -> None:
     verdict_cards([_verdict(r) for r in ros])
     m = ros[0].meta
     st.caption(f"{m.model} · device {m.env.device} · torch {m.env.torch} · transformers {m.env.transformers} · "
-               f"vLLM {m.env.vllm} · {Sampling(**m.sampling).words()} · "
+               f"vLLM {m.env.vllm} · {sampling_words(m.sampling)} · "
                + " · ".join(f"{r.dtype}: rollout `{r.rollout_id}`, {_provenance(r)}" for r in ros))
     pairs = shown_pairs(ros[0])
     pair = st.radio("Colour the tokens by", pairs, format_func=PAIR_WORDS.get, horizontal=True, key=f"{KEY}-pair")
@@ -153,6 +247,7 @@ def show_rollouts(ros: list[Rollout]) -> None:
         st.markdown(f"**{r.dtype}**")
         if sample < len(r.samples):
             st.html(completion_html(r, sample, pair, hf_floor(r.meta)))
+    worst_lists(ros[0], pair)
     tabs = st.tabs([r.dtype for r in ros])
     for tab, r in zip(tabs, ros):
         with tab:

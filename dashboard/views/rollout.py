@@ -4,19 +4,27 @@ HF (the trainer) rescore the same tokens; every token compared three ways."""
 import streamlit as st
 
 from dashboard.components.rollout_panel import (
-    remember_computed, rollout_form, rollouts_from_query, run_rollout, show_rollouts,
+    import_form, remember_computed, rollout_form, rollouts_from_query, run_rescore, run_rollout, show_rollouts,
 )
 from dashboard.state import set_query
 
 st.title("Rollout: vLLM's generation against the trainer")
 st.caption("In RL training, vLLM writes the text (a rollout) and a trainer rescores the same tokens. Do they agree? "
            "vLLM samples, then vLLM (prefill) and HF transformers rescore exactly those tokens. Hover a token for every number.")
-spec, sampling = rollout_form()
+sample_tab, import_tab = st.tabs([":material/casino: Sample new rollouts", ":material/upload_file: Rescore logged rollouts"])
+with sample_tab:
+    spec, sampling = rollout_form()
+with import_tab:
+    logged = import_form()
+done = None
 if spec is not None and sampling is not None:
     done = run_rollout(spec, sampling)
-    if done:
-        remember_computed(done)
-        set_query(rollout=",".join(r.rollout_id for r in done), sample=0)
+elif logged is not None:
+    done = run_rescore(*logged)
+    spec = logged[3]
+if done:
+    remember_computed(done)
+    set_query(rollout=",".join(r.rollout_id for r in done), sample=0)
 ros = rollouts_from_query()
 if ros:
     show_rollouts(ros)

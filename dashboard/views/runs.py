@@ -49,7 +49,14 @@ if not df.empty:
                                         "run ids": st.column_config.TextColumn("run ids", width="small"), "prompts": None})
     picked = sorted(set(event.selection.rows) | {c[0] for c in event.selection.cells}) if event else []
     selected = [rid for i in picked for rid in table.loc[i, "run ids"].split(",")][:8]
-    c1, c2 = st.columns(2)
+    c1, c2, c3 = st.columns(3)
+    if c3.button("Diff the two selected runs", disabled=len(selected) != 2, icon=":material/difference:", key="runs-diff",
+                 help="Tick one comparison with two dtypes, or two comparisons of the same texts: what changed, token by token"):
+        # A is the reference: the more precise dtype, else the older run; B what changed
+        rank = {"float64": 0, "float32": 1, "float16": 2, "bfloat16": 3}
+        meta = df.set_index("run_id")
+        pair = sorted(selected, key=lambda r: (rank.get(meta.loc[r, "dtype"], 9), meta.loc[r, "created"]))
+        st.switch_page("views/diff.py", query_params={"diff": ",".join(pair)})
     if c1.button("Open selected", disabled=not selected, type="primary", icon=":material/open_in_new:"):
         # a comparison of several prompts opens where all of them show (its form reruns them all)
         several = any(table.loc[i, "prompts"] > 1 for i in picked)

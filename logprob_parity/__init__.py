@@ -1,0 +1,133 @@
+"""logprob-parity from Python: a notebook cell or a training loop, no dashboard needed.
+
+    import logprob_parity as lp
+    runs = lp.compare(["The capital of France is Paris."], dtypes=["float32", "bfloat16"])
+    runs[1].summary["mean_abs_delta"]; runs[1].to_pandas()          # one row a position
+    ro = lp.rescore("rollouts.jsonl", map="logprobs=rollout_log_probs")[0]
+    ro.worst_tokens()                                               # the largest importance-ratio breaks
+    gate = lp.check(runs, max_abs_delta=0.05); gate.passed
+    lp.diff(runs[0], runs[1]).headline
+    lp.load("3f2a9c")                                               # any stored run, rollout or frontier
+
+The same functions the console script and the pages call (core.analysis.*), with plain keyword
+arguments; every call stores its result as they do ($LOGPROB_PARITY_HOME) and returns the typed
+records (Run, Rollout, CheckResult, RunDiff, FrontierResult), each with `.to_pandas()` where a table
+makes sense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compare", "rollout", "rescore", "check", "diff", "load"]
+
+
+def _spec(texts: str | Sequence[str], model: str | None, dtypes: str | Sequence[str], device: str, bos: str,
+          settings: dict[str, Any] | None, **extra: Any) -> Any:
+    from core.inputs.settings import EngineSettings
+    from core.inputs.spec import RunSpec
+
+    texts = (texts,) if isinstance(texts, str) else tuple(texts)
+    dtypes = tuple(d.strip() for d in dtypes.split(",")) if isinstance(dtypes, str) else tuple(dtypes)
+    spec = RunSpec(texts=texts, model=model, dtypes=dtypes, device=device, bos=bos,
+                   settings=EngineSettings(**(settings or {})), **extra)
+    spec.validate()
+    return spec
+
+
+def _ctx(home: str | None, progress: bool) -> Any:
+    from core.analysis.request import Context
+    from core.inputs.models import model_roots_from_env
+    from core.results.store import Store
+
+    def say(stage: str, dtype: str | None, detail: str) -> None:
+        print(f"{stage}{f' [{dtype}]' if dtype else ''}: {detail}", flush=True)
+
+    return Context.of(store=Store(home) if home else Store(), on_event=say if progress else None,
+                      model_roots=model_roots_from_env())
+
+
+def compare(texts: str | Sequence[str], model: str | None = None, dtypes: str | Sequence[str] = ("float32",), *,
+            device: str = "auto", top_k: int = 5, bos: str = "auto", settings: dict[str, Any] | None = None,
+            noise_floor: bool = True, truncate: bool = False, use_cache: bool = True, home: str | None = None,
+            progress: bool = False) -> list[Any]:
+    """Score `texts` with HF and vLLM on the same token ids: one stored Run per dtype. `settings`:
+    engine settings by name (core.inputs.settings), e.g. {"attention_backend": "FLEX_ATTENTION"}."""
+    from core.analysis.compare import compare as _compare
+
+    spec = _spec(texts, model, dtypes, device, bos, settings, top_k=top_k, noise_floor=noise_floor, truncate=truncate)
+    return _compare(spec, _ctx(home, progress), use_cache=use_cache)
+
+
+def rollout(prompts: str | Sequence[str], model: str | None = None, dtypes: str | Sequence[str] = ("float32",), *,
+            samples: int = 1, max_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+            seed: int = 0, ignore_eos: bool = False, device: str = "auto", bos: str = "auto",
+            settings: dict[str, Any] | None = None, noise_samples: int = 2, use_cache: bool = True, home: str | None = None,
+            progress: bool = False) -> list[Any]:
+    """Sample with vLLM's decode path and rescore with vLLM prefill and HF: one stored Rollout per dtype."""
+    from core.analysis.rollout import rollout as _rollout
+    from core.results.rollout import Sampling
+
+    spec = _spec(prompts, model, dtypes, device, bos, settings)
+    sampling = Sampling(samples=samples, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+                        ignore_eos=ignore_eos)
+    return _rollout(spec, sampling, _ctx(home, progress), use_cache=use_cache, noise_samples=noise_samples)
+
+
+def rescore(rollouts: str | Path | bytes, model: str | None = None, dtypes: str | Sequence[str] = ("float32",), *,
+            map: str | dict[str, str] | None = None, name: str | None = None, device: str = "auto", bos: str = "auto",  # noqa: A002
+            settings: dict[str, Any] | None = None, use_cache: bool = True, home: str | None = None,
+            progress: bool = False) -> list[Any]:
+    """Rescore logged rollouts (a JSONL/Parquet file, or its bytes with `name`) with vLLM prefill and
+    HF; `map` renames fields ("logprobs=rollout_log_probs,..." or a dict). One stored Rollout per dtype."""
+    from core.analysis.rescore import rescore as _rescore
+    from core.inputs.rollout_logs import parse_mapping
+
+    if isinstance(rollouts, bytes):
+        if not name:
+            raise ValueError("rescore(bytes) needs name= (its file name: .jsonl, .parquet or .json)")
+        data = rollouts
+    else:
+        path = Path(rollouts)
+        data, name = path.read_bytes(), name or path.name
+    mapping = map if isinstance(map, dict) else parse_mapping(map)
+    spec = _spec(("logged rollouts",), model, dtypes, device, bos, settings)
+    return _rescore(data, name, spec, _ctx(home, progress), mapping=mapping, use_cache=use_cache)
+
+
+def check(runs: Any, *, max_mean_abs_delta: float | None = None, max_abs_delta: float | None = None,
+          max_kl_mean: float | None = None, min_argmax_agreement: float | None = None, baseline: Any = None,
+          max_worsening: float = 1.5, home: str | None = None) -> Any:
+    """The parity gate: a CheckResult (`.passed`, `.lines()`, `.exit_code`, `.to_pandas()`). `runs`
+    and `baseline` are Runs or stored run ids."""
+    from core.analysis.check import Bounds
+    from core.analysis.check import check as _check
+
+    runs = [runs] if not isinstance(runs, (list, tuple)) else list(runs)
+    runs = [load(r, home=home) if isinstance(r, str) else r for r in runs]
+    if isinstance(baseline, str):
+        baseline = load(baseline, home=home)
+    return _check(runs, Bounds(max_mean_abs_delta, max_abs_delta, max_kl_mean, min_argmax_agreement, max_worsening), baseline)
+
+
+def diff(a: Any, b: Any, *, home: str | None = None) -> Any:
+    """Two runs of the same model and token ids side by side: a RunDiff (`.headline`, `.changes`, `.to_pandas()`)."""
+    from core.analysis.diff import diff_runs
+
+    a = load(a, home=home) if isinstance(a, str) else a
+    b = load(b, home=home) if isinstance(b, str) else b
+    return diff_runs(a, b)
+
+
+def load(any_id: str, *, home: str | None = None) -> Any:
+    """A stored run, rollout or frontier by its id (or a unique prefix of it)."""
+    from core.results.store import Store
+
+    store = Store(home) if home else Store()
+    if store.is_rollout(any_id):
+        return store.load_rollout(any_id)
+    if store.is_frontier(any_id):
+        return store.load_frontier(store.resolve_frontier_id(any_id))
+    return store.load(any_id)

@@ -1,0 +1,79 @@
+"""Two runs of the same model and token ids, side by side: what changed, and how the gap moved."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from core.analysis.diff import diff_runs
+from core.cli import main
+from core.errors import UserError
+from core.results.store import Store
+from test_check import _stored
+
+APP = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+
+
+def test_a_wider_run_reads_as_widened_with_what_changed(home):
+    import dataclasses
+
+    a = _stored(home, "d1ff0001")
+    b = _stored(home, "d1ff0002", scale=3.0)
+    b = dataclasses.replace(b, meta=dataclasses.replace(b.meta, dtype="bfloat16", settings={"enforce_eager": False}))
+    d = diff_runs(a, b)
+    assert d.mean_b == pytest.approx(3 * d.mean_a) and d.share_wider == 1.0 and d.share_narrower == 0.0
+    assert ("dtype", "float32", "bfloat16") in d.changes and ("enforce_eager", None, False) in d.changes
+    assert d.headline.startswith("dtype float32 → bfloat16; enforce_eager None → False widened the mean gap 3x")
+    assert d.movers[0]["ratio"] == pytest.approx(3.0) and d.movers[0]["gap_b"] > d.movers[0]["gap_a"]
+    back = diff_runs(b, a)
+    assert "narrowed the mean gap 3x" in back.headline
+
+
+def test_runs_of_other_texts_are_refused_in_words(home):
+    a = _stored(home, "d1ff0003")
+    b = _stored(home, "d1ff0004", texts=("other", "texts here"))
+    with pytest.raises(UserError, match="compared different texts"):
+        diff_runs(a, b)
+
+
+def test_the_cli_prints_the_diff_and_writes_json(home, tmp_path, capsys):
+    _stored(home, "d1ff0005")
+    _stored(home, "d1ff0006", scale=0.5)
+    out = tmp_path / "d.json"
+    assert main(["diff", "d1ff0005", "d1ff0006", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "narrowed the mean gap 2x" in text and "tokens whose gap moved most" in text
+    data = json.loads(out.read_text())
+    assert data["a"] == "d1ff0005" and data["mean_abs_delta"]["b"] < data["mean_abs_delta"]["a"]
+    assert main(["diff", "d1ff0005", "feedfeed"]) == 2
+
+
+def test_the_diff_page_opens_from_a_link_and_says_what_moved(home):
+    _stored(home, "d1ff0007")
+    _stored(home, "d1ff0008", scale=4.0)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.switch_page("views/diff.py")
+    at.query_params["diff"] = "d1ff0007,d1ff0008"
+    at.run()
+    assert not at.exception
+    assert any("widened the mean gap 4x" in w.value for w in at.warning)
+    assert len(at.dataframe) >= 1
+    at.query_params["diff"] = "d1ff0007,feedfeed"
+    at.run()
+    assert not at.exception and any("no stored run" in e.value for e in at.error)
+
+
+@pytest.mark.engine
+def test_diff_of_float32_and_bfloat16_runs_puts_the_larger_gap_on_bfloat16(demo_model, home):
+    """Real engines on the demo model: the same text in float32 and bfloat16; the diff reads bfloat16 wider."""
+    from core.analysis.compare import compare
+    from core.inputs.spec import RunSpec
+
+    f32, bf16 = compare(RunSpec(texts=("The capital of France is Paris, a city of museums.",), model=str(demo_model),
+                                dtypes=("float32", "bfloat16"), device="cpu"), store=Store(home))
+    d = diff_runs(f32, bf16)
+    assert d.mean_b > 10 * d.mean_a and d.share_wider > 0.5
+    assert ("dtype", "float32", "bfloat16") in d.changes and "widened the mean gap" in d.headline
