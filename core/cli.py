@@ -233,11 +233,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip()) if args.parts != "all" else PARTS
     t0 = time.perf_counter()
-
-    def on_event(stage: str, dtype: str | None, detail: str) -> None:
-        if not args.quiet:
-            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
-
+    on_event = _event_printer(args, t0)
     result = diagnose(spec, parts=parts, gen_tokens=args.gen_tokens, slow_knobs=args.slow_knobs, on_event=on_event)
     print(diagnostics_text(result))
     if args.json:
@@ -277,6 +273,28 @@ def rollout_text(ro: Any) -> str:
     return "\n".join(lines)
 
 
+def _event_printer(args: argparse.Namespace, t0: float) -> Any:
+    """on_event for the commands that print each step to stderr (silent with --quiet)."""
+
+    def on_event(stage: str, dtype: str | None, detail: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
+
+    return on_event
+
+
+def _print_rollouts(args: argparse.Namespace, ros: list[Any], t0: float) -> int:
+    """Rollouts (sampled or rescored) in words and tables, and their --json."""
+    for ro in ros:
+        print(rollout_text(ro))
+        print()
+    print(f"elapsed {time.perf_counter() - t0:.2f} s")
+    if args.json:
+        write_json(args.json, list(ros))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     from core.analysis.request import Context
     from core.analysis.rollout import rollout
@@ -287,20 +305,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                         max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     sampling.validate()
     t0 = time.perf_counter()
-
-    def on_event(stage: str, dtype: str | None, detail: str) -> None:
-        if not args.quiet:
-            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
-
+    on_event = _event_printer(args, t0)
     ros = rollout(spec, sampling, Context.of(on_event=on_event), use_cache=not args.no_cache, noise_samples=args.noise_samples)
-    for ro in ros:
-        print(rollout_text(ro))
-        print()
-    print(f"elapsed {time.perf_counter() - t0:.2f} s")
-    if args.json:
-        write_json(args.json, list(ros))
-        print(f"wrote {args.json}")
-    return 0
+    return _print_rollouts(args, ros, t0)
 
 
 def cmd_rescore(args: argparse.Namespace) -> int:
@@ -314,21 +321,10 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     args.prompt, args.prompts = "logged rollouts", None  # the prompts come from the file
     spec = _spec_from_args(args)
     t0 = time.perf_counter()
-
-    def on_event(stage: str, dtype: str | None, detail: str) -> None:
-        if not args.quiet:
-            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
-
+    on_event = _event_printer(args, t0)
     ros = rescore(path.read_bytes(), path.name, spec, Context.of(on_event=on_event), mapping=parse_mapping(args.map),
                   use_cache=not args.no_cache)
-    for ro in ros:
-        print(rollout_text(ro))
-        print()
-    print(f"elapsed {time.perf_counter() - t0:.2f} s")
-    if args.json:
-        write_json(args.json, list(ros))
-        print(f"wrote {args.json}")
-    return 0
+    return _print_rollouts(args, ros, t0)
 
 
 def cmd_frontier(args: argparse.Namespace) -> int:
@@ -340,11 +336,7 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
     configs = parse_configs(args.configs) if args.configs else default_grid(resolve_device(args.device))
     t0 = time.perf_counter()
-
-    def on_event(stage: str, dtype: str | None, detail: str) -> None:
-        if not args.quiet:
-            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
-
+    on_event = _event_printer(args, t0)
     load = None
     if args.speed_load:
         try:

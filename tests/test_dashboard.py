@@ -80,7 +80,7 @@ def test_runs_page_lists_and_deletes(home):
     assert at.title[0].value == "Stored runs"
     df = at.dataframe[0].value
     assert set(df["run ids"]) == {"abc111", "abc222"}
-    assert [b.label for b in at.button] == ["Open selected", "Delete selected"]
+    assert [b.label for b in at.button] == ["Open selected", "Delete selected", "Diff the two selected runs"]
     row = list(df["run ids"]).index("abc111")
     at.session_state["runs-table"] = {"selection": {"rows": [row], "columns": [], "cells": []}}
     at.run()
@@ -265,7 +265,9 @@ def test_rollout_page_opens_a_stored_rollout_escaped_with_its_verdict_first(home
     assert "vLLM decode (raw)" in body and "importance ratio HF/decode" in body
     boxes = [e.value for e in [*at.error, *at.warning, *at.success]]
     assert any(b.startswith("**Close.** Rollout bfloat16") for b in boxes), boxes  # a 0.3 gap: beyond tolerance
-    assert "decode vs HF" in at.dataframe[0].value.columns and len(at.dataframe) >= 2
+    tables = {d.key: d.value for d in at.dataframe if d.key}
+    assert {"rollout-worst-seq", "rollout-worst-tok"} <= set(tables)  # where the ratio breaks most, worst first
+    assert any("decode vs HF" in d.value.columns for d in at.dataframe) and len(at.dataframe) >= 4
 
 
 def test_rollout_page_says_what_is_wrong_with_bad_input(home):

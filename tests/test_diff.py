@@ -51,6 +51,9 @@ def test_the_cli_prints_the_diff_and_writes_json(home, tmp_path, capsys):
 
 
 def test_the_diff_page_opens_from_a_link_and_says_what_moved(home):
+    import streamlit as st
+
+    st.cache_resource.clear()  # the store handle of another test's home must not serve this one
     _stored(home, "d1ff0007")
     _stored(home, "d1ff0008", scale=4.0)
     at = AppTest.from_file(APP, default_timeout=60)
@@ -64,6 +67,7 @@ def test_the_diff_page_opens_from_a_link_and_says_what_moved(home):
     at.query_params["diff"] = "d1ff0007,feedfeed"
     at.run()
     assert not at.exception and any("no stored run" in e.value for e in at.error)
+    st.cache_resource.clear()
 
 
 @pytest.mark.engine

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from core.analysis.compare import compare, compare_prepared
+from core.analysis.floors import gap
 from core.analysis.rollout import INCREMENTAL_TOKENS
 from core.analysis.request import Context, EventFn, prepare
 from core.analysis.verdict import diagnosis_verdicts
@@ -37,15 +38,6 @@ REFERENCE_DTYPE = "float64"
 
 def _data_lines(name: str) -> list[str]:
     return resources.files("core").joinpath("data").joinpath(name).read_text(encoding="utf-8").splitlines()
-
-
-def gap(a: list[np.ndarray], b: list[np.ndarray]) -> dict[str, Any]:
-    """|a - b| over positions both sides scored: mean, max, and how many."""
-    d = np.concatenate([np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)) for x, y in zip(a, b)])
-    d = d[np.isfinite(d)]
-    if d.size == 0:
-        return {"mean": None, "max": None, "n": 0}
-    return {"mean": float(d.mean()), "max": float(d.max()), "n": int(d.size)}
 
 
 def _lp(scores: list[Any]) -> list[np.ndarray]:
