@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from core.analysis import floors
@@ -175,6 +175,7 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
     seqs = p.seqs
     mml = p.max_model_len
     rid = run_id_for_ids(spec, p.model, dtype, p.device, p.texts, seqs, mml)
+    n_floor = floors.sample_of(seqs)
     batches = plan_batches([len(s) for s in seqs], p.model.vocab_size, p.device)
     many = len(batches) > 1
     if not use_cache:
@@ -210,7 +211,10 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         described = _BESIDE.submit(lambda lo=lo, hi=hi: [p.tokenized(i) for i in range(lo, hi)])
         scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, len(batches))
         infos = infos or info_b["engines"]
-        floor_job = _BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores) if spec.noise_floor and b == 0 else None
+        # the floor is measured on the run's first texts (floors.sample_of): beside the first batch's
+        # table when that batch holds them all, else once every batch is scored
+        floor_job = (_BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores)
+                     if spec.noise_floor and b == 0 and hi >= n_floor else None)
         try:
             table, part_infos, m = batch_table(described.result(), scores["hf"], scores["vllm"], p.decode_many, lo)
         finally:  # the engines measured their own noise while this process built the table (never left running)
@@ -239,6 +243,18 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
             left = f", {_words_left((total - done) / rate)}" if rate and done < total else ""
             ctx.emit("batch", dtype, f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s{left}"
                      + (f" ({reused} batch(es) were already in the store)" if reused else ""))
+    if spec.noise_floor and floor is None and many:
+        first = seqs[:n_floor]
+        rows = store.part_table(rid, 0, ["seq", "hf_logprob", "vllm_logprob"]) if batches[0][1] >= n_floor else None
+        if rows is None:
+            import pyarrow as pa
+
+            rows = pa.concat_tables([store.part_table(rid, k, ["seq", "hf_logprob", "vllm_logprob"])
+                                     for k, (lo, _) in enumerate(batches) if lo < n_floor])
+        seq_col = rows.column("seq").to_numpy()
+        main = {side: [_Scored(rows.column(f"{side}_logprob").to_numpy()[seq_col == i]) for i in range(n_floor)]
+                for side in ("hf", "vllm")}
+        floor, timing["noise_s"] = _measure_floor(p, dtype, requests, lease, first, main)
     if reused:
         ctx.emit("cache", dtype, f"{reused} of {len(batches)} batches came from the store (an earlier run of this request "
                  f"stopped before it finished); {len(batches) - reused} computed now")
@@ -281,6 +297,13 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
     store.write_run(meta, parts, request_key=request_key)
     store.drop_partial(rid)
     return Run(meta=meta, sequences=StoredSequences(store.path_of(rid), meta.sequences))
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """A stored sequence's logprobs, as the floor reads a backend's scores (their `.logprob`)."""
+
+    logprob: Any
 
 
 def _measure_floor(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]],
