@@ -117,7 +117,7 @@ def import_form() -> tuple[bytes, str, dict[str, str], RunSpec] | None:
                                   key=f"{IMPORT_KEY}-file")
         path = st.text_input("or a path on the server", key=f"{IMPORT_KEY}-path", placeholder="/data/rollouts/step-100.jsonl")
         c1, c2 = st.columns([3, 2])
-        preset = c1.selectbox("Model (the one that sampled them)", list(PRESETS), key=f"{IMPORT_KEY}-preset")
+        preset = c1.selectbox("Model (the one that wrote them)", list(PRESETS), key=f"{IMPORT_KEY}-preset")
         custom = c1.text_input("Hub id or local folder", key=f"{IMPORT_KEY}-custom", placeholder="org/name or /path/to/model")
         mapping = c2.text_input("Other column names (FIELD=COLUMN, commas between)", key=f"{IMPORT_KEY}-map",
                                 placeholder="logprobs=rollout_log_probs")
