@@ -119,10 +119,10 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
                        + ("any gap is above it: systematic." if mean > 0 else "and so is the gap."))
     elif ev.noise_ratio is not None:
         if systematic:
-            reasons.append(f"The gap is {ev.noise_ratio:.3g}x HF's own noise (HF against itself when batched, padded or run with "
-                           "another attention kernel): it is systematic, not run-to-run noise.")
+            reasons.append(f"The gap is {ev.noise_ratio:.3g}x HF's own noise (HF against itself when only how it is run changes: "
+                           "batched, padded, another kernel): it is systematic, not run-to-run noise.")
         else:
-            reasons.append(f"The gap is {ev.noise_ratio:.2g}x HF's own noise (batching, padding, attention kernel): "
+            reasons.append(f"The gap is {ev.noise_ratio:.2g}x HF's own noise (HF against itself when only how it is run changes): "
                            "about what HF does to itself.")
     side, side_clause = _reference_words(ev)
     if side:
