@@ -33,7 +33,7 @@ def main() -> None:
     os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-probe-"))
     os.environ.setdefault("LPP_HF_TIMING", "1")
     from core.analysis.request import Context, prepare
-    from core.analysis.rollout import _engines, rollout, with_graph_default
+    from core.analysis.rollout import _engines, rollout, with_rollout_defaults
     from core.engines import fullvocab
     from core.env import resolve_device
     from core.inputs.demo import build_demo_model
@@ -48,7 +48,7 @@ def main() -> None:
     sampling = Sampling(samples=1, temperature=1.0, max_tokens=a.tokens, seed=0, ignore_eos=True)
     settings = dataclasses.replace(EngineSettings(), enforce_eager=None if device != "cpu" else True, hf_batch_size=16)
     ctx = Context.of()
-    spec = with_graph_default(RunSpec(texts=prompts, model=model, dtypes=(a.dtype,), device=device, settings=settings))
+    spec = with_rollout_defaults(RunSpec(texts=prompts, model=model, dtypes=(a.dtype,), device=device, settings=settings))
     out: list[str] = []
 
     def say(line: str) -> None:
@@ -84,9 +84,37 @@ def main() -> None:
         t = time.perf_counter()
         h.score(full, 1)
         say(f"host score (the comparison's path), no KL: {time.perf_counter() - t:.3f} s")
+        # is the first call slow because its shapes are new, or because vLLM just used the card?
+        v.score(full, 1, None, None, "right", None)
+        t = time.perf_counter()
+        h.rollout_score(full, starts)
+        say(f"host rollout_score right after a vLLM prefill, widths seen before: {time.perf_counter() - t:.3f} s")
+        shorter = [f[:-5] for f in full]
+        for k in range(2):
+            t = time.perf_counter()
+            h.rollout_score(shorter, starts)
+            say(f"host rollout_score on new widths (5 tokens shorter), no vLLM call before ({k + 1}): {time.perf_counter() - t:.3f} s")
         say("host log, timing lines:")
         out.extend(ln for ln in h.log_tail(200_000).splitlines() if "[lpp-timing]" in ln)
         print("\n".join(ln for ln in out if "[lpp-timing]" in ln))
+    t = time.perf_counter()
+    (ro,) = rollout(spec, sampling, ctx, use_cache=False, noise_samples=0)
+    say(f"the same rollout again (same widths, hf_cudnn_attention {spec.settings.hf_cudnn_attention}): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}")
+    if device != "cpu" or os.environ.get("LPP_PROBE_ALL"):  # HF's attention without cuDNN: a new HF engine, the same vLLM one
+        off = dataclasses.replace(spec, settings=dataclasses.replace(settings, hf_cudnn_attention=False))
+        rollout(dataclasses.replace(off, texts=prompts[:2]), sampling, ctx, use_cache=False, noise_samples=0)
+        for k in range(2):
+            t = time.perf_counter()
+            (ro,) = rollout(off, sampling, ctx, use_cache=False, noise_samples=0)
+            say(f"rollout with hf_cudnn_attention off ({k + 1}): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}")
+        more = tuple(f"{x} Once more, and longer: {x}" for x in prompts)  # other prompts: new widths
+        t = time.perf_counter()
+        (ro,) = rollout(dataclasses.replace(off, texts=more), sampling, ctx, use_cache=False, noise_samples=0)
+        say(f"rollout with hf_cudnn_attention off, new prompts (new widths): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}")
+        t = time.perf_counter()
+        on = dataclasses.replace(spec, texts=more, settings=dataclasses.replace(spec.settings, hf_cudnn_attention=True))
+        (ro,) = rollout(on, sampling, ctx, use_cache=False, noise_samples=0)
+        say(f"rollout with cuDNN attention (torch's choice), new prompts (new widths): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}")
     ctx.pool.shutdown()
     if a.out:
         Path(a.out).write_text("\n".join(out) + "\n")

@@ -114,9 +114,9 @@ def _spec_from_args(args: argparse.Namespace, rollout: bool = False) -> RunSpec:
         noise_floor=not getattr(args, "no_noise_floor", False),
     )
     if rollout:
-        from core.analysis.rollout import with_graph_default
+        from core.analysis.rollout import with_rollout_defaults
 
-        spec = with_graph_default(spec)
+        spec = with_rollout_defaults(spec)
     spec.validate()
     return spec
 

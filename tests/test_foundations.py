@@ -205,3 +205,25 @@ def test_a_request_before_load_is_a_typed_protocol_error_not_an_assert(home):
     assert issubclass(ProtocolError, EngineError)
     with pytest.raises(ProtocolError, match="not connected"):
         host.score([[1, 2, 3]], 1)
+
+
+def test_rollout_and_rescore_defaults_turn_cudnn_attention_off_on_a_gpu_only(monkeypatch):
+    """An unset hf_cudnn_attention resolves to False for a rollout or a rescore on a GPU (HF's
+    trainer side meets new batch widths in every rollout, and cuDNN plans each one), stays unset on
+    a CPU, and an explicit value is kept; CUDA graphs follow the device as before."""
+    import dataclasses
+
+    from core.analysis import rollout as rollout_mod
+    from core.inputs.settings import EngineSettings
+    from core.inputs.spec import RunSpec
+
+    spec = RunSpec(texts=("a b c",), model="m", dtypes=("bfloat16",), device="cuda", settings=dataclasses.replace(EngineSettings(), enforce_eager=None))
+    monkeypatch.setattr(rollout_mod, "resolve_device", lambda d: d)  # a GPU is not needed to resolve settings
+    gpu = rollout_mod.with_rollout_defaults(spec).settings
+    assert (gpu.hf_cudnn_attention, gpu.enforce_eager) == (False, False)
+    assert rollout_mod.with_trainer_defaults(spec).settings.hf_cudnn_attention is False
+    assert rollout_mod.with_trainer_defaults(spec).settings.enforce_eager is None  # a rescore samples nothing
+    cpu = rollout_mod.with_rollout_defaults(dataclasses.replace(spec, device="cpu")).settings
+    assert (cpu.hf_cudnn_attention, cpu.enforce_eager) == (None, True)
+    kept = dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, hf_cudnn_attention=True))
+    assert rollout_mod.with_rollout_defaults(kept).settings.hf_cudnn_attention is True

@@ -177,10 +177,10 @@ def test_the_same_seed_reproduces_tokens_and_decode_logprobs(rolled):
 
 def test_the_rollout_id_holds_the_sampling_settings_and_seed(rolled):
     from core.analysis.request import prepare
-    from core.analysis.rollout import rollout_id_for, with_graph_default
+    from core.analysis.rollout import rollout_id_for, with_rollout_defaults
 
     ros, store, _, spec = rolled
-    p = prepare(with_graph_default(spec), Context.of(store=store))
+    p = prepare(with_rollout_defaults(spec), Context.of(store=store))
     base = rollout_id_for(p, SAMPLING, "float32", 2)
     assert base == ros["float32"].rollout_id
     import dataclasses
@@ -240,3 +240,4 @@ def test_rollout_cli_writes_the_documented_json(rolled, demo_model, tmp_path, mo
     import pandas as pd
 
     assert rc == 0 and set(COLUMNS) <= set(pd.read_parquet(tmp_path / "r.parquet").columns)
+

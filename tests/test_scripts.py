@@ -94,3 +94,27 @@ def test_pieces_in_linear_time_equal_the_exact_pieces(demo_model, tiny_bos, text
         for cut in (len(ids), len(ids) - 1, len(ids) - 2):
             for start in (1, 3, len(ids) // 2):
                 assert decode_tail_pieces(tok, ids[:cut], start) == exact_pieces(tok, ids[:cut])[start:], (model, cut, start)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_and_token_texts_of_a_gguf_style_tokenizer_are_its_raw_decode(demo_model, text):
+    """transformers' GGUF conversion gives a tokenizer a Sequence decoder and clean-up of spaces
+    (" ." -> "."). Its pieces still come from the byte-level path and equal the exact pieces of its
+    raw decode, so they join to the text its tokens hold, and its one-token texts (the top-k
+    column) are that raw decode too: the clean-up never moves a space out of a token."""
+    from tokenizers import decoders
+    from transformers import AutoTokenizer
+
+    from core.inputs.tokens import _byte_level_pieces, batch_decoder, decode_pieces, exact_pieces
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model), clean_up_tokenization_spaces=True)
+    tok._tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
+    ids = tok(text + " , and . so on")["input_ids"]
+    assert _byte_level_pieces(tok, ids) is not None
+    pieces = decode_pieces(tok, ids)
+    assert pieces == exact_pieces(tok, ids)
+    assert "".join(pieces) == tok.decode(ids, clean_up_tokenization_spaces=False)
+    assert "".join(pieces).endswith(" , and . so on")
+    singles = batch_decoder(tok)([[i] for i in ids])
+    assert singles == [tok.decode([i], clean_up_tokenization_spaces=False) for i in ids]
+    assert " ." in singles and " ," in singles

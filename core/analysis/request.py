@@ -155,16 +155,9 @@ class Prepared:
 
     @cached_property
     def decode(self) -> Callable[[int], str]:
-        """Token id -> the text it decodes to alone (memoised: top-k lists repeat ids)."""
-        cache: dict[int, str] = {}
-        tokenizer = self.tokenizer
-
-        def decode(i: int) -> str:
-            if i not in cache:
-                cache[i] = tokenizer.decode([i])
-            return cache[i]
-
-        return decode
+        """Token id -> the text it decodes to alone (memoised per process: top-k lists repeat ids)."""
+        many = self.decode_many
+        return lambda i: many([[int(i)]])[0]
 
     @cached_property
     def decode_many(self) -> Callable[[list[list[int]]], list[str]]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from core.analysis.compare import plan_batches
 from core.analysis.request import Context, model_max_len, prepare
-from core.analysis.rollout import CHUNK, INCREMENTAL_TOKENS, MICRO_BATCH
+from core.analysis.rollout import CHUNK, INCREMENTAL_TOKENS, MICRO_BATCH, with_trainer_defaults
 from core.analysis.verdict import rollout_verdict
 from core.engines import fullvocab
 from core.engines.host import start_words
@@ -45,6 +45,7 @@ def rescore(data: bytes, name: str, spec: RunSpec, ctx: Context | None = None, m
     `name` its file name). Every record is checked before any engine starts; stored ones come back
     without an engine. `spec.texts` is not used (the prompts come from the file)."""
     ctx = ctx or Context.of()
+    spec = with_trainer_defaults(spec)
     p = prepare(dataclasses.replace(spec, texts=(f"logged rollouts from {name}",)), ctx)
     ctx.emit("tokenize", None, f"reading and checking the records of {name}")
     logged = read_logged(data, name, mapping or {}, p.tokenizer, p.spec.bos, p.model.vocab_size)

@@ -68,7 +68,7 @@ def rollout(spec: RunSpec, sampling: Sampling, ctx: Context | None = None, use_c
     """One stored Rollout per dtype of `spec`, in order; stored ones come back without an engine."""
     ctx = ctx or Context.of()
     sampling.validate()
-    spec = with_graph_default(spec)
+    spec = with_rollout_defaults(spec)
     p = prepare(spec, ctx)
     out = []
     for dtype in p.spec.dtypes:
@@ -84,14 +84,27 @@ def rollout(spec: RunSpec, sampling: Sampling, ctx: Context | None = None, use_c
     return out
 
 
-def with_graph_default(spec: RunSpec) -> RunSpec:
-    """A rollout engine decodes with CUDA graphs, as RL rollouts do: enforce_eager left unset (None)
-    becomes False on a GPU. On a CPU there are no CUDA graphs, and compiling costs minutes, so it
-    becomes True there. The resolved value is what the run id and the record hold."""
+def with_rollout_defaults(spec: RunSpec) -> RunSpec:
+    """The settings a rollout leaves unset, resolved for the device in use; the resolved values are
+    what the run id and the record hold. enforce_eager: a rollout engine decodes with CUDA graphs,
+    as RL rollouts do, so unset becomes False on a GPU; on a CPU there are no CUDA graphs and
+    compiling costs minutes, so True. The trainer side's as in `with_trainer_defaults`."""
+    spec = with_trainer_defaults(spec)
     if spec.settings.enforce_eager is not None:
         return spec
     eager = resolve_device(spec.device) == "cpu"
     return dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, enforce_eager=eager))
+
+
+def with_trainer_defaults(spec: RunSpec) -> RunSpec:
+    """hf_cudnn_attention left unset becomes False on a GPU, for the trainer side of a rollout or a
+    rescore. That side scores padded batches whose widths are new in every rollout, and cuDNN
+    attention plans each new shape: on the H200 that planning took 1.9 s of a 64 x 512 rollout's
+    HF side, against 0.3 s for the whole side without it (benchmarks/results/rollout_h200.md).
+    Set it to True to keep torch's choice."""
+    if spec.settings.hf_cudnn_attention is not None or resolve_device(spec.device) == "cpu":
+        return spec
+    return dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, hf_cudnn_attention=False))
 
 
 def _engines(p: Prepared, dtype: str, sampling: Sampling) -> tuple[LoadRequest, LoadRequest]:

@@ -119,8 +119,9 @@ SETTINGS: tuple[Setting, ...] = (
             "spread the HF model over the GPUs with accelerate (default: when it does not fit one)",
             label="HF device_map", choices=("auto",)),
     Setting("hf_cudnn_attention", bool, None, "hf",
-            "let HF's SDPA use cuDNN attention (default: torch's choice, on for Hopper GPUs); off skips cuDNN's planning "
-            "for each new batch shape (measured on the H200: most of a rollout's HF time) at the price of another kernel",
+            "let HF's SDPA use cuDNN attention (default: off for rollouts and rescoring on a GPU, torch's choice elsewhere, "
+            "which is on for Hopper GPUs); off skips cuDNN's planning of each new batch shape (measured on the H200: "
+            "most of a rollout's HF time) at the price of another attention kernel",
             label="HF cuDNN attention"),
     Setting("hf_compile", bool, False, "hf",
             "torch.compile HF's forward and logprob blocks: faster on many prompts, the first call compiles, bfloat16 numerics move",

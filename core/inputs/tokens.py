@@ -103,20 +103,32 @@ def tokenize(tokenizer: Any, text: str, bos: str = "auto") -> TokenizedText:
 
 
 def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
-    """A function decoding many id lists at once, equal to `tokenizer.decode` on each.
+    """A function decoding many id lists at once, equal to `raw_decode` on each.
 
     transformers' `decode` spends most of its time converting arguments in Python (it checks every
     id); the Rust tokenizer behind a fast tokenizer decodes a whole batch in one call. That path is
-    used only when it gives the very strings `decode` gives (checked on the first call's first few
-    items; a tokenizer that cleans up spaces, or a slow tokenizer, keeps `decode`)."""
-    slow = lambda seqs: [tokenizer.decode(list(s)) for s in seqs]  # noqa: E731
+    used only when it gives the very strings `raw_decode` gives (checked on the first call's first
+    few items; a slow tokenizer keeps `raw_decode`). Lists of one id (the top-k columns' texts) are
+    decoded once per process."""
+    slow = lambda seqs: [raw_decode(tokenizer, list(s)) for s in seqs]  # noqa: E731
     rust = getattr(tokenizer, "_tokenizer", None)
     if rust is None or not hasattr(rust, "decode_batch"):
         return slow
     state: dict[str, bool] = {}
+    # one token's text, kept on the tokenizer (cached per process): the top-k columns of every run
+    # decode the same ids again and again
+    singles: dict[int, str] = tokenizer.__dict__.setdefault("_lpp_single_texts", {})
 
     def decode(seqs: list[list[int]]) -> list[str]:
-        seqs = [[int(i) for i in s] for s in seqs]
+        if seqs and all(len(s) == 1 for s in seqs):
+            keys = [int(s[0]) for s in seqs]
+            new = sorted(set(keys) - singles.keys())
+            if new:
+                singles.update(zip(new, _texts([[i] for i in new])))
+            return [singles[k] for k in keys]
+        return _texts([list(map(int, s)) for s in seqs])
+
+    def _texts(seqs: list[list[int]]) -> list[str]:
         fast = rust.decode_batch(seqs, skip_special_tokens=False)
         if "ok" not in state:
             probe = [s for s in seqs[:16] if s]
@@ -124,6 +136,13 @@ def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
         return fast if state["ok"] else slow(seqs)
 
     return decode
+
+
+def raw_decode(tokenizer: Any, ids: list[int]) -> str:
+    """`tokenizer.decode` without its clean-up of spaces before punctuation (" ." -> "."), which some
+    tokenizers (and transformers versions) apply: a token shows its own text, and the pieces of a
+    text join to what its tokens hold."""
+    return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
 
 
 def decode_pieces(tokenizer: Any, ids: list[int], window: int = 8) -> list[str]:
@@ -184,18 +203,30 @@ def _byte_table() -> dict[str, int]:
 _BYTE_OF = _byte_table()
 
 
+def _decodes_bytes(tokenizer: Any, rust: Any) -> bool:
+    """Whether the decoder is ByteLevel, alone or inside a Sequence (transformers' GGUF conversion
+    writes a Sequence); kept on the tokenizer, as reading it serialises the whole tokenizer."""
+    known = tokenizer.__dict__.get("_lpp_byte_level")
+    if known is None:
+        import json
+
+        try:
+            dec = json.loads(rust.to_str()).get("decoder") or {}
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot serialise itself takes the slow path
+            dec = {}
+        parts = dec.get("decoders") or [] if dec.get("type") == "Sequence" else [dec]
+        known = tokenizer.__dict__["_lpp_byte_level"] = any(d.get("type") == "ByteLevel" for d in parts)
+    return bool(known)
+
+
 def _byte_level_pieces(tokenizer: Any, ids: list[int]) -> list[str] | None:
     """Pieces without decoding any text, for byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM, Qwen):
     each token is a fixed run of bytes, so the text each one adds is what an incremental UTF-8 decoder
     yields on its bytes ("" while a character is incomplete, the character on the token completing it).
-    None when the tokenizer is not purely byte-level; the caller checks the pieces join to its decode."""
+    None when the tokenizer's decoder has no byte-level step; the caller checks the pieces join to its
+    decode (a decoder that also replaces or strips text fails that check and takes the slow path)."""
     rust = getattr(tokenizer, "_tokenizer", None)
-    try:
-        from tokenizers import decoders
-
-        if rust is None or not isinstance(rust.decoder, decoders.ByteLevel) or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-            return None
-    except ImportError:
+    if rust is None or not _decodes_bytes(tokenizer, rust):
         return None
     import codecs
 
@@ -229,14 +260,15 @@ def exact_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
     """`decode_pieces` by decoding every prefix (quadratic): the definition the fast one must meet."""
     pieces, prev = [], ""
     for n in range(1, len(ids) + 1):
-        cur = tokenizer.decode(ids[:n])
+        cur = raw_decode(tokenizer, ids[:n])
         if cur.startswith(prev) and not cur.endswith("\ufffd"):
             pieces.append(cur[len(prev) :])
             prev = cur
         else:  # an incomplete multi-byte character: show it once it completes
             pieces.append("")
-    if prev != tokenizer.decode(ids):
-        pieces[-1] += tokenizer.decode(ids)[len(prev) :]
+    whole = raw_decode(tokenizer, ids)
+    if prev != whole:
+        pieces[-1] += whole[len(prev) :]
     return pieces
 
 

@@ -54,7 +54,7 @@ def _text_lists(ids: np.ndarray, decode_many: Callable[[list[list[int]]], list[s
     if decode_many is None:
         return pa.FixedSizeListArray.from_arrays(pa.array([""] * len(flat), pa.string()), max(ids.shape[1], 1))
     uniq = np.unique(flat[flat >= 0])
-    texts = decode_many([[int(i)] for i in uniq]) + [""]
+    texts = decode_many([[i] for i in uniq.tolist()]) + [""]
     where = np.searchsorted(uniq, flat)
     where = np.where(flat >= 0, where, len(uniq)).astype(np.int32)
     strings = pa.array(texts, pa.string()).take(pa.array(where))

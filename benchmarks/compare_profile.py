@@ -1,0 +1,101 @@
+"""Where a warm compare's time goes outside the engines: cProfile of this process during one compare.
+
+    python benchmarks/compare_profile.py [--model tinyllama|demo|PATH] [--prompts 64] [--tokens 512]
+                                         [--dtype bfloat16] [--hf-batch 32] [--hf-cudnn-attention on|off] [--tokenizer DIR] [--out FILE]
+
+benchmarks/compare_speed.py gives the ratio to the bare engines and splits a compare into vLLM
+scoring, HF scoring (host round trips included) and "the rest in this process"; this script says
+what that rest is. It warms the engines, runs the same compare (no exact KL, no noise floor) twice
+more, the second under cProfile, and writes the functions by cumulative time. The profile is of this
+process's main thread: the engine hosts are processes of their own (their time shows as waiting on
+their connection), and the thread that names tokens while the engines score shows only where the
+main thread waits for it. Default model: TinyLlama-1.1B's shape with random weights and the demo
+model's tokenizer (as compare_speed.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tinyllama", help="tinyllama (random 1.1B shape), demo, or a model folder")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for the random model (default: the demo model's)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--hf-cudnn-attention", choices=("default", "on", "off"), default="default")
+    ap.add_argument("--top", type=int, default=45, help="functions listed")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-profile-"))
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.engines import build_tinyllama, prompts_of
+    from core.analysis.compare import compare
+    from core.engines import fullvocab, pool
+    from core.env import resolve_device
+    from core.inputs.models import resolve_model
+    from core.inputs.settings import EngineSettings
+    from core.inputs.spec import RunSpec
+    from core.results.store import Store
+
+    device = resolve_device("auto")
+    if a.model == "tinyllama":
+        work = Path(tempfile.mkdtemp(prefix="lpp-profile-model-"))
+        model = resolve_model(build_tinyllama(work / "tinyllama-1.1b-random", a.tokenizer or resolve_model(None).path, device))
+    else:
+        model = resolve_model(None if a.model == "demo" else a.model)
+    tok = AutoTokenizer.from_pretrained(model.path)
+    seqs = prompts_of(tok, a.prompts, a.tokens)
+    texts = tuple(tok.decode(s[1:] if s and s[0] == tok.bos_token_id else s) for s in seqs)
+    store = Store(Path(os.environ["LOGPROB_PARITY_HOME"]))
+    cudnn = {"default": None, "on": True, "off": False}[a.hf_cudnn_attention]
+    settings = dataclasses.replace(EngineSettings(), hf_batch_size=a.hf_batch, hf_cudnn_attention=cudnn)
+    fullvocab.ENABLED = False
+
+    def run(t: tuple[str, ...]):
+        start = time.perf_counter()
+        (r,) = compare(RunSpec(texts=t, model=model.path, dtypes=(a.dtype,), device=device, settings=settings, noise_floor=False),
+                       store=store, use_cache=False)
+        return r, time.perf_counter() - start
+
+    run(texts[:2])
+    _, warm = run(texts)  # HF's first pass over these batch shapes happens here, not in the profile
+    prof = cProfile.Profile()
+    prof.enable()
+    r, took = run(texts)
+    prof.disable()
+    pool.shutdown_all()
+    tm = r.meta.timing
+    rest = took - tm["vllm_score_s"] - tm["hf_score_s"]
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(a.top)
+    buf.write("\nBy own time (what this process computes, not what it waits for):\n")
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    head = (f"compare_profile: {model.name}, {a.prompts} x {a.tokens} tokens, {a.dtype}, {device}, hf_batch_size {a.hf_batch}, hf_cudnn_attention {a.hf_cudnn_attention}; "
+            f"first timed compare {warm:.3f} s, profiled {took:.3f} s (under cProfile): vLLM {tm['vllm_score_s']:.3f} s, "
+            f"HF {tm['hf_score_s']:.3f} s, the rest in this process {rest:.3f} s")
+    text = head + "\n\n" + buf.getvalue()
+    if a.out:
+        Path(a.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
