@@ -104,16 +104,22 @@ def main() -> None:
     t = time.perf_counter()
     worst_tokens([run], 20)
     rows.append(("the worst 20 tokens over every prompt", f"{time.perf_counter() - t:.2f} s"))
+    report(f"A prompt set of {a.prompts:,} on this CPU", a.model, rows, a.out)
+
+
+def report(title: str, model: str, rows: list[tuple[str, str]], out: str | None) -> None:
+    """The results table of a CPU-scale benchmark, headed by the machine, versions, model and the
+    command line; printed, and written to `out` when given."""
     from core.env import versions
 
     v = versions()
-    text = "\n".join([f"# A prompt set of {a.prompts:,} on this CPU", "",
+    text = "\n".join([f"# {title}", "",
                       f"{os.cpu_count()} CPU cores · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
-                      f"model {Path(a.model).name} · `python benchmarks/prompt_set.py {' '.join(sys.argv[1:])}`", "",
+                      f"model {Path(model).name} · `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`", "",
                       "| measurement | result |", "|---|---|", *[f"| {k} | {x} |" for k, x in rows]]) + "\n"
     print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    if out:
+        Path(out).write_text(text)
 
 
 if __name__ == "__main__":

@@ -361,11 +361,9 @@ def cmd_frontier(args: argparse.Namespace) -> int:
 
 
 def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
-    """One object per run: a single object for one run, a list for several. Comparison runs are
-    written a sequence at a time (Run.write_json), so a large prompt set's JSON never sits whole in
-    memory; the file is renamed into place when complete."""
-    from core.results.run import Run
-
+    """One object per run: a single object for one run, a list for several. Comparison runs and
+    rollouts are written a sequence or sample at a time (their write_json), so a large prompt set's
+    or rescore's JSON never sits whole in memory; the file is renamed into place when complete."""
     out = Path(path)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
@@ -375,7 +373,7 @@ def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
             for i, r in enumerate(runs):
                 if i:
                     f.write(",\n")
-                if isinstance(r, Run):
+                if hasattr(r, "write_json"):  # runs and rollouts: a sequence or sample at a time
                     r.write_json(f)
                 else:
                     f.write(json.dumps(r.to_json_dict(), indent=1, allow_nan=False))

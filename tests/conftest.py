@@ -84,10 +84,32 @@ def cli_env(home: Path) -> dict[str, str]:
     return env
 
 
+def kill_after_parts(cmd: list[str], env: dict[str, str], home: Path, parts: int, timeout: float = 300) -> int:
+    """Start the CLI command, SIGKILL it (its whole process group, engine hosts included) once
+    `parts` finished batches are stored, and return how many were stored by then."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    partial = home / "partial"
+    deadline = time.monotonic() + timeout
+    found: list[Path] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(partial.glob("*/part-*.arrow")) if partial.exists() else []
+        if len(found) >= parts:
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(found) >= parts, f"the command did not store {parts} batches in time"
+    return len(list(partial.glob("*/part-*.arrow")))
+
+
 def run_files(home: Path) -> list[str]:
     """Everything in the store's runs folder (temp files included)."""
     d = home / "runs"
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
-__all__ = ["cli_env", "run_files", "shutil"]
+__all__ = ["cli_env", "kill_after_parts", "run_files", "shutil"]

@@ -227,3 +227,20 @@ def test_rollout_and_rescore_defaults_turn_cudnn_attention_off_on_a_gpu_only(mon
     assert (cpu.hf_cudnn_attention, cpu.enforce_eager) == (None, True)
     kept = dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, hf_cudnn_attention=True))
     assert rollout_mod.with_rollout_defaults(kept).settings.hf_cudnn_attention is True
+
+
+@pytest.mark.parametrize("indent", [None, 1, 2])
+def test_json_written_an_item_at_a_time_is_what_json_dumps_writes(indent):
+    """write_items (a run's sequences, a rollout's samples, one at a time) writes the very text
+    json.dumps gives for the whole object: empty lists, nested values, and a key already in the
+    head keeping its place."""
+    import io
+    import json
+
+    from core.results.run import write_items
+
+    for items in ([], [{"a": [1, {"b": 2.5}], "t": "é🎉"}, {"c": None}]):
+        head = {"x": 1, "samples": [9], "z": {"q": []}}
+        f = io.StringIO()
+        write_items(f, head, "samples", iter(items), indent)
+        assert f.getvalue() == json.dumps({**head, "samples": items}, indent=indent)

@@ -7,16 +7,13 @@ batches it lacks when the same command runs again."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import cli_env
+from conftest import cli_env, kill_after_parts
 from core.analysis.compare import plan_batches
 
 LINES = [f"Prompt number {i}: the quick brown fox jumps over the lazy dog {i % 7} times." for i in range(24)]
@@ -76,19 +73,7 @@ def test_a_killed_run_resumes_without_recomputing_its_stored_batches(tiny_bos, h
     env = dict(cli_env(home), LPP_BATCH_TOKENS="60")
     cmd = [sys.executable, "-m", "core.cli", "compare", "--model", str(tiny_bos), "--prompts", str(prompts), "--dtype", "float32",
            "--device", "cpu"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    partial = home / "partial"
-    deadline = time.monotonic() + 300
-    parts: list[Path] = []
-    while time.monotonic() < deadline and proc.poll() is None:
-        parts = list(partial.glob("*/part-*.arrow")) if partial.exists() else []
-        if len(parts) >= 3:
-            break
-        time.sleep(0.2)
-    assert len(parts) >= 3, "the run did not store three batches in time"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    stored = len(list(partial.glob("*/part-*.arrow")))
+    stored = kill_after_parts(cmd, env, home, 3)
     again = subprocess.run(cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{stored} of " in again.stderr and "batches came from the store" in again.stderr, again.stderr[-3000:]

@@ -102,3 +102,39 @@ def test_rollout_json_round_trips_through_rescore_and_a_perturbed_token_ranks_fi
     assert ro.worst_sequences("decode_vs_hf").loc[0, "sample"] == 1
     assert np.isfinite(ro.samples[0].exact["kl_full"]).all() and s["completion_token_ids"] == list(ro.samples[1].completion_token_ids)
     assert Store(home).has_rollout(ro.rollout_id)
+
+
+@pytest.mark.engine
+def test_a_killed_rescore_resumes_without_recomputing_its_stored_batches(tiny_bos, home, tmp_path):
+    """`rescore` killed with SIGKILL after some batches were stored: the same command run again says
+    how many batches came from the store, computes the rest, leaves no parts behind, and gives the
+    values an uninterrupted rescore gives, sequence by sequence."""
+    import subprocess
+    import sys
+
+    from conftest import cli_env, kill_after_parts
+
+    rng = np.random.default_rng(0)
+    records = [{"prompt_token_ids": [0, *rng.integers(40, 500, 6).tolist()], "completion_token_ids": rng.integers(40, 500, 10).tolist(),
+                "logprobs": (-rng.random(10) * 3).tolist(), "id": f"r{i}"} for i in range(60)]
+    path = tmp_path / "logged.jsonl"
+    path.write_bytes(_jsonl(*records))
+    env = dict(cli_env(home), LPP_BATCH_TOKENS="48")  # three sequences a batch: twenty batches
+    cmd = [sys.executable, "-m", "core.cli", "rescore", "--rollouts", str(path), "--model", str(tiny_bos), "--dtype", "float32",
+           "--device", "cpu"]
+    stored = kill_after_parts(cmd, env, home, 3)
+    partial = home / "partial"
+    assert Store(home).list_rollouts().empty  # nothing half-stored
+    again = subprocess.run(cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{stored} of 20 batches came from the store" in again.stderr, again.stderr[-3000:]
+    assert not any(partial.glob("*/part-*.arrow"))
+    clean = subprocess.run(cmd + ["--no-cache", "--json", str(tmp_path / "clean.json")], env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("out.json", "clean.json"))
+    assert a["rollout_id"] == b["rollout_id"] and len(a["samples"]) == len(b["samples"]) == 60
+    for x, y in zip(a["samples"], b["samples"]):
+        assert x["completion_token_ids"] == y["completion_token_ids"]
+        assert [p["logprob"] for p in x["positions"]] == [p["logprob"] for p in y["positions"]]
+    assert a["summary"] == b["summary"]

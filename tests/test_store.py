@@ -204,3 +204,36 @@ def test_json_written_a_sequence_at_a_time_is_the_whole_object(tmp_path):
         buf = io.StringIO()
         run.write_json(buf, indent=indent)
         assert buf.getvalue() == json.dumps(run.to_json_dict(), indent=indent, allow_nan=False)
+
+
+def test_a_rollouts_rows_in_chunks_rebuild_every_sample_in_shuffled_order():
+    """A rollout is written a few thousand samples at a time (Rollout.tables) and read back by one
+    sort and a cut at each sample's bounds (Rollout.from_frame): chunks of any size give the rows of
+    the whole, and samples come back with their ids, pieces and values even when the stored rows are
+    shuffled and some samples are empty."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+    import pyarrow as pa
+
+    from core.results.rollout import COLUMNS, EXACT, Rollout, Sample
+
+    rng = np.random.default_rng(1)
+    samples = []
+    for i in range(9):
+        n = int(rng.integers(0, 6))
+        samples.append(Sample(prompt_index=i // 2, seed=i, prompt_token_ids=(1, 2), completion_token_ids=tuple(int(x) for x in rng.integers(0, 50, n)),
+                              pieces=tuple(f"p{i}.{t} é🎉" for t in range(n)), finish_reason=f"r{i}",
+                              logprob={c: rng.normal(size=n) for c in COLUMNS}, exact={c: rng.normal(size=n) for c in EXACT}))
+    ro = Rollout(meta=SimpleNamespace(samples=[x.info() for x in samples]), samples=tuple(samples))
+    whole = ro.to_frame()
+    assert len(whole) == sum(len(x.completion_token_ids) for x in samples)
+    for per in (1, 2, 4, 100):
+        pd.testing.assert_frame_equal(pa.concat_tables(list(ro.tables(per))).to_pandas(), whole)
+    back = Rollout.from_frame(ro.meta, whole.sample(frac=1.0, random_state=0))
+    for a, b in zip(samples, back.samples):
+        assert (a.completion_token_ids, a.pieces, a.prompt_index, a.seed) == (b.completion_token_ids, b.pieces, b.prompt_index, b.seed)
+        for c in COLUMNS:
+            np.testing.assert_array_equal(a.logprob[c], b.logprob[c])
+        for c in EXACT:
+            np.testing.assert_array_equal(a.exact[c], b.exact[c])

@@ -158,7 +158,7 @@ def plan_batches(lengths: list[int], vocab: int | None, device: str) -> list[tup
     return out
 
 
-def _words_left(seconds: float) -> str:
+def words_left(seconds: float) -> str:
     if seconds < 90:
         return f"about {seconds:.0f} s left"
     if seconds < 5400:
@@ -240,7 +240,7 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         ctx.on_progress(dtype, done, total)
         if many:
             rate = computed / t_compute if t_compute else 0.0
-            left = f", {_words_left((total - done) / rate)}" if rate and done < total else ""
+            left = f", {words_left((total - done) / rate)}" if rate and done < total else ""
             ctx.emit("batch", dtype, f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s{left}"
                      + (f" ({reused} batch(es) were already in the store)" if reused else ""))
     if spec.noise_floor and floor is None and many:

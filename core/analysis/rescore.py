@@ -7,6 +7,10 @@ returned (core.inputs.rollout_logs). Here they take the decode row (`decode_raw`
 ids, in batches of sequences, and the result is a Rollout like `rollout`'s: the same pairs, RL
 mismatch metrics, floors (HF's own; there is no decoding here to re-run), verdict, store entry,
 page, report and `--json`.
+
+Each finished batch is stored at once (a part, as a comparison's batches are), so a rescore killed
+part way and started again on the same file computes only the batches it lacks and says how many
+came from the store. The finished record itself is built and stored whole.
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from core.analysis.compare import plan_batches
+from core.analysis.compare import plan_batches, words_left
 from core.analysis.request import Context, model_max_len, prepare
-from core.analysis.rollout import CHUNK, INCREMENTAL_TOKENS, MICRO_BATCH, with_trainer_defaults
+from core.analysis.rollout import (
+    CHUNK,
+    INCREMENTAL_TOKENS,
+    MICRO_BATCH,
+    with_trainer_defaults,
+)
 from core.analysis.verdict import rollout_verdict
 from core.engines import fullvocab
 from core.engines.host import start_words
@@ -32,7 +41,14 @@ from core.inputs.spec import RunSpec, content_hash
 from core.inputs.tokens import decode_tail_pieces
 from core.results.offpolicy import floor_stats, mismatch_metrics
 from core.results.records import RunEnv
-from core.results.rollout import PAIRS, ROLLOUT_SCHEMA, Rollout, RolloutMeta, Sample, exact_stats
+from core.results.rollout import (
+    PAIRS,
+    ROLLOUT_SCHEMA,
+    Rollout,
+    RolloutMeta,
+    Sample,
+    exact_stats,
+)
 
 NOISE_SEQUENCES = 2  # logged sequences HF rescores again in micro-batches, in chunks and token by token
 PROCESSED_WORDS = ("the logged values: the rollout engine's own logprobs, raw or processed as its logger wrote them "
@@ -62,8 +78,11 @@ def rescore(data: bytes, name: str, spec: RunSpec, ctx: Context | None = None, m
             ctx.emit("cache", dtype, f"rescore {rid} from the store, no engine started")
             out.append(ctx.store.load_rollout(rid))
             continue
+        if not use_cache:
+            ctx.store.drop_partial(rid)
         r = _rescore_dtype(p, logged, dtype, rid, model_max_len(longest, p.model.max_positions), noise_sequences)
         ctx.store.save_rollout(r)
+        ctx.store.drop_partial(rid)
         ctx.emit("store", dtype, f"rescore {rid} saved")
         out.append(r)
     return out
@@ -85,55 +104,69 @@ def _rescore_dtype(p: Any, logged: LoggedSet, dtype: str, rid: str, mml: int, no
     seqs = logged.sequences
     full = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
     starts = [len(s.prompt_token_ids) for s in seqs]
-    prefill: list[Any] = [None] * len(seqs)
-    hf_scores: list[Any] = [None] * len(seqs)
+    scored: list[dict[str, np.ndarray] | None] = [None] * len(seqs)  # per sequence: _COLUMNS over its completion
     timing = {"prefill_s": 0.0, "hf_s": 0.0}
     kl_why: set[str] = set()
-    total, done = logged.n_tokens, 0
+    total, done, computed, reused, t_compute = logged.n_tokens, 0, 0, 0, 0.0
+    store = ctx.store
+    batches = [g[lo:hi] for g in _groups(logged) for lo, hi in plan_batches([len(full[i]) for i in g], p.model.vocab_size, p.device)]
     with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
         for req in (vreq, hreq):
             ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
                      f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
         vllm, hf = lease.host(vreq), lease.host(hreq)
-        groups = _groups(logged)
-        for g in groups:
-            for lo, hi in plan_batches([len(full[i]) for i in g], p.model.vocab_size, p.device):
-                idx = g[lo:hi]
-                batch = [full[i] for i in idx]
-                s0 = seqs[idx[0]]
-                with ctx.pool.device_turn(ctx.waiter(dtype), what="rescoring"):
-                    ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device)
-                    try:
-                        t = time.perf_counter()
-                        pre = lease.call(vreq, lambda: vllm.score(batch, 1, None, None, "right", ex.vllm_target))
-                        ex.after_vllm(vllm)
-                        timing["prefill_s"] += time.perf_counter() - t
-                        t = time.perf_counter()
-                        got = lease.call(hreq, lambda: hf.rollout_score(batch, [starts[i] for i in idx], s0.temperature, s0.top_k,
-                                                                         s0.top_p, None, ex.hf_source))
-                        timing["hf_s"] += time.perf_counter() - t
-                    finally:
-                        ex.close(vllm)
-                if ex.why:
-                    kl_why.add(ex.why)
-                for i, a, b in zip(idx, pre, got):
-                    prefill[i], hf_scores[i] = a, b
-                done += sum(len(seqs[i].completion_token_ids) for i in idx)
-                ctx.on_progress(dtype, done, total)
-                ctx.emit("batch", dtype, f"{done:,} of {total:,} logged tokens rescored")
-        floors = _floors(ctx, dtype, lease, hreq, hf, full, starts, hf_scores, noise, timing)
-    timing["total_s"] = time.perf_counter() - t_all
+        for b, idx in enumerate(batches):
+            batch = [full[i] for i in idx]
+            n_tok = sum(len(seqs[i].completion_token_ids) for i in idx)
+            digest = content_hash(batch, 16)
+            old = store.part_info(rid, b)
+            if old is not None and (old.get("idx"), old.get("ids")) == (idx, digest):
+                _unpack(store.part_table(rid, b), idx, scored)
+                if old.get("kl_why"):
+                    kl_why.add(old["kl_why"])
+                done += n_tok
+                reused += 1
+                continue
+            t_b = time.perf_counter()
+            s0 = seqs[idx[0]]
+            with ctx.pool.device_turn(ctx.waiter(dtype), what="rescoring"):
+                ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device)
+                try:
+                    t = time.perf_counter()
+                    pre = lease.call(vreq, lambda: vllm.score(batch, 1, None, None, "right", ex.vllm_target))
+                    ex.after_vllm(vllm)
+                    timing["prefill_s"] += time.perf_counter() - t
+                    t = time.perf_counter()
+                    got = lease.call(hreq, lambda: hf.rollout_score(batch, [starts[i] for i in idx], s0.temperature, s0.top_k,
+                                                                     s0.top_p, None, ex.hf_source))
+                    timing["hf_s"] += time.perf_counter() - t
+                finally:
+                    ex.close(vllm)
+            if ex.why:
+                kl_why.add(ex.why)
+            table = _pack(seqs, idx, starts, pre, got)
+            store.save_part(rid, b, table, {"idx": idx, "ids": digest, "kl_why": ex.why})
+            _unpack(table, idx, scored)
+            done += n_tok
+            computed += n_tok
+            t_compute += time.perf_counter() - t_b
+            ctx.on_progress(dtype, done, total)
+            rate = computed / t_compute if t_compute else 0.0
+            left = f", {words_left((total - done) / rate)}" if rate and done < total else ""
+            ctx.emit("batch", dtype, f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} logged tokens rescored, "
+                     f"{rate:,.0f} tokens/s{left}" + (f" ({reused} batch(es) were already in the store)" if reused else ""))
+        if reused:
+            ctx.emit("cache", dtype, f"{reused} of {len(batches)} batches came from the store (an earlier rescore of this file "
+                     f"stopped before it finished); {len(batches) - reused} computed now")
+        floors = _floors(ctx, dtype, lease, hreq, hf, full, starts, [{"logprob": x["hf"]} for x in scored], noise, timing)  # type: ignore[index]
+    timing.update(total_s=time.perf_counter() - t_all, batches=len(batches), batches_from_store=reused)
     recs = []
-    for k, (s, pre, h) in enumerate(zip(seqs, prefill, hf_scores)):
+    for k, (s, x) in enumerate(zip(seqs, scored)):
         n0 = starts[k]
-        if [int(x) for x in pre.token_ids[n0:]] != list(s.completion_token_ids) or len(h["logprob"]) != len(s.completion_token_ids):
-            raise AssertionError(f"record {s.record}: the scorings did not score the logged completion ids")
         logged_lp = np.asarray(s.logprobs, dtype=np.float64)
-        lp = {"decode_raw": logged_lp, "decode_processed": logged_lp.copy(), "prefill": np.asarray(pre.logprob[n0:], dtype=np.float64),
-              "hf": np.asarray(h["logprob"], dtype=np.float64), "hf_tempered": np.asarray(h["tempered"], dtype=np.float64),
-              "log_kept_mass": np.asarray(h["log_kept_mass"], dtype=np.float64)}
-        exact = {"kl_full": np.asarray(h.get("kl_full", np.full(len(logged_lp), np.nan)), dtype=np.float64),
-                 "same_top": (pre.topk_ids[n0:, 0] == h["top_id"]).astype(np.float64)}
+        lp = {"decode_raw": logged_lp, "decode_processed": logged_lp.copy(), "prefill": x["prefill"], "hf": x["hf"],  # type: ignore[index]
+              "hf_tempered": x["hf_tempered"], "log_kept_mass": x["log_kept_mass"]}  # type: ignore[index]
+        exact = {"kl_full": x["kl_full"], "same_top": (x["prefill_top"] == x["hf_top"]).astype(np.float64)}  # type: ignore[index]
         recs.append(Sample(prompt_index=k, seed=-1, prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
                            pieces=tuple(decode_tail_pieces(p.tokenizer, full[k], n0)),
                            finish_reason=f"logged record {s.record}" + (f", id {s.id}" if s.id else "") +
@@ -160,6 +193,40 @@ def _rescore_dtype(p: Any, logged: LoggedSet, dtype: str, rid: str, mml: int, no
                                 else "not computed: " + "; ".join(sorted(kl_why))}),
         timing={k: round(x, 3) for k, x in timing.items()}, summary=summary, floors=floors, samples=tuple(r.info() for r in recs))
     return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
+
+
+# A finished batch's part (core.results.store.save_part): a row per completion token.
+_COLUMNS = ("prefill", "prefill_top", "hf", "hf_tempered", "log_kept_mass", "kl_full", "hf_top")
+
+
+def _pack(seqs: Any, idx: list[int], starts: list[int], pre: list[Any], got: list[dict[str, np.ndarray]]) -> Any:
+    """One batch's scorings as a table (checked: both scored exactly the logged completion ids)."""
+    import pyarrow as pa
+
+    cols: dict[str, list[np.ndarray]] = {c: [] for c in ("seq", *_COLUMNS)}
+    for i, a, h in zip(idx, pre, got):
+        s, n0 = seqs[i], starts[i]
+        n = len(s.completion_token_ids)
+        if [int(x) for x in a.token_ids[n0:]] != list(s.completion_token_ids) or len(h["logprob"]) != n:
+            raise AssertionError(f"record {s.record}: the scorings did not score the logged completion ids")
+        cols["seq"].append(np.full(n, i, dtype=np.int64))
+        cols["prefill"].append(np.asarray(a.logprob[n0:], dtype=np.float64))
+        cols["prefill_top"].append(np.asarray(a.topk_ids[n0:, 0], dtype=np.int64))
+        cols["hf"].append(np.asarray(h["logprob"], dtype=np.float64))
+        cols["hf_tempered"].append(np.asarray(h["tempered"], dtype=np.float64))
+        cols["log_kept_mass"].append(np.asarray(h["log_kept_mass"], dtype=np.float64))
+        cols["kl_full"].append(np.asarray(h.get("kl_full", np.full(n, np.nan)), dtype=np.float64))
+        cols["hf_top"].append(np.asarray(h["top_id"], dtype=np.int64))
+    return pa.table({k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()})
+
+
+def _unpack(table: Any, idx: list[int], into: list[Any]) -> None:
+    """A batch's part back into per-sequence arrays (`into[i]`: _COLUMNS over sequence i's completion)."""
+    seq = table.column("seq").to_numpy()
+    cols = {c: table.column(c).to_numpy() for c in _COLUMNS}
+    for i in idx:
+        at = seq == i
+        into[i] = {c: v[at] for c, v in cols.items()}
 
 
 def _floors(ctx: Any, dtype: str, lease: Any, hreq: LoadRequest, hf: Any, full: list[list[int]], starts: list[int],

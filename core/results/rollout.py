@@ -215,62 +215,86 @@ class Rollout:
 
     def to_frame(self) -> pd.DataFrame:
         """One row per completion token (what the store writes as Parquet)."""
-        parts = []
-        for i, s in enumerate(self.samples):
-            n = len(s.completion_token_ids)
-            df = pd.DataFrame({
-                "sample": np.full(n, i, dtype=np.int64),
-                "prompt": np.full(n, s.prompt_index, dtype=np.int64),
-                "position": np.arange(n, dtype=np.int64),
-                "token_id": np.asarray(s.completion_token_ids, dtype=np.int64),
-                "piece": list(s.pieces),
-                **{c: np.asarray(s.logprob[c], dtype=np.float64) for c in COLUMNS},
-                **{c: np.asarray(s.exact.get(c, np.full(n, np.nan)), dtype=np.float64) for c in EXACT},
-            })
-            for pair in PAIRS:
-                df[f"delta_{pair}"] = s.delta(pair)
-            parts.append(df)
-        if not parts:
+        tables = list(self.tables())
+        if not tables:
             return pd.DataFrame(columns=["sample", "prompt", "position", "token_id", "piece", *COLUMNS])
-        return pd.concat(parts, ignore_index=True)
+        import pyarrow as pa
+
+        return pa.concat_tables(tables).to_pandas()
+
+    def tables(self, per: int = 4096) -> Iterator[Any]:
+        """`to_frame`'s rows as Arrow tables of `per` samples each, built column by column (the store
+        writes them one after another: a rollout of 100,000 sequences is never one frame)."""
+        import pyarrow as pa
+
+        for lo in range(0, len(self.samples), per):
+            part = self.samples[lo : lo + per]
+            ns = np.array([len(x.completion_token_ids) for x in part], dtype=np.int64)
+            cat = lambda arrays: np.concatenate(arrays) if arrays else np.zeros(0)  # noqa: E731
+            cols: dict[str, Any] = {
+                "sample": np.repeat(np.arange(lo, lo + len(part), dtype=np.int64), ns),
+                "prompt": np.repeat(np.array([x.prompt_index for x in part], dtype=np.int64), ns),
+                "position": cat([np.arange(n, dtype=np.int64) for n in ns]).astype(np.int64),
+                "token_id": cat([np.asarray(x.completion_token_ids, dtype=np.int64) for x in part]).astype(np.int64),
+                "piece": pa.array([piece for x in part for piece in x.pieces], pa.string()),
+                **{c: cat([np.asarray(x.logprob[c], dtype=np.float64) for x in part]) for c in COLUMNS},
+                **{c: cat([np.asarray(x.exact.get(c, np.full(len(x.completion_token_ids), np.nan)), dtype=np.float64)
+                           for x in part]) for c in EXACT},
+                **{f"delta_{pair}": cat([np.asarray(x.delta(pair), dtype=np.float64) for x in part]) for pair in PAIRS},
+            }
+            yield pa.table(cols)
 
     @classmethod
     def from_frame(cls, meta: RolloutMeta, df: pd.DataFrame, from_store: bool = True) -> "Rollout":
+        """The stored rows back into samples: sorted once and cut at each sample's bounds (linear in
+        the rows, not rows x samples)."""
+        order = np.lexsort((df["position"].to_numpy(), df["sample"].to_numpy()))
+        sample = df["sample"].to_numpy()[order]
+        ids = df["token_id"].to_numpy()[order]
+        pieces = df["piece"].to_numpy(dtype=object)[order]
+        values = {c: df[c].to_numpy(dtype=np.float64)[order] for c in (*COLUMNS, *EXACT) if c in df}
+        bounds = np.searchsorted(sample, np.arange(len(meta.samples) + 1))
         samples = []
         for i, info in enumerate(meta.samples):
-            rows = df[df["sample"] == i].sort_values("position")
+            a, b = int(bounds[i]), int(bounds[i + 1])
             samples.append(Sample(
                 prompt_index=int(info["prompt_index"]), seed=int(info["seed"]),
                 prompt_token_ids=tuple(int(x) for x in info["prompt_token_ids"]),
-                completion_token_ids=tuple(int(x) for x in rows["token_id"]), pieces=tuple(str(x) for x in rows["piece"]),
+                completion_token_ids=tuple(ids[a:b].tolist()), pieces=tuple(str(x) for x in pieces[a:b]),
                 finish_reason=info.get("finish_reason"),
-                logprob={c: rows[c].to_numpy(dtype=np.float64) for c in COLUMNS},
-                exact={c: rows[c].to_numpy(dtype=np.float64) for c in EXACT if c in rows},
+                logprob={c: values[c][a:b] for c in COLUMNS},
+                exact={c: values[c][a:b] for c in EXACT if c in values},
             ))
         return cls(meta=meta, samples=tuple(samples), from_store=from_store)
 
     def to_json_dict(self) -> dict[str, Any]:
         """The `--json` shape: per sample its ids and, per completion position, every logprob and Δ."""
+        return {**self.meta.to_dict(), "samples": [self._sample_json(s) for s in self.samples]}
+
+    def write_json(self, f: Any, indent: int | None = 1) -> None:
+        """`to_json_dict` written to the text file `f` a sample at a time (core.results.run.write_items),
+        so a rescore of many logged sequences is never one object in memory."""
+        from core.results.run import write_items
+
+        write_items(f, self.meta.to_dict(), "samples", (self._sample_json(s) for s in self.samples), indent)
+
+    @staticmethod
+    def _sample_json(s: Sample) -> dict[str, Any]:
         from core.results.offpolicy import mismatch_metrics
 
-        out = self.meta.to_dict()
-        out["samples"] = []
-        for s in self.samples:
-            positions = []
-            for t in range(len(s.completion_token_ids)):
-                lp = {c: _num(s.logprob[c][t]) for c in COLUMNS}
-                positions.append({
-                    "position": t, "token_id": s.completion_token_ids[t], "piece": s.pieces[t],
-                    "logprob": {k: lp[k] for k in ("decode_raw", "decode_processed", "prefill", "hf")},
-                    "hf_tempered": lp["hf_tempered"], "log_kept_mass": lp["log_kept_mass"],
-                    "delta": {pair: _num(s.delta(pair)[t]) for pair in PAIRS},
-                    "prefill_vs_hf": {c: _num(s.exact[c][t]) if c in s.exact else None for c in EXACT},
-                })
-            metrics = {pair: mismatch_metrics([s.logprob[a]], [s.logprob[b]]) for pair, (a, b, _) in PAIRS.items()}
-            metrics["prefill_vs_hf"].update(exact_stats([s]))
-            out["samples"].append({**s.info(), "completion_token_ids": list(s.completion_token_ids), "metrics": metrics,
-                                   "positions": positions})
-        return out
+        positions = []
+        for t in range(len(s.completion_token_ids)):
+            lp = {c: _num(s.logprob[c][t]) for c in COLUMNS}
+            positions.append({
+                "position": t, "token_id": s.completion_token_ids[t], "piece": s.pieces[t],
+                "logprob": {k: lp[k] for k in ("decode_raw", "decode_processed", "prefill", "hf")},
+                "hf_tempered": lp["hf_tempered"], "log_kept_mass": lp["log_kept_mass"],
+                "delta": {pair: _num(s.delta(pair)[t]) for pair in PAIRS},
+                "prefill_vs_hf": {c: _num(s.exact[c][t]) if c in s.exact else None for c in EXACT},
+            })
+        metrics = {pair: mismatch_metrics([s.logprob[a]], [s.logprob[b]]) for pair, (a, b, _) in PAIRS.items()}
+        metrics["prefill_vs_hf"].update(exact_stats([s]))
+        return {**s.info(), "completion_token_ids": list(s.completion_token_ids), "metrics": metrics, "positions": positions}
 
 
 def exact_stats(samples: Any) -> dict[str, float | None]:

@@ -6,7 +6,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
@@ -311,18 +311,9 @@ class Run:
         return {**self._json_head(), "sequences": [self._sequence_json(s) for s in self.sequences]}
 
     def write_json(self, f: Any, indent: int | None = 1) -> None:
-        """`to_json_dict` written to the text file `f` a sequence at a time, so a 10,000-prompt run
-        is never one object in memory; the text is what json.dumps of `to_json_dict` gives."""
-        head = json.dumps({**self._json_head(), "sequences": []}, indent=indent, allow_nan=False)
-        cut = head.rindex("[]")
-        f.write(head[:cut] + "[")
-        pad = "" if indent is None else "\n" + " " * (2 * indent)
-        for i, s in enumerate(self.sequences):
-            text = json.dumps(self._sequence_json(s), indent=indent, allow_nan=False)
-            if indent is not None:
-                text = text.replace("\n", pad)
-            f.write(("," if indent is not None else ", ") * bool(i) + pad + text)
-        f.write(("" if indent is None or not len(self.sequences) else "\n" + " " * indent) + "]" + head[cut + 2 :])
+        """`to_json_dict` written to the text file `f` a sequence at a time (`write_items`), so a
+        10,000-prompt run is never one object in memory."""
+        write_items(f, self._json_head(), "sequences", (self._sequence_json(s) for s in self.sequences), indent)
 
     @staticmethod
     def _sequence_json(s: SequenceResult) -> dict[str, Any]:
@@ -350,3 +341,21 @@ class Run:
             "top_k": m.top_k,
             "bos": m.bos,
         }
+
+
+def write_items(f: Any, head: dict[str, Any], key: str, items: Iterable[dict[str, Any]], indent: int | None = 1) -> None:
+    """What json.dumps({**head, key: list(items)}, indent=indent) writes, written to the text file
+    `f` an item at a time: a record's many sequences or samples never sit in memory as one object."""
+    mark = json.dumps("lpp-items-" + "x" * 12)  # stands where the list goes (the key keeps its place in head)
+    text = json.dumps({**head, key: json.loads(mark)}, indent=indent, allow_nan=False)
+    cut = text.index(mark)
+    f.write(text[:cut] + "[")
+    pad = "" if indent is None else "\n" + " " * (2 * indent)
+    first = True
+    for item in items:
+        body = json.dumps(item, indent=indent, allow_nan=False)
+        if indent is not None:
+            body = body.replace("\n", pad)
+        f.write(("" if first else "," if indent is not None else ", ") + pad + body)
+        first = False
+    f.write(("" if indent is None or first else "\n" + " " * indent) + "]" + text[cut + len(mark) :])

@@ -408,9 +408,19 @@ class Store:
         folder = self.rollouts_dir
         folder.mkdir(exist_ok=True)
         meta = dict(ro.meta.to_dict(), schema_version=ROLLOUT_SCHEMA)
-        table = pa.Table.from_pandas(ro.to_frame(), preserve_index=False)
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: json.dumps(meta, allow_nan=False)})
-        digest = _atomic_write(folder / f"{ro.rollout_id}.parquet", lambda f: pq.write_table(table, f))
+        tables = ro.tables()  # a few thousand samples at a time: never the whole rollout as one frame
+        first = next(tables, None)
+        if first is None:
+            first = pa.Table.from_pandas(ro.to_frame(), preserve_index=False)
+        schema = first.schema.with_metadata({META_KEY: json.dumps(meta, allow_nan=False)})
+
+        def write(f: Any) -> None:
+            with pq.ParquetWriter(f, schema) as w:
+                w.write_table(first.cast(schema))
+                for t in tables:
+                    w.write_table(t.cast(schema))
+
+        digest = _atomic_write(folder / f"{ro.rollout_id}.parquet", write)
         s = ro.meta.summary.get(MAIN_PAIR, {})
         with closing(self._db()) as db, db:
             db.execute("INSERT OR REPLACE INTO rollouts VALUES (?,?,?,?,?,?,?,?,?,?)",
