@@ -223,10 +223,12 @@ def _pack(seqs: Any, idx: list[int], starts: list[int], pre: list[Any], got: lis
 def _unpack(table: Any, idx: list[int], into: list[Any]) -> None:
     """A batch's part back into per-sequence arrays (`into[i]`: _COLUMNS over sequence i's completion)."""
     seq = table.column("seq").to_numpy()
-    cols = {c: table.column(c).to_numpy() for c in _COLUMNS}
-    for i in idx:
-        at = seq == i
-        into[i] = {c: v[at] for c, v in cols.items()}
+    order = np.argsort(seq, kind="stable")  # one sort, then each sequence's rows are a slice
+    cols = {c: table.column(c).to_numpy()[order] for c in _COLUMNS}
+    lo = np.searchsorted(seq[order], idx, side="left")
+    hi = np.searchsorted(seq[order], idx, side="right")
+    for i, a, b in zip(idx, lo, hi):
+        into[i] = {c: v[a:b] for c, v in cols.items()}
 
 
 def _floors(ctx: Any, dtype: str, lease: Any, hreq: LoadRequest, hf: Any, full: list[list[int]], starts: list[int],

@@ -234,8 +234,8 @@ class Rollout:
             cols: dict[str, Any] = {
                 "sample": np.repeat(np.arange(lo, lo + len(part), dtype=np.int64), ns),
                 "prompt": np.repeat(np.array([x.prompt_index for x in part], dtype=np.int64), ns),
-                "position": cat([np.arange(n, dtype=np.int64) for n in ns]).astype(np.int64),
-                "token_id": cat([np.asarray(x.completion_token_ids, dtype=np.int64) for x in part]).astype(np.int64),
+                "position": np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns),
+                "token_id": np.fromiter((t for x in part for t in x.completion_token_ids), dtype=np.int64, count=int(ns.sum())),
                 "piece": pa.array([piece for x in part for piece in x.pieces], pa.string()),
                 **{c: cat([np.asarray(x.logprob[c], dtype=np.float64) for x in part]) for c in COLUMNS},
                 **{c: cat([np.asarray(x.exact.get(c, np.full(len(x.completion_token_ids), np.nan)), dtype=np.float64)
