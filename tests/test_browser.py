@@ -187,11 +187,13 @@ def test_rollout_page_samples_rescores_and_explains(server, demo_model):
         page.get_by_role("textbox", name="Prompts, one a line").fill("  ")
         page.get_by_role("button", name="Run", exact=True).click()
         expect(page.get_by_text("Enter at least one prompt")).to_be_visible(timeout=30_000)
+        settled(page)  # the refused run has finished: the next submit is the only rerun in flight
         page.get_by_role("textbox", name="Prompts, one a line").fill(prompts)
         page.get_by_role("spinbutton", name="samples a prompt").fill("1")
         page.get_by_role("spinbutton", name="max new tokens").fill("8")
         page.get_by_role("spinbutton", name="top-p").fill("0.9")
         page.get_by_text("bfloat16", exact=True).first.click()  # float32 only (the sampling tab comes first)
+        settled(page)
         page.get_by_role("button", name="Run", exact=True).click()
         expect(page.get_by_text("Enter at least one prompt")).to_have_count(0, timeout=30_000)
         page.locator(".lpp-tok").first.wait_for(timeout=600_000)
