@@ -65,17 +65,20 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
                                   disabled=reasons.get(d) is not None, help=reasons.get(d) or f"roll out in {d}")]
         graphs = st.checkbox("CUDA graphs for decoding (GPU only; a CPU always runs eager)", True, key=f"{KEY}-graphs")
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
+    # One spot for this form's message. The run itself draws below the tabs, so without a placeholder
+    # a refused run's error would stay on screen, faded, for the whole of the next (valid) run.
+    say = st.empty()
     if blocked:
-        st.info(blocked)
+        say.info(blocked)
     if not submitted:
         return None, None
     model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
     if PRESETS[preset] is None and not custom.strip():
-        st.error("Enter a Hub id or a local folder for 'Other'.", icon=":material/error:")
+        say.error("Enter a Hub id or a local folder for 'Other'.", icon=":material/error:")
         return None, None
     prompts = tuple(line for line in text.splitlines() if line.strip())
     if not prompts:
-        st.error("Enter at least one prompt: one a line, each a text the model continues.", icon=":material/error:")
+        say.error("Enter at least one prompt: one a line, each a text the model continues.", icon=":material/error:")
         return None, None
     sampling = Sampling(samples=int(samples), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                         max_tokens=int(max_tokens), seed=int(seed))
@@ -88,7 +91,7 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
                        settings=dataclasses.replace(EngineSettings(), enforce_eager=eager))
         spec.validate()
     except UserError as exc:
-        st.error(str(exc), icon=":material/error:")
+        say.error(str(exc), icon=":material/error:")
         return None, None
     return spec, sampling
 
@@ -125,6 +128,7 @@ def import_form() -> tuple[bytes, str, dict[str, str], RunSpec] | None:
                   if col.checkbox(d, value=d == "float32" and reasons.get(d) is None, key=f"{IMPORT_KEY}-dt-{d}",
                                   disabled=reasons.get(d) is not None, help=reasons.get(d) or f"rescore in {d}")]
         submitted = st.form_submit_button("Rescore", type="primary", disabled=blocked is not None, icon=":material/upload_file:")
+    say = st.empty()  # cleared on every submit, like the Run form's
     if not submitted:
         return None
     try:
@@ -147,7 +151,7 @@ def import_form() -> tuple[bytes, str, dict[str, str], RunSpec] | None:
         spec.validate()
         return data, name, parse_mapping(mapping), spec
     except UserError as exc:
-        st.error(str(exc), icon=":material/error:")
+        say.error(str(exc), icon=":material/error:")
         return None
 
 
