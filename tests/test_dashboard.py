@@ -354,3 +354,52 @@ def test_runs_page_lists_frontiers_with_their_recommendation(home):
     assert not at.exception
     table = at.dataframe[0].value
     assert table["id"].tolist() == ["fee789"] and table["recommendation"].tolist() == ["float32"]
+
+
+def _arrow_rows(data: bytes) -> int:
+    import pyarrow as pa
+
+    return pa.ipc.open_stream(data).read_all().num_rows
+
+
+def test_rollout_page_on_thousands_of_samples_sends_the_browser_little(home):
+    """A rescore of thousands of sequences opens as quickly as a small one: the sample is picked by
+    number (no list of every sample on each rerun), the ratio strip draws the 40 sequences furthest
+    from 1, the histograms arrive counted (a row a bin), and a number opens that sample's tokens."""
+    import dataclasses
+    import json as _json
+
+    import numpy as np
+
+    from core.present.rollout_view import STRIP_SAMPLES
+    from core.results.rollout import Rollout, Sample
+    from dashboard.components.rollout_panel import PICK_LIMIT
+
+    base = make_rollout("abc777")
+    rng = np.random.default_rng(0)
+    n = PICK_LIMIT + 200
+    samples = []
+    for i in range(n):
+        d = rng.normal(0, 1e-3, 3)
+        d[1] += 0.5 if i == 1111 else 0.0  # the sequence furthest from 1
+        lp = {c: v[:3] for c, v in base.samples[0].logprob.items()}
+        lp = {**lp, "hf": lp["decode_raw"] - d, "hf_tempered": lp["decode_raw"] - d}
+        samples.append(Sample(0, i, (1, 2, 3), (10, 11, 12), (" a", f" w{i}", " c"), "length", lp))
+    meta = dataclasses.replace(base.meta, samples=tuple(s.info() for s in samples))
+    Store(home).save_rollout(Rollout(meta=meta, samples=tuple(samples)))
+    at = _open("rollout", rollout="abc777")
+    assert not at.exception
+    assert [s.label for s in at.selectbox if s.label == "Sample"] == []
+    picker = [x for x in at.number_input if x.key == "rollout-sample-no"]
+    assert len(picker) == 1 and picker[0].value == 1 and f"1 to {n:,}" in picker[0].label
+    specs = [_json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
+    datasets = [c.proto.datasets for c in at.get("vega_lite_chart")]
+    assert len(specs) == 3 and f"{STRIP_SAMPLES} of {n:,} sequences furthest from 1" in _json.dumps(specs[0])
+    rows = [[_arrow_rows(d.data.data) for d in ds] for ds in datasets]
+    assert sum(rows[0]) == 3 * STRIP_SAMPLES, rows  # three tokens a sequence
+    assert all(0 < max(r) <= 61 for r in rows[1:]), rows  # a row a bin, not a row a token
+    picker[0].set_value(1112).run()
+    assert not at.exception and at.query_params["sample"] == "1111"
+    assert " w1111" in _html(at)
+    seqs = next(d.value for d in at.dataframe if d.key == "rollout-worst-seq")
+    assert int(seqs["sample"].iloc[0]) == 1112  # numbered as the picker numbers them

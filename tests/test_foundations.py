@@ -230,17 +230,26 @@ def test_rollout_and_rescore_defaults_turn_cudnn_attention_off_on_a_gpu_only(mon
 
 
 @pytest.mark.parametrize("indent", [None, 1, 2])
-def test_json_written_an_item_at_a_time_is_what_json_dumps_writes(indent):
-    """write_items (a run's sequences, a rollout's samples, one at a time) writes the very text
-    json.dumps gives for the whole object: empty lists, nested values, and a key already in the
-    head keeping its place."""
+def test_json_written_an_item_at_a_time_holds_what_json_dumps_holds(indent):
+    """write_items (a run's sequences, a rollout's samples, one at a time) writes the object
+    json.dumps gives for the whole: empty lists, nested values, non-ASCII text and a key already in
+    the head keeping its place. Without an indent it is json.dumps' very text; with one, the head is
+    laid out and each item is one line."""
     import io
     import json
 
     from core.results.run import write_items
 
-    for items in ([], [{"a": [1, {"b": 2.5}], "t": "é🎉"}, {"c": None}]):
+    for items in ([], [{"a": [1, {"b": 2.5}], "t": "é🎉\n"}, {"c": None}]):
         head = {"x": 1, "samples": [9], "z": {"q": []}}
         f = io.StringIO()
         write_items(f, head, "samples", iter(items), indent)
-        assert f.getvalue() == json.dumps({**head, "samples": items}, indent=indent)
+        text = f.getvalue()
+        assert json.loads(text) == {**head, "samples": items}
+        assert list(json.loads(text)) == ["x", "samples", "z"]
+        if indent is None:
+            assert text == json.dumps({**head, "samples": items})
+        else:
+            lines = text.splitlines()
+            assert [json.loads(ln.strip().rstrip(",")) for ln in lines if ln.strip().startswith("{\"")] == items
+            assert lines[1] == " " * indent + '"x": 1,'

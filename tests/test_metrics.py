@@ -95,3 +95,27 @@ def test_no_rounding_of_float32_neighbours():
     lv = np.array([NAN, np.nextafter(np.float32(-1.0), np.float32(0))], dtype=np.float64)
     m = token_metrics(lh, lv, np.array([-1, 1]), np.array([-1, 1]), np.full((2, 1), -1.0), np.full((2, 1), -1.0))
     assert m.abs_delta[1] == pytest.approx(2**-24, rel=0) and m.abs_delta[1] > 0
+
+
+def test_each_samples_exact_stats_at_once_are_one_call_a_sample():
+    """exact_stats_each (a rescore's --json, every sample's exact-KL and same-top statistics) gives
+    exactly exact_stats([s]) a sample: mixed lengths, one position, a NaN KL, a NaN same-top, a
+    sample stored without exact columns and an empty one."""
+    from core.results.rollout import Sample, exact_stats, exact_stats_each
+
+    rng = np.random.default_rng(3)
+
+    def sample(n: int, exact: bool = True, nan_kl: bool = False, nan_top: bool = False) -> Sample:
+        kl, top = rng.random(n) * 1e-3, (rng.random(n) > 0.2).astype(np.float64)
+        if nan_kl:
+            kl[n // 2] = np.nan
+        if nan_top:
+            top[0] = np.nan
+        return Sample(0, 0, (1,), tuple(range(n)), ("x",) * n, None, {}, {"kl_full": kl, "same_top": top} if exact else {})
+
+    samples = [sample(5), sample(5), sample(1), sample(9, nan_kl=True), sample(5, nan_top=True), sample(4, exact=False),
+               sample(0), sample(9), sample(2)]
+    got = exact_stats_each(samples)
+    want = [exact_stats([s]) for s in samples]
+    assert got == want  # the same numbers, bit for bit, and the same Nones
+    assert got[0]["kl_full_mean"] is not None and got[3]["kl_full_mean"] is None and got[4]["same_top_p"] is None

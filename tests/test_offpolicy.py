@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.results.offpolicy import METRIC_KEYS, floor_stats, mismatch_metrics
+from core.results.offpolicy import METRIC_KEYS, floor_stats, mismatch_metrics, mismatch_metrics_each
 from core.engines.backends.hf import _log_kept_mass
 
 # Two sequences. Rollout (vLLM decode) and trainer (HF) logprobs chosen so every ratio is round:
@@ -72,6 +72,28 @@ def test_one_wild_token_cannot_overflow_the_ratio_statistics():
 def test_lengths_that_differ_are_refused():
     with pytest.raises(ValueError, match="differ in length"):
         mismatch_metrics([np.zeros(3)], [np.zeros(2)])
+
+
+def test_each_sequences_metrics_at_once_are_one_call_a_sequence():
+    """mismatch_metrics_each (a rescore's per-sequence metrics, all sequences of one length at once)
+    gives exactly what one mismatch_metrics call a sequence gives: mixed lengths, an empty sequence,
+    a wild token past the safety bound, and the hand-checked pair above."""
+    rng = np.random.default_rng(7)
+    lens = [3, 1, 0, 5, 3, 5, 17, 1, 3]
+    rollout = [-rng.random(n) * 3 for n in lens] + ROLLOUT
+    trainer = [r + rng.normal(0, 0.2, len(r)) for r in rollout[: len(lens)]] + TRAINER
+    trainer[3] = trainer[3].copy()
+    trainer[3][2] = -60.0  # log ρ beyond ±20: clipped the same way in both
+    got = mismatch_metrics_each(rollout, trainer, tis_cap=1.5, mis_band=(0.6, 1.5))
+    want = [mismatch_metrics([r], [t], tis_cap=1.5, mis_band=(0.6, 1.5)) for r, t in zip(rollout, trainer)]
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert list(g) == list(w), i
+        for k in w:
+            assert g[k] == w[k] or (g[k] != g[k] and w[k] != w[k]), (i, k, g[k], w[k])  # equal, never rounded
+    assert got[2]["n_tokens"] == 0 and got[2]["mean_abs_delta"] is None
+    with pytest.raises(ValueError):
+        mismatch_metrics_each([np.zeros(2)], [np.zeros(3)])
 
 
 def test_floor_stats_are_mean_and_max_over_all_tokens():

@@ -195,7 +195,8 @@ def test_a_large_run_reopens_one_sequence_without_reading_the_rest(tmp_path, mon
 
 
 def test_json_written_a_sequence_at_a_time_is_the_whole_object(tmp_path):
-    """`Run.write_json` (streamed, for large sets) writes exactly json.dumps(to_json_dict())."""
+    """`Run.write_json` (streamed, for large sets) holds exactly to_json_dict(): the same text as
+    json.dumps without an indent, the same object with one (a sequence a line)."""
     import io
     import json
 
@@ -203,7 +204,9 @@ def test_json_written_a_sequence_at_a_time_is_the_whole_object(tmp_path):
     for indent in (1, None):
         buf = io.StringIO()
         run.write_json(buf, indent=indent)
-        assert buf.getvalue() == json.dumps(run.to_json_dict(), indent=indent, allow_nan=False)
+        assert json.loads(buf.getvalue()) == json.loads(json.dumps(run.to_json_dict(), allow_nan=False))
+        if indent is None:
+            assert buf.getvalue() == json.dumps(run.to_json_dict(), allow_nan=False)
 
 
 def test_a_rollouts_rows_in_chunks_rebuild_every_sample_in_shuffled_order():
@@ -237,3 +240,38 @@ def test_a_rollouts_rows_in_chunks_rebuild_every_sample_in_shuffled_order():
             np.testing.assert_array_equal(a.logprob[c], b.logprob[c])
         for c in EXACT:
             np.testing.assert_array_equal(a.exact[c], b.exact[c])
+
+
+def test_the_worst_tokens_and_sequences_are_found_in_one_pass_as_one_sample_at_a_time_finds_them():
+    """Rollout.worst_tokens and worst_sequences (the Rollout page's lists, on rescores of 100,000
+    sequences) rank as a per-sample scan ranks: largest |Δ| first, a NaN token last, an empty sample
+    counted with 0 tokens, each row's values those of its sample and position."""
+    from types import SimpleNamespace
+
+    from core.results.rollout import COLUMNS, PAIRS, Rollout, Sample
+
+    rng = np.random.default_rng(5)
+    samples = []
+    for i, n in enumerate([4, 0, 7, 4, 1, 7, 3]):
+        lp = {c: -rng.random(n) * 3 for c in COLUMNS}
+        if i == 2:
+            lp["hf"][3] = np.nan  # a token without HF's value
+        samples.append(Sample(i, i, (1,), tuple(range(100 + i, 100 + i + n)), tuple(f"t{i}.{t}" for t in range(n)), f"r{i}", lp))
+    ro = Rollout(meta=SimpleNamespace(samples=[x.info() for x in samples]), samples=tuple(samples))
+    for pair, (a, b, _) in PAIRS.items():
+        flat = [(i, t, float(x.delta(pair)[t])) for i, x in enumerate(samples) for t in range(len(x.completion_token_ids))]
+        want = sorted(flat, key=lambda r: -1.0 if np.isnan(r[2]) else -abs(r[2]))[:6]  # stable: sample, then position
+        got = ro.worst_tokens(pair, 6)
+        assert [(int(r.sample), int(r.position)) for r in got.itertuples()] == [(i, t) for i, t, _ in want]
+        for r in got.to_dict("records"):
+            x = samples[r["sample"]]
+            assert r["token"] == x.pieces[r["position"]] and r["token_id"] == x.completion_token_ids[r["position"]]
+            assert r[a] == x.logprob[a][r["position"]] and r["ratio"] == np.exp(-r["delta"])
+        seqs = ro.worst_sequences(pair, 10)
+        sums = [-float(x.delta(pair)[np.isfinite(x.delta(pair))].sum()) for x in samples]
+        assert seqs["sample"].tolist() == sorted(range(len(samples)), key=lambda i: -abs(sums[i]))
+        for r in seqs.to_dict("records"):
+            assert r["seq_log_ratio"] == pytest.approx(sums[r["sample"]], rel=1e-15, abs=1e-15)
+            assert r["tokens"] == int(np.isfinite(samples[r["sample"]].delta(pair)).sum())
+        assert seqs.loc[seqs["sample"] == 1, "largest |Δ|"].isna().all()  # the empty sample
+    assert ro.worst_tokens("decode_vs_hf", 100)["delta"].isna().tolist()[-1]  # NaN ranks last

@@ -159,7 +159,20 @@ def _rescore_dtype(p: Any, logged: LoggedSet, dtype: str, rid: str, mml: int, no
             ctx.emit("cache", dtype, f"{reused} of {len(batches)} batches came from the store (an earlier rescore of this file "
                      f"stopped before it finished); {len(batches) - reused} computed now")
         floors = _floors(ctx, dtype, lease, hreq, hf, full, starts, [{"logprob": x["hf"]} for x in scored], noise, timing)  # type: ignore[index]
-    timing.update(total_s=time.perf_counter() - t_all, batches=len(batches), batches_from_store=reused)
+    timing.update(batches=len(batches), batches_from_store=reused)
+    kl_words = "exact, every completion token of prefill_vs_hf" if not kl_why else "not computed: " + "; ".join(sorted(kl_why))
+    engines = {"hf": hf.info or {}, "vllm": {**(vllm.info or {}), "kl_full": kl_words}}
+    return assemble(p, logged, scored, dtype, rid, mml, floors, timing, engines, t_all)
+
+
+def assemble(p: Any, logged: LoggedSet, scored: list[dict[str, np.ndarray]], dtype: str, rid: str, mml: int,
+             floors: dict[str, Any], timing: dict[str, Any], engines: dict[str, dict[str, Any]], t_all: float) -> Rollout:
+    """The finished rescore as a Rollout: the logged values beside each sequence's scorings (`scored`,
+    _COLUMNS per sequence), pieces, metrics, verdict. Apart from the engines, so its cost can be
+    measured alone (benchmarks/rescore_profile.py)."""
+    seqs = logged.sequences
+    full = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
+    starts = [len(s.prompt_token_ids) for s in seqs]
     recs = []
     for k, (s, x) in enumerate(zip(seqs, scored)):
         n0 = starts[k]
@@ -188,10 +201,9 @@ def _rescore_dtype(p: Any, logged: LoggedSet, dtype: str, rid: str, mml: int, no
         bos=p.spec.bos, settings={**p.spec.settings.to_dict(), "max_model_len": mml}, sampling=sampling,
         prompts=tuple(p.tokenizer.decode(list(s.prompt_token_ids)) for s in seqs), processed=PROCESSED_WORDS,
         env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
-                   vllm_dist=v["vllm_dist"], hf_engine=hf.info or {},
-                   vllm_engine={**(vllm.info or {}), "kl_full": "exact, every completion token of prefill_vs_hf" if not kl_why
-                                else "not computed: " + "; ".join(sorted(kl_why))}),
-        timing={k: round(x, 3) for k, x in timing.items()}, summary=summary, floors=floors, samples=tuple(r.info() for r in recs))
+                   vllm_dist=v["vllm_dist"], hf_engine=engines["hf"], vllm_engine=engines["vllm"]),
+        timing={k: round(x, 3) for k, x in {**timing, "total_s": time.perf_counter() - t_all}.items()}, summary=summary,
+        floors=floors, samples=tuple(r.info() for r in recs))
     return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
 
 

@@ -140,51 +140,83 @@ def completion_html(ro: Rollout, i: int, pair: str = "decode_vs_hf", floor: floa
             f'<div style="font-size:12px;color:#6b7280;margin:.2em 0 .6em">{note}</div></div>')
 
 
-def token_frame(ro: Rollout, pair: str, sample: int | None = None) -> pd.DataFrame:
-    """Per completion token: Δ of `pair`, |Δ| and the importance ratio ρ = exp(trainer − rollout)."""
-    df = ro.to_frame()
-    if sample is not None:
-        df = df[df["sample"] == sample]
-    d = df[f"delta_{pair}"].to_numpy(dtype=np.float64)
-    return df.assign(delta=d, abs_delta=np.abs(d), ratio=np.exp(np.clip(-d, -20, 20)),
-                     abs_delta_plot=np.clip(np.abs(d), 1e-10, None))
+STRIP_SAMPLES = 40  # the ratio strip draws a row a sample: beyond this many, the ones furthest from 1
 
 
-def ratio_strip(df: pd.DataFrame) -> Any:
+def token_frame(ro: Rollout, pair: str, samples: Any = None) -> pd.DataFrame:
+    """Per completion token of these samples (default: all): sample, position, piece, Δ of `pair`,
+    |Δ| and the importance ratio ρ = exp(trainer − rollout). Built from the samples' arrays, not the
+    stored table, so a rollout of 100,000 samples gives its few shown rows at once."""
+    idx = list(range(len(ro.samples)) if samples is None else samples)
+    part = [ro.samples[i] for i in idx]
+    ns = np.array([len(s.completion_token_ids) for s in part], dtype=np.int64)
+    d = np.concatenate([np.asarray(s.delta(pair), dtype=np.float64) for s in part]) if part else np.zeros(0)
+    return pd.DataFrame({
+        "sample": np.repeat(np.array(idx, dtype=np.int64), ns),
+        "position": np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns),
+        "piece": [p for s in part for p in s.pieces],
+        "delta": d, "abs_delta": np.abs(d), "ratio": np.exp(np.clip(-d, -20, 20)),
+        "abs_delta_plot": np.clip(np.abs(d), 1e-10, None)})
+
+
+def strip_samples(ro: Rollout, pair: str) -> tuple[list[int], str]:
+    """The samples the ratio strip draws, and the words for its title: all of them, or the
+    STRIP_SAMPLES whose whole-sequence ratio is furthest from 1 (in sample order)."""
+    n = len(ro.samples)
+    if n <= STRIP_SAMPLES:
+        return list(range(n)), "Importance ratio per token (trainer / rollout probability)"
+    worst = sorted(int(i) for i in ro.worst_sequences(pair, STRIP_SAMPLES)["sample"])
+    return worst, (f"Importance ratio per token, the {STRIP_SAMPLES} of {n:,} sequences furthest from 1 "
+                   "(trainer / rollout probability)")
+
+
+def ratio_strip(df: pd.DataFrame, title: str = "Importance ratio per token (trainer / rollout probability)") -> Any:
     """One cell per token, coloured by log ρ (blue: the trainer gives it more probability, red: less)."""
     import altair as alt
 
     lim = float(max(np.log(2.0), np.nanmax(np.abs(np.log(df["ratio"]))) if len(df) else 0.0))
     return (
-        alt.Chart(df.assign(log_ratio=np.log(df["ratio"]), sample_no=df["sample"] + 1), title="Importance ratio per token (trainer / rollout probability)")
+        alt.Chart(df.assign(log_ratio=np.log(df["ratio"]), sample_no=df["sample"] + 1), title=title)
         .mark_rect()
         .encode(
             x=alt.X("position:O", title="completion token", axis=alt.Axis(labels=False, ticks=False)),
             y=alt.Y("sample_no:O", title="sample", axis=alt.Axis(labelOverlap=False)),
             color=alt.Color("log_ratio:Q", title="log ratio", scale=alt.Scale(scheme="redblue", domain=[-lim, lim])),
-            tooltip=[alt.Tooltip("sample:Q"), alt.Tooltip("position:Q"), alt.Tooltip("piece:N", title="token"),
+            tooltip=[alt.Tooltip("sample_no:Q", title="sample"), alt.Tooltip("position:Q"), alt.Tooltip("piece:N", title="token"),
                      alt.Tooltip("ratio:Q", format=".6f"), alt.Tooltip("delta:Q", title="Δ logp", format=".3e")],
         )
         .properties(height=alt.Step(20))
     )
 
 
+def binned(values: np.ndarray, edges: np.ndarray) -> pd.DataFrame:
+    """Tokens per bin [edges[i], edges[i+1]) (the last bin closed): what a histogram draws, counted
+    here, so a chart of millions of tokens sends the browser a few dozen rows."""
+    counts, _ = np.histogram(values[np.isfinite(values)], bins=edges)
+    return pd.DataFrame({"lo": edges[:-1], "hi": edges[1:], "tokens": counts})
+
+
 def delta_histogram(df: pd.DataFrame) -> Any:
+    """Tokens per |Δ logp| on a log scale, in bins of a tenth of a decade or more (at most 40)."""
     import altair as alt
 
+    x = np.log10(df["abs_delta_plot"].to_numpy(dtype=np.float64))
+    lo, hi = (float(np.floor(np.nanmin(x) * 10) / 10), float(np.ceil(np.nanmax(x) * 10) / 10)) if np.isfinite(x).any() else (-1.0, 0.0)
+    step = next(s for s in (0.1, 0.2, 0.5, 1.0, 2.0, 5.0) if (hi - lo) / s <= 40)
+    edges = np.arange(lo, max(hi, lo + step) + step / 2, step)
     return (
-        alt.Chart(df, title="How big the gaps are: tokens per |Δ logp| (log scale)")
-        .transform_calculate(log_abs="log(datum.abs_delta_plot) / LN10")
+        alt.Chart(binned(x, edges), title="How big the gaps are: tokens per |Δ logp| (log scale)")
         .mark_bar(binSpacing=0, color="#0072B2")
-        .encode(x=alt.X("log_abs:Q", bin=alt.Bin(maxbins=40), title="|Δ logp| (log scale)",
+        .encode(x=alt.X("lo:Q", bin="binned", title="|Δ logp| (log scale)",
                         axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')")),
-                y=alt.Y("count():Q", title="tokens"))
+                x2="hi:Q", y=alt.Y("tokens:Q", title="tokens"),
+                tooltip=[alt.Tooltip("tokens:Q")])
     )
 
 
 def ratio_histogram(df: pd.DataFrame, tis_cap: float = TIS_CAP, mis_band: tuple[float, float] = MIS_BAND) -> Any:
-    """Tokens per importance ratio, with the thresholds drawn: the 0.8–1.25 band, the MIS/IcePop
-    band and the TIS cap."""
+    """Tokens per importance ratio (60 bins), with the thresholds drawn: the 0.8–1.25 band, the
+    MIS/IcePop band and the TIS cap."""
     import altair as alt
 
     marks = pd.DataFrame([
@@ -195,10 +227,9 @@ def ratio_histogram(df: pd.DataFrame, tis_cap: float = TIS_CAP, mis_band: tuple[
     ])
     lo = float(min(df["ratio"].min() if len(df) else 1.0, mis_band[0]) * 0.95)
     hi = float(max(df["ratio"].max() if len(df) else 1.0, tis_cap) * 1.05)
-    bars = (alt.Chart(df).mark_bar(binSpacing=0, color="#CC79A7")
-            .encode(x=alt.X("ratio:Q", bin=alt.Bin(maxbins=60, extent=[lo, hi]), title="importance ratio (trainer / rollout)",
-                            scale=alt.Scale(domain=[lo, hi])),
-                    y=alt.Y("count():Q", title="tokens")))
+    bars = (alt.Chart(binned(df["ratio"].to_numpy(dtype=np.float64), np.linspace(lo, hi, 61))).mark_bar(binSpacing=0, color="#CC79A7")
+            .encode(x=alt.X("lo:Q", bin="binned", title="importance ratio (trainer / rollout)", scale=alt.Scale(domain=[lo, hi])),
+                    x2="hi:Q", y=alt.Y("tokens:Q", title="tokens"), tooltip=[alt.Tooltip("tokens:Q")]))
     rules = (alt.Chart(marks).mark_rule(strokeDash=[4, 3], strokeWidth=2)
              .encode(x="x:Q", color=alt.Color("what:N", title="thresholds",
                                               scale=alt.Scale(range=["#E69F00", "#009E73", "#D55E00"]))))
@@ -247,5 +278,10 @@ def write_rollout_report(ro: Rollout, out: Path) -> None:
 
     write_by_suffix(out, {
         ".html": lambda tmp: tmp.write_text(rollout_report_html(ro), encoding="utf-8"),
-        ".json": lambda tmp: tmp.write_text(json.dumps(ro.to_json_dict(), indent=1, allow_nan=False), encoding="utf-8"),
+        ".json": lambda tmp: _write_json(ro, tmp),
         ".parquet": lambda tmp: ro.to_frame().to_parquet(tmp, index=False)})
+
+
+def _write_json(ro: Rollout, path: Path) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        ro.write_json(f)

@@ -153,28 +153,42 @@ def llama_cpp_stats(m: TokenMetrics) -> dict[str, float | None]:
 def exact_kl_stats(kl: np.ndarray) -> dict[str, float | None]:
     """The exact KL's mean ± standard error, max and percentiles over these positions; all None
     unless every position has its exact KL (a partial mean would describe other tokens)."""
-    out: dict[str, float | None] = dict.fromkeys((*FULL_KL_KEYS, "kl_full_mean_err"))
-    kl = np.asarray(kl, dtype=np.float64)
-    n = len(kl)
-    if n == 0 or not np.isfinite(kl).all():
+    return exact_kl_stats_rows(np.asarray(kl, dtype=np.float64).reshape(1, -1))[0]
+
+
+def exact_kl_stats_rows(kl: np.ndarray) -> list[dict[str, float | None]]:
+    """exact_kl_stats of each row of kl [rows, positions], computed for all rows at once."""
+    rows, n = kl.shape
+    out: list[dict[str, float | None]] = [dict.fromkeys((*FULL_KL_KEYS, "kl_full_mean_err")) for _ in range(rows)]
+    ok = np.flatnonzero(np.isfinite(kl).all(axis=1)) if n else np.zeros(0, dtype=np.int64)
+    if not len(ok):
         return out
-    out["kl_full_mean"] = float(kl.mean())
-    out["kl_full_mean_err"] = float(kl.std(ddof=1) / np.sqrt(n)) if n > 1 else None
-    out["kl_full_max"] = float(kl.max())
-    for (key, q), v in zip(KL_PERCENTILES, np.percentile(kl, [q for _, q in KL_PERCENTILES])):
-        out[f"kl_full_{key}"] = float(v)
+    x = kl[ok]
+    cols = {"kl_full_mean": x.mean(axis=1), "kl_full_max": x.max(axis=1)}
+    if n > 1:
+        cols["kl_full_mean_err"] = x.std(axis=1, ddof=1) / np.sqrt(n)
+    for (key, _), v in zip(KL_PERCENTILES, np.percentile(x, [q for _, q in KL_PERCENTILES], axis=1)):
+        cols[f"kl_full_{key}"] = v
+    lists = {k: v.tolist() for k, v in cols.items()}
+    for j, i in enumerate(ok.tolist()):
+        out[i].update({k: v[j] for k, v in lists.items()})
     return out
 
 
 def same_top_stats(agree: np.ndarray) -> dict[str, float | None]:
     """llama.cpp's "same top p": the share of positions where both engines' most likely token is
     the same, ± its binomial error sqrt(p(1−p)/(n−1))."""
-    agree = np.asarray(agree, dtype=bool)
-    n = len(agree)
+    return same_top_stats_rows(np.asarray(agree, dtype=bool).reshape(1, -1))[0]
+
+
+def same_top_stats_rows(agree: np.ndarray) -> list[dict[str, float | None]]:
+    """same_top_stats of each row of agree [rows, positions] (bool), computed for all rows at once."""
+    rows, n = agree.shape
     if n == 0:
-        return {"same_top_p": None, "same_top_p_err": None}
-    same = float(agree.mean())
-    return {"same_top_p": same, "same_top_p_err": float(np.sqrt(same * (1 - same) / (n - 1))) if n > 1 else None}
+        return [{"same_top_p": None, "same_top_p_err": None} for _ in range(rows)]
+    same = agree.mean(axis=1)
+    err = np.sqrt(same * (1 - same) / (n - 1)).tolist() if n > 1 else [None] * rows
+    return [{"same_top_p": p, "same_top_p_err": e} for p, e in zip(same.tolist(), err)]
 
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float | None:

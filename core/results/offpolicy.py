@@ -56,53 +56,89 @@ def mismatch_metrics(rollout: Sequence[np.ndarray], trainer: Sequence[np.ndarray
     """The metrics of METRIC_KEYS over sequences (one array per sampled completion, same lengths
     on both sides). Empty input gives counts of 0 and None elsewhere."""
     pairs = [(np.asarray(r, dtype=np.float64), np.asarray(t, dtype=np.float64)) for r, t in zip(rollout, trainer) if len(r)]
-    out: dict[str, float | int | None] = dict.fromkeys(METRIC_KEYS)
-    out["n_sequences"] = len(pairs)
-    out["n_tokens"] = int(sum(len(r) for r, _ in pairs))
-    out["tis_cap"], out["mis_band"] = tis_cap, list(mis_band)
-    if not pairs:
-        return out
     for r, t in pairs:
         if r.shape != t.shape:
             raise ValueError(f"rollout and trainer logprobs differ in length: {r.shape} != {t.shape}")
-    lr = np.concatenate([r for r, _ in pairs])
-    lt = np.concatenate([t for _, t in pairs])
+    out = _empty(len(pairs), int(sum(len(r) for r, _ in pairs)), tis_cap, mis_band)
+    if not pairs:
+        return out
+    seq = lambda f: np.array([[f(r, t) for r, t in pairs]])  # noqa: E731 - [1, sequences]
+    rows = _rows(np.concatenate([r for r, _ in pairs])[None], np.concatenate([t for _, t in pairs])[None],
+                 seq(lambda r, t: float(np.sum(t - r))), seq(lambda r, t: r.mean()), seq(lambda r, t: t.mean()), tis_cap, mis_band)
+    out.update({k: float(v[0]) for k, v in rows.items()})
+    return out
+
+
+def mismatch_metrics_each(rollout: Sequence[np.ndarray], trainer: Sequence[np.ndarray], tis_cap: float = TIS_CAP,
+                          mis_band: tuple[float, float] = MIS_BAND) -> list[dict[str, float | int | None]]:
+    """[mismatch_metrics([r], [t]) for r, t in zip(rollout, trainer)], the same numbers computed for
+    all sequences of one length at once: a rescore of 100,000 logged sequences writes each one's
+    metrics into its --json, and one call a sequence took minutes."""
+    rs = [np.asarray(r, dtype=np.float64) for r in rollout]
+    ts = [np.asarray(t, dtype=np.float64) for t in trainer]
+    out: list[dict[str, float | int | None]] = [_empty(0, 0, tis_cap, mis_band) for _ in rs]
+    by_len: dict[int, list[int]] = {}
+    for i, (r, t) in enumerate(zip(rs, ts)):
+        if r.shape != t.shape:
+            raise ValueError(f"rollout and trainer logprobs differ in length: {r.shape} != {t.shape}")
+        if len(r):
+            by_len.setdefault(len(r), []).append(i)
+    for n, idx in by_len.items():
+        lr, lt = np.stack([rs[i] for i in idx]), np.stack([ts[i] for i in idx])  # [k, n]: row j is sequence idx[j]
+        rows = _rows(lr, lt, np.sum(lt - lr, axis=1)[:, None], lr.mean(axis=1)[:, None], lt.mean(axis=1)[:, None],
+                     tis_cap, mis_band)
+        cols = {k: v.tolist() for k, v in rows.items()}
+        for j, i in enumerate(idx):
+            out[i] = {**_empty(1, n, tis_cap, mis_band), **{k: v[j] for k, v in cols.items()}}
+    return out
+
+
+def _empty(n_sequences: int, n_tokens: int, tis_cap: float, mis_band: tuple[float, float]) -> dict[str, float | int | None]:
+    out: dict[str, float | int | None] = dict.fromkeys(METRIC_KEYS)
+    out["n_sequences"], out["n_tokens"] = n_sequences, n_tokens
+    out["tis_cap"], out["mis_band"] = tis_cap, list(mis_band)  # type: ignore[assignment]
+    return out
+
+
+def _rows(lr: np.ndarray, lt: np.ndarray, seq_log: np.ndarray, mean_r: np.ndarray, mean_t: np.ndarray, tis_cap: float,
+          mis_band: tuple[float, float]) -> dict[str, np.ndarray]:
+    """The metrics (but the counts) of each row: lr, lt [rows, tokens] are the two sides' logprobs,
+    seq_log, mean_r, mean_t [rows, sequences] each sequence's Σ log ρ and mean logprobs. One row is a
+    whole set (mismatch_metrics) or one sequence (mismatch_metrics_each): one definition for both."""
     delta = lr - lt
     log_rho = -delta
     rho = np.exp(np.clip(log_rho, -SAFETY_BOUND, SAFETY_BOUND))
     ad = np.abs(delta)
-    seq_log = np.array([float(np.sum(t - r)) for r, t in pairs])
-    mean_r = np.array([r.mean() for r, _ in pairs])
-    mean_t = np.array([t.mean() for _, t in pairs])
-    out.update({
-        "mean_abs_delta": float(ad.mean()),
-        "max_abs_delta": float(ad.max()),
-        "p99_abs_delta": float(np.quantile(ad, 0.99)),
-        "mean_delta": float(delta.mean()),
-        "kl": float(delta.mean()),
-        "k2_kl": float(np.mean(0.5 * log_rho**2)),
-        "k3_kl": float(np.mean(rho - 1.0 - np.clip(log_rho, -SAFETY_BOUND, SAFETY_BOUND))),
-        "chi2_token": float(np.mean(rho**2) - 1.0),
-        "chi2_seq": float(np.mean(np.exp(2.0 * np.clip(seq_log, -SAFETY_BOUND, SAFETY_BOUND))) - 1.0),
-        "rollout_is_mean": float(rho.mean()),
-        "rollout_is_min": float(rho.min()),
-        "rollout_is_max": float(rho.max()),
-        "rollout_is_eff_sample_size": float(rho.sum() ** 2 / (len(rho) * np.sum(rho**2))),
-        "frac_ratio_outside_0.8_1.25": float(np.mean((rho < 0.8) | (rho > 1.25))),
-        "frac_ratio_outside_0.5_2": float(np.mean((rho < 0.5) | (rho > 2.0))),
-        "seq_log_ratio_mean": float(seq_log.mean()),
-        "seq_log_ratio_min": float(seq_log.min()),
-        "seq_log_ratio_max": float(seq_log.max()),
-        "ppl_ratio": float(np.mean(np.exp(mean_r - mean_t))),
-        "training_ppl": float(np.mean(np.exp(-mean_t))),
-        "rollout_ppl": float(np.mean(np.exp(-mean_r))),
-        "token_mult_prob_error": float(np.mean(np.exp(ad))),
-        "tis_clip_fraction": float(np.mean(rho > tis_cap)),
-        "mis_mask_fraction": float(np.mean((rho < mis_band[0]) | (rho > mis_band[1]))),
-        "dp_mean": float(np.mean(np.exp(lr) - np.exp(lt))),
-        "dp_rms": float(np.sqrt(np.mean((np.exp(lr) - np.exp(lt)) ** 2))),
-    })
-    return out
+    n = lr.shape[1]
+    dp = np.exp(lr) - np.exp(lt)
+    return {
+        "mean_abs_delta": ad.mean(axis=1),
+        "max_abs_delta": ad.max(axis=1),
+        "p99_abs_delta": np.quantile(ad, 0.99, axis=1),
+        "mean_delta": delta.mean(axis=1),
+        "kl": delta.mean(axis=1),
+        "k2_kl": np.mean(0.5 * log_rho**2, axis=1),
+        "k3_kl": np.mean(rho - 1.0 - np.clip(log_rho, -SAFETY_BOUND, SAFETY_BOUND), axis=1),
+        "chi2_token": np.mean(rho**2, axis=1) - 1.0,
+        "chi2_seq": np.mean(np.exp(2.0 * np.clip(seq_log, -SAFETY_BOUND, SAFETY_BOUND)), axis=1) - 1.0,
+        "rollout_is_mean": rho.mean(axis=1),
+        "rollout_is_min": rho.min(axis=1),
+        "rollout_is_max": rho.max(axis=1),
+        "rollout_is_eff_sample_size": rho.sum(axis=1) ** 2 / (n * np.sum(rho**2, axis=1)),
+        "frac_ratio_outside_0.8_1.25": np.mean((rho < 0.8) | (rho > 1.25), axis=1),
+        "frac_ratio_outside_0.5_2": np.mean((rho < 0.5) | (rho > 2.0), axis=1),
+        "seq_log_ratio_mean": seq_log.mean(axis=1),
+        "seq_log_ratio_min": seq_log.min(axis=1),
+        "seq_log_ratio_max": seq_log.max(axis=1),
+        "ppl_ratio": np.mean(np.exp(mean_r - mean_t), axis=1),
+        "training_ppl": np.mean(np.exp(-mean_t), axis=1),
+        "rollout_ppl": np.mean(np.exp(-mean_r), axis=1),
+        "token_mult_prob_error": np.mean(np.exp(ad), axis=1),
+        "tis_clip_fraction": np.mean(rho > tis_cap, axis=1),
+        "mis_mask_fraction": np.mean((rho < mis_band[0]) | (rho > mis_band[1]), axis=1),
+        "dp_mean": np.mean(dp, axis=1),
+        "dp_rms": np.sqrt(np.mean(dp**2, axis=1)),
+    }
 
 
 def floor_stats(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> dict[str, float | int | None]:

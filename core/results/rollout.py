@@ -9,6 +9,8 @@ metadata as JSON beside it, like a comparison run. Nothing is pickled.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -185,33 +187,52 @@ class Rollout:
 
     def worst_tokens(self, pair: str = "decode_vs_hf", n: int = 20) -> pd.DataFrame:
         """The n tokens whose importance ratio is furthest from 1 for this pair (|Δ logp| largest),
-        worst first: sample, position, token, both sides' logprobs, Δ and the ratio trainer/rollout."""
+        worst first (ties in sample and position order): sample, position, token, both sides'
+        logprobs, Δ and the ratio trainer/rollout. One pass over all tokens, however many samples."""
         a, b, _ = PAIRS[pair]
+        d = self.column_of(lambda s: s.delta(pair))
+        if not len(d):
+            return pd.DataFrame()
+        key = np.where(np.isnan(d), -1.0, np.abs(d))  # a token without a value (NaN) comes last
+        flat = np.argsort(-key, kind="stable")[:n]
+        starts = np.cumsum([0] + [len(s.completion_token_ids) for s in self.samples])
         rows = []
-        for i, smp in enumerate(self.samples):
-            d = smp.delta(pair)
-            for t in np.argsort(-np.abs(np.nan_to_num(d, nan=-1.0)))[:n]:
-                rows.append({"sample": i, "position": int(t), "token": smp.pieces[t], "token_id": smp.completion_token_ids[t],
-                             a: float(smp.logprob[a][t]), b: float(smp.logprob[b][t]), "delta": float(d[t]),
-                             "ratio": float(np.exp(-d[t]))})
-        df = pd.DataFrame(rows)
-        if df.empty:
-            return df
-        return df.reindex(df["delta"].abs().sort_values(ascending=False, kind="stable").index).head(n).reset_index(drop=True)
+        for f in flat.tolist():
+            i = int(np.searchsorted(starts, f, side="right")) - 1
+            smp, t = self.samples[i], f - int(starts[i])
+            rows.append({"sample": i, "position": t, "token": smp.pieces[t], "token_id": smp.completion_token_ids[t],
+                         a: float(smp.logprob[a][t]), b: float(smp.logprob[b][t]), "delta": float(d[f]),
+                         "ratio": float(np.exp(-d[f]))})
+        return pd.DataFrame(rows)
 
     def worst_sequences(self, pair: str = "decode_vs_hf", n: int = 20) -> pd.DataFrame:
-        """The n sequences whose whole-sequence importance ratio exp(Σ log ρ) is furthest from 1, worst first."""
-        rows = []
+        """The n sequences whose whole-sequence importance ratio exp(Σ log ρ) is furthest from 1,
+        worst first: each sequence's Σ over its tokens with a value, all sequences of one length summed
+        at once (one pass, however many samples)."""
+        if not self.samples:
+            return pd.DataFrame()
+        k = len(self.samples)
+        seq_log, largest, counted = np.zeros(k), np.full(k, np.nan), np.zeros(k, dtype=np.int64)
+        by_len: dict[int, list[int]] = {}
         for i, smp in enumerate(self.samples):
-            d = smp.delta(pair)
+            by_len.setdefault(len(smp.completion_token_ids), []).append(i)
+        for length, idx in by_len.items():
+            if length == 0:
+                continue
+            d = np.stack([np.asarray(self.samples[i].delta(pair), dtype=np.float64) for i in idx])
             ok = np.isfinite(d)
-            rows.append({"sample": i, "tokens": int(ok.sum()), "seq_log_ratio": float(-d[ok].sum()),
-                         "largest |Δ|": float(np.abs(d[ok]).max()) if ok.any() else None,
-                         "what": smp.finish_reason or ""})
-        df = pd.DataFrame(rows)
-        if df.empty:
-            return df
-        return df.reindex(df["seq_log_ratio"].abs().sort_values(ascending=False, kind="stable").index).head(n).reset_index(drop=True)
+            seq_log[idx] = -np.where(ok, d, 0.0).sum(axis=1)
+            counted[idx] = ok.sum(axis=1)
+            largest[idx] = np.where(ok.any(axis=1), np.abs(np.where(ok, d, 0.0)).max(axis=1), np.nan)
+        order = np.argsort(-np.abs(seq_log), kind="stable")[:n]
+        return pd.DataFrame([{"sample": int(i), "tokens": int(counted[i]), "seq_log_ratio": float(seq_log[i]),
+                              "largest |Δ|": None if np.isnan(largest[i]) else float(largest[i]),
+                              "what": self.samples[i].finish_reason or ""} for i in order.tolist()])
+
+    def column_of(self, f: Any) -> np.ndarray:
+        """f(sample) (an array over its completion tokens) for every sample, end to end (float64)."""
+        arrays = [np.asarray(f(s), dtype=np.float64) for s in self.samples]
+        return np.concatenate(arrays) if arrays else np.zeros(0)
 
     def to_frame(self) -> pd.DataFrame:
         """One row per completion token (what the store writes as Parquet)."""
@@ -269,32 +290,49 @@ class Rollout:
 
     def to_json_dict(self) -> dict[str, Any]:
         """The `--json` shape: per sample its ids and, per completion position, every logprob and Δ."""
-        return {**self.meta.to_dict(), "samples": [self._sample_json(s) for s in self.samples]}
+        return {**self.meta.to_dict(), "samples": list(self._samples_json())}
 
     def write_json(self, f: Any, indent: int | None = 1) -> None:
         """`to_json_dict` written to the text file `f` a sample at a time (core.results.run.write_items),
         so a rescore of many logged sequences is never one object in memory."""
         from core.results.run import write_items
 
-        write_items(f, self.meta.to_dict(), "samples", (self._sample_json(s) for s in self.samples), indent)
+        write_items(f, self.meta.to_dict(), "samples", self._samples_json(), indent)
 
-    @staticmethod
-    def _sample_json(s: Sample) -> dict[str, Any]:
-        from core.results.offpolicy import mismatch_metrics
+    def _samples_json(self, per: int = 4096) -> Iterator[dict[str, Any]]:
+        """Each sample's --json object; the metrics of `per` samples at a time, each pair in one call."""
+        from core.results.offpolicy import mismatch_metrics_each
 
-        positions = []
-        for t in range(len(s.completion_token_ids)):
-            lp = {c: _num(s.logprob[c][t]) for c in COLUMNS}
-            positions.append({
-                "position": t, "token_id": s.completion_token_ids[t], "piece": s.pieces[t],
-                "logprob": {k: lp[k] for k in ("decode_raw", "decode_processed", "prefill", "hf")},
-                "hf_tempered": lp["hf_tempered"], "log_kept_mass": lp["log_kept_mass"],
-                "delta": {pair: _num(s.delta(pair)[t]) for pair in PAIRS},
-                "prefill_vs_hf": {c: _num(s.exact[c][t]) if c in s.exact else None for c in EXACT},
-            })
-        metrics = {pair: mismatch_metrics([s.logprob[a]], [s.logprob[b]]) for pair, (a, b, _) in PAIRS.items()}
-        metrics["prefill_vs_hf"].update(exact_stats([s]))
-        return {**s.info(), "completion_token_ids": list(s.completion_token_ids), "metrics": metrics, "positions": positions}
+        for lo in range(0, len(self.samples), per):
+            part = self.samples[lo : lo + per]
+            each = {pair: mismatch_metrics_each([s.logprob[a] for s in part], [s.logprob[b] for s in part])
+                    for pair, (a, b, _) in PAIRS.items()}
+            exact = exact_stats_each(part)
+            for j, s in enumerate(part):
+                metrics = {pair: each[pair][j] for pair in PAIRS}
+                metrics["prefill_vs_hf"].update(exact[j])
+                yield _sample_json(s, metrics)
+
+
+def _sample_json(s: Sample, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One sample's --json object: its ids, its metrics, and per completion position every value."""
+    n = len(s.completion_token_ids)
+    lp = {c: _nums(s.logprob[c]) for c in COLUMNS}
+    delta = {pair: _nums(s.delta(pair)) for pair in PAIRS}
+    exact = {c: _nums(s.exact[c]) if c in s.exact else [None] * n for c in EXACT}
+    positions = [{
+        "position": t, "token_id": s.completion_token_ids[t], "piece": s.pieces[t],
+        "logprob": {k: lp[k][t] for k in ("decode_raw", "decode_processed", "prefill", "hf")},
+        "hf_tempered": lp["hf_tempered"][t], "log_kept_mass": lp["log_kept_mass"][t],
+        "delta": {pair: delta[pair][t] for pair in PAIRS},
+        "prefill_vs_hf": {c: exact[c][t] for c in EXACT},
+    } for t in range(n)]
+    return {**s.info(), "completion_token_ids": list(s.completion_token_ids), "metrics": metrics, "positions": positions}
+
+
+def _nums(a: Any) -> list[float | None]:
+    """An array as JSON numbers: floats, None where not finite (JSON has no NaN)."""
+    return [x if math.isfinite(x) else None for x in np.asarray(a, dtype=np.float64).tolist()]
 
 
 def exact_stats(samples: Any) -> dict[str, float | None]:
@@ -308,12 +346,30 @@ def exact_stats(samples: Any) -> dict[str, float | None]:
     return {**exact_kl_stats(kl), **same_top_stats(same[np.isfinite(same)] > 0.5 if np.isfinite(same).all() else np.array([]))}
 
 
+def exact_stats_each(samples: Any) -> list[dict[str, float | None]]:
+    """[exact_stats([s]) for s in samples], computed for all samples of one length at once (a
+    rescore's --json gives each of 100,000 sequences its own)."""
+    from core.results.metrics import exact_kl_stats_rows, same_top_stats_rows
+
+    out: list[dict[str, float | None]] = [{} for _ in samples]
+    by_len: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        if len(s.completion_token_ids) and all(c in s.exact for c in EXACT):
+            by_len.setdefault(len(s.completion_token_ids), []).append(i)
+        else:
+            out[i] = exact_stats([s])
+    for idx in by_len.values():
+        kl = np.stack([np.asarray(samples[i].exact["kl_full"], dtype=np.float64) for i in idx])
+        same = np.stack([np.asarray(samples[i].exact["same_top"], dtype=np.float64) for i in idx])
+        finite = np.isfinite(same).all(axis=1)
+        tops = same_top_stats_rows(same > 0.5)
+        empty = same_top_stats_rows(np.zeros((1, 0), dtype=bool))[0]
+        for i, k, t, f in zip(idx, exact_kl_stats_rows(kl), tops, finite.tolist()):
+            out[i] = {**k, **(t if f else empty)}
+    return out
+
+
 def hf_floor(meta: RolloutMeta) -> float | None:
     """The trainer side's own noise: the largest mean of HF's floors."""
     vals = [f["mean"] for f in meta.floors.values() if f.get("side") == "hf" and f.get("mean") is not None]
     return max(vals) if vals else None
-
-
-def _num(x: Any) -> float | None:
-    x = float(x)
-    return x if np.isfinite(x) else None

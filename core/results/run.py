@@ -344,8 +344,11 @@ class Run:
 
 
 def write_items(f: Any, head: dict[str, Any], key: str, items: Iterable[dict[str, Any]], indent: int | None = 1) -> None:
-    """What json.dumps({**head, key: list(items)}, indent=indent) writes, written to the text file
-    `f` an item at a time: a record's many sequences or samples never sit in memory as one object."""
+    """{**head, key: list(items)} as JSON, written to the text file `f` an item at a time: a record's
+    many sequences or samples never sit in memory as one object. The head is laid out with `indent`;
+    each item is one line of its own (with indent None, the whole is json.dumps' own text). An item
+    goes through json's C encoder, which an indent would turn off: a rescore of 100,000 sequences
+    writes its --json in a fraction of the time."""
     mark = json.dumps("lpp-items-" + "x" * 12)  # stands where the list goes (the key keeps its place in head)
     text = json.dumps({**head, key: json.loads(mark)}, indent=indent, allow_nan=False)
     cut = text.index(mark)
@@ -353,9 +356,6 @@ def write_items(f: Any, head: dict[str, Any], key: str, items: Iterable[dict[str
     pad = "" if indent is None else "\n" + " " * (2 * indent)
     first = True
     for item in items:
-        body = json.dumps(item, indent=indent, allow_nan=False)
-        if indent is not None:
-            body = body.replace("\n", pad)
-        f.write(("" if first else "," if indent is not None else ", ") + pad + body)
+        f.write(("" if first else ", " if indent is None else ",") + pad + json.dumps(item, allow_nan=False))
         first = False
     f.write(("" if indent is None or first else "\n" + " " * indent) + "]" + text[cut + len(mark) :])

@@ -4,7 +4,6 @@ rollouts (verdict, coloured completions, ratio strip, histograms, three-way tabl
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import streamlit as st
 
@@ -14,7 +13,7 @@ from core.inputs.settings import EngineSettings
 from core.inputs.spec import BOS_POLICIES, DTYPES, RunSpec
 from core.present.rollout_view import (
     SHORT, completion_html, delta_histogram, floors_table, metrics_table, ratio_histogram, ratio_strip, rollout_report_html,
-    shown_pairs, token_frame,
+    shown_pairs, strip_samples, token_frame,
 )
 from core.results.rollout import PAIRS, Rollout, Sampling, sampling_words
 from core.analysis.verdict import Verdict
@@ -230,8 +229,35 @@ def worst_lists(r: Rollout, pair: str) -> None:
         picked = [int(seqs.loc[i, "sample"]) - 1 for i in rows1] + [int(toks.loc[i, "sample"]) - 1 for i in rows2]
         if picked and picked[0] != query_int("sample", 0, 0, max(len(r.samples) - 1, 0)):
             set_query(sample=picked[0])
-            st.session_state.pop(f"{KEY}-sample", None)
+            st.session_state.pop(f"{KEY}-sample", None)  # the picker then starts from the query's sample
+            st.session_state.pop(f"{KEY}-sample-no", None)
             st.rerun()
+
+
+PICK_LIMIT = 1000  # up to this many samples, a list to pick from; beyond, a number (the worst lists open the rest)
+
+
+def sample_picker(r: Rollout) -> int:
+    """Which sample's coloured view to show: a list of all (number and prompt) for a few hundred
+    samples; a number for a rescore of thousands, whose list would be sent to the browser on every
+    rerun."""
+    n = len(r.samples)
+    current = query_int("sample", 0, 0, max(n - 1, 0))
+    if n <= PICK_LIMIT:
+        return st.selectbox("Sample", range(n), index=current,
+                            format_func=lambda i: f"{i + 1}: {r.meta.prompts[r.samples[i].prompt_index][:60]}",
+                            key=f"{KEY}-sample")
+    return int(st.number_input(f"Sample (1 to {n:,}; the lists below open the worst)", 1, n, current + 1,
+                               key=f"{KEY}-sample-no")) - 1
+
+
+def json_text(r: Rollout) -> str:
+    """The --json text of a rollout, for the download button (written a sample at a time)."""
+    import io
+
+    buf = io.StringIO()
+    r.write_json(buf)
+    return buf.getvalue()
 
 
 def show_rollouts(ros: list[Rollout]) -> None:
@@ -242,10 +268,7 @@ def show_rollouts(ros: list[Rollout]) -> None:
                + " · ".join(f"{r.dtype}: rollout `{r.rollout_id}`, {_provenance(r)}" for r in ros))
     pairs = shown_pairs(ros[0])
     pair = st.radio("Colour the tokens by", pairs, format_func=PAIR_WORDS.get, horizontal=True, key=f"{KEY}-pair")
-    n = len(ros[0].samples)
-    sample = st.selectbox("Sample", range(n), index=query_int("sample", 0, 0, max(n - 1, 0)),
-                          format_func=lambda i: f"{i + 1}: {ros[0].meta.prompts[ros[0].samples[i].prompt_index][:60]}",
-                          key=f"{KEY}-sample")
+    sample = sample_picker(ros[0])
     set_query(sample=sample)
     for r in ros:
         st.markdown(f"**{r.dtype}**")
@@ -255,8 +278,9 @@ def show_rollouts(ros: list[Rollout]) -> None:
     tabs = st.tabs([r.dtype for r in ros])
     for tab, r in zip(tabs, ros):
         with tab:
+            shown, title = strip_samples(r, pair)
+            st.altair_chart(ratio_strip(token_frame(r, pair, shown), title), width="stretch")
             one = token_frame(r, pair)
-            st.altair_chart(ratio_strip(one), width="stretch")
             c1, c2 = st.columns(2)
             c1.altair_chart(delta_histogram(one), width="stretch")
             c2.altair_chart(ratio_histogram(one, r.meta.summary[pair].get("tis_cap", 2.0),
@@ -273,7 +297,7 @@ def show_rollouts(ros: list[Rollout]) -> None:
             d1, d2, d3 = st.columns(3)
             d1.download_button("HTML report", lambda r=r: rollout_report_html(r), f"rollout-{r.rollout_id}.html", "text/html",
                                icon=":material/download:", key=f"dl-html-{r.rollout_id}")
-            d2.download_button("JSON", lambda r=r: json.dumps(r.to_json_dict(), indent=1, allow_nan=False),
+            d2.download_button("JSON", lambda r=r: json_text(r),
                                f"rollout-{r.rollout_id}.json", "application/json", icon=":material/download:",
                                key=f"dl-json-{r.rollout_id}")
             d3.download_button("Parquet", lambda r=r: r.to_frame().to_parquet(index=False), f"rollout-{r.rollout_id}.parquet",
