@@ -266,3 +266,44 @@ def test_frontier_page_in_the_browser(server, home):
         page.screenshot(path=str(out / "frontier-chart.png"))
         assert page.get_by_test_id("stException").count() == 0
         browser.close()
+
+
+def test_a_rollout_of_thousands_opens_by_number_and_its_worst_sequence_in_one_click(server, home):
+    """A stored rollout of 1,200 samples in Chromium: a number picks the sample, the charts draw,
+    and a click on the worst sequence opens its tokens and moves the number to it."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from core.results.store import Store
+    from test_dashboard import make_big_rollout
+
+    Store(home).save_rollout(make_big_rollout("abc778", 1200))
+    out = ARTIFACTS / "rollout-large"
+    out.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server}/rollout?rollout=abc778")
+        picker = page.get_by_role("spinbutton", name="Sample (1 to 1,200")
+        expect(picker).to_have_value("1", timeout=60_000)
+        settled(page)
+        expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(3)
+        picker.fill("37")
+        picker.press("Enter")
+        expect(page.locator(".lpp-tok").filter(has_text="w36")).to_have_count(1, timeout=30_000)
+        settled(page)
+        page.get_by_text("Where the ratio breaks most").first.click()
+        grid = page.get_by_test_id("stDataFrame").first
+        expect(grid).to_be_visible()
+        settled(page)
+        grid.scroll_into_view_if_needed()
+        page.screenshot(path=str(out / "worst-lists.png"))
+        box = grid.bounding_box()
+        page.mouse.click(box["x"] + box["width"] * 0.5, box["y"] + 35 + 17)  # the first row: the worst sequence
+        expect(picker).to_have_value("1112", timeout=30_000)
+        expect(page.locator(".lpp-tok").filter(has_text="w1111")).to_have_count(1, timeout=30_000)
+        settled(page)
+        page.screenshot(path=str(out / "rollout-large-top.png"))
+        page.locator('[data-testid="stVegaLiteChart"]').first.scroll_into_view_if_needed()
+        page.screenshot(path=str(out / "rollout-large-charts.png"))
+        assert page.get_by_test_id("stException").count() == 0
+        browser.close()

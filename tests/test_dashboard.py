@@ -356,6 +356,28 @@ def test_runs_page_lists_frontiers_with_their_recommendation(home):
     assert table["id"].tolist() == ["fee789"] and table["recommendation"].tolist() == ["float32"]
 
 
+def make_big_rollout(rollout_id: str, n: int):
+    """A stored rollout of n samples of three tokens (plumbing for the page at scale): sample 1112
+    (number 1111 from 0) is the one furthest from 1; the middle token names its sample (" w<i>")."""
+    import dataclasses
+
+    import numpy as np
+
+    from core.results.rollout import Rollout, Sample
+
+    base = make_rollout(rollout_id)
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(n):
+        d = rng.normal(0, 1e-3, 3)
+        d[1] += 0.5 if i == 1111 else 0.0
+        lp = {c: v[:3] for c, v in base.samples[0].logprob.items()}
+        lp = {**lp, "hf": lp["decode_raw"] - d, "hf_tempered": lp["decode_raw"] - d}
+        samples.append(Sample(0, i, (1, 2, 3), (10, 11, 12), (" a", f" w{i}", " c"), "length", lp))
+    meta = dataclasses.replace(base.meta, samples=tuple(s.info() for s in samples))
+    return Rollout(meta=meta, samples=tuple(samples))
+
+
 def _arrow_rows(data: bytes) -> int:
     import pyarrow as pa
 
@@ -366,27 +388,13 @@ def test_rollout_page_on_thousands_of_samples_sends_the_browser_little(home):
     """A rescore of thousands of sequences opens as quickly as a small one: the sample is picked by
     number (no list of every sample on each rerun), the ratio strip draws the 40 sequences furthest
     from 1, the histograms arrive counted (a row a bin), and a number opens that sample's tokens."""
-    import dataclasses
     import json as _json
 
-    import numpy as np
-
     from core.present.rollout_view import STRIP_SAMPLES
-    from core.results.rollout import Rollout, Sample
     from dashboard.components.rollout_panel import PICK_LIMIT
 
-    base = make_rollout("abc777")
-    rng = np.random.default_rng(0)
     n = PICK_LIMIT + 200
-    samples = []
-    for i in range(n):
-        d = rng.normal(0, 1e-3, 3)
-        d[1] += 0.5 if i == 1111 else 0.0  # the sequence furthest from 1
-        lp = {c: v[:3] for c, v in base.samples[0].logprob.items()}
-        lp = {**lp, "hf": lp["decode_raw"] - d, "hf_tempered": lp["decode_raw"] - d}
-        samples.append(Sample(0, i, (1, 2, 3), (10, 11, 12), (" a", f" w{i}", " c"), "length", lp))
-    meta = dataclasses.replace(base.meta, samples=tuple(s.info() for s in samples))
-    Store(home).save_rollout(Rollout(meta=meta, samples=tuple(samples)))
+    Store(home).save_rollout(make_big_rollout("abc777", n))
     at = _open("rollout", rollout="abc777")
     assert not at.exception
     assert [s.label for s in at.selectbox if s.label == "Sample"] == []

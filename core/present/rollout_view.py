@@ -143,10 +143,11 @@ def completion_html(ro: Rollout, i: int, pair: str = "decode_vs_hf", floor: floa
 STRIP_SAMPLES = 40  # the ratio strip draws a row a sample: beyond this many, the ones furthest from 1
 
 
-def token_frame(ro: Rollout, pair: str, samples: Any = None) -> pd.DataFrame:
-    """Per completion token of these samples (default: all): sample, position, piece, Δ of `pair`,
-    |Δ| and the importance ratio ρ = exp(trainer − rollout). Built from the samples' arrays, not the
-    stored table, so a rollout of 100,000 samples gives its few shown rows at once."""
+def token_frame(ro: Rollout, pair: str, samples: Any = None, pieces: bool = True) -> pd.DataFrame:
+    """Per completion token of these samples (default: all): sample, position, piece (unless not
+    wanted: the histograms need none), Δ of `pair`, |Δ| and the importance ratio ρ = exp(trainer −
+    rollout). Built from the samples' arrays, not the stored table, so a rollout of 100,000 samples
+    gives its few shown rows at once."""
     idx = list(range(len(ro.samples)) if samples is None else samples)
     part = [ro.samples[i] for i in idx]
     ns = np.array([len(s.completion_token_ids) for s in part], dtype=np.int64)
@@ -154,7 +155,7 @@ def token_frame(ro: Rollout, pair: str, samples: Any = None) -> pd.DataFrame:
     return pd.DataFrame({
         "sample": np.repeat(np.array(idx, dtype=np.int64), ns),
         "position": np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns),
-        "piece": [p for s in part for p in s.pieces],
+        **({"piece": [p for s in part for p in s.pieces]} if pieces else {}),
         "delta": d, "abs_delta": np.abs(d), "ratio": np.exp(np.clip(-d, -20, 20)),
         "abs_delta_plot": np.clip(np.abs(d), 1e-10, None)})
 
@@ -209,7 +210,7 @@ def delta_histogram(df: pd.DataFrame) -> Any:
         .mark_bar(binSpacing=0, color="#0072B2")
         .encode(x=alt.X("lo:Q", bin="binned", title="|Δ logp| (log scale)",
                         axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')")),
-                x2="hi:Q", y=alt.Y("tokens:Q", title="tokens"),
+                x2="hi:Q", y=alt.Y("tokens:Q", title="tokens", axis=alt.Axis(tickMinStep=1)),
                 tooltip=[alt.Tooltip("tokens:Q")])
     )
 
@@ -229,7 +230,7 @@ def ratio_histogram(df: pd.DataFrame, tis_cap: float = TIS_CAP, mis_band: tuple[
     hi = float(max(df["ratio"].max() if len(df) else 1.0, tis_cap) * 1.05)
     bars = (alt.Chart(binned(df["ratio"].to_numpy(dtype=np.float64), np.linspace(lo, hi, 61))).mark_bar(binSpacing=0, color="#CC79A7")
             .encode(x=alt.X("lo:Q", bin="binned", title="importance ratio (trainer / rollout)", scale=alt.Scale(domain=[lo, hi])),
-                    x2="hi:Q", y=alt.Y("tokens:Q", title="tokens"), tooltip=[alt.Tooltip("tokens:Q")]))
+                    x2="hi:Q", y=alt.Y("tokens:Q", title="tokens", axis=alt.Axis(tickMinStep=1)), tooltip=[alt.Tooltip("tokens:Q")]))
     rules = (alt.Chart(marks).mark_rule(strokeDash=[4, 3], strokeWidth=2)
              .encode(x="x:Q", color=alt.Color("what:N", title="thresholds",
                                               scale=alt.Scale(range=["#E69F00", "#009E73", "#D55E00"]))))
@@ -257,7 +258,7 @@ def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
 
     m = ro.meta
     floor = hf_floor(m)
-    df = token_frame(ro, "decode_vs_hf")
+    df = token_frame(ro, "decode_vs_hf", pieces=False)
     meta_rows = [("rollout", m.rollout_id), ("model", m.model), ("dtype", m.dtype), ("device", m.env.device),
                  ("torch / transformers / vLLM", f"{m.env.torch} / {m.env.transformers} / {m.env.vllm}"),
                  ("sampling", json.dumps(m.sampling)), ("decode_processed", m.processed), ("created", m.created)]

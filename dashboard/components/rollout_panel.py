@@ -4,6 +4,7 @@ rollouts (verdict, coloured completions, ratio strip, histograms, three-way tabl
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import streamlit as st
 
@@ -204,19 +205,33 @@ def _provenance(r: Rollout) -> str:
     return f"computed now, in {total:.1f} s" if isinstance(total, (int, float)) else "computed now"
 
 
+@st.cache_resource(max_entries=16, show_spinner=False)
+def pair_views(rollout_id: str, pair: str, _r: Rollout) -> dict[str, Any]:
+    """What the page shows of one rollout and pair that reads every token: the worst lists, the ratio
+    strip and the histograms. A rollout is content-addressed, so (id, pair) names them, and a rerun
+    (another sample, a click) reuses them instead of reading millions of tokens again."""
+    shown, title = strip_samples(_r, pair)
+    every = token_frame(_r, pair, pieces=False)
+    summary = _r.meta.summary[pair]
+    return {"seqs": _r.worst_sequences(pair, 20), "toks": _r.worst_tokens(pair, 20),
+            "strip": ratio_strip(token_frame(_r, pair, shown), title), "deltas": delta_histogram(every),
+            "ratios": ratio_histogram(every, summary.get("tis_cap", 2.0), tuple(summary.get("mis_band", (0.5, 2.0))))}
+
+
 def worst_lists(r: Rollout, pair: str) -> None:
     """Where the importance ratio breaks most, worst first: sequences and tokens; clicking a row opens
     that sequence's coloured view above."""
     with st.expander(f"Where the ratio breaks most ({r.dtype}): the sequences and tokens furthest from 1, worst first",
                      expanded=r.meta.sampling.get("source") == "logged", icon=":material/sort:"):
         c1, c2 = st.columns(2)
-        seqs = r.worst_sequences(pair, 20)
+        views = pair_views(r.rollout_id, pair, r)
+        seqs = views["seqs"]
         seqs = seqs.assign(sample=seqs["sample"] + 1) if not seqs.empty else seqs  # numbered as the Sample list numbers them
         c1.caption("Sequences by their whole-sequence log ratio Σ log ρ (0 is a perfect match)")
         ev1 = c1.dataframe(seqs, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
                            key=f"{KEY}-worst-seq", column_config={"seq_log_ratio": st.column_config.NumberColumn(format="%.3e"),
                                                                   "largest |Δ|": st.column_config.NumberColumn(format="%.3e")})
-        toks = r.worst_tokens(pair, 20)
+        toks = views["toks"]
         toks = toks.assign(sample=toks["sample"] + 1) if not toks.empty else toks
         c2.caption("Tokens by |Δ logp|; ratio = the trainer's probability / the rollout's")
         ev2 = c2.dataframe(toks, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
@@ -230,11 +245,12 @@ def worst_lists(r: Rollout, pair: str) -> None:
         if picked and picked[0] != query_int("sample", 0, 0, max(len(r.samples) - 1, 0)):
             set_query(sample=picked[0])
             st.session_state.pop(f"{KEY}-sample", None)  # the picker then starts from the query's sample
-            st.session_state.pop(f"{KEY}-sample-no", None)
+            st.session_state[GOTO] = picked[0]
             st.rerun()
 
 
 PICK_LIMIT = 1000  # up to this many samples, a list to pick from; beyond, a number (the worst lists open the rest)
+GOTO = f"{KEY}-goto"  # the sample a click in the worst lists opens, for the number picker's next run
 
 
 def sample_picker(r: Rollout) -> int:
@@ -247,8 +263,11 @@ def sample_picker(r: Rollout) -> int:
         return st.selectbox("Sample", range(n), index=current,
                             format_func=lambda i: f"{i + 1}: {r.meta.prompts[r.samples[i].prompt_index][:60]}",
                             key=f"{KEY}-sample")
-    return int(st.number_input(f"Sample (1 to {n:,}; the lists below open the worst)", 1, n, current + 1,
-                               key=f"{KEY}-sample-no")) - 1
+    key = f"{KEY}-sample-no"
+    goto = st.session_state.pop(GOTO, None)  # a click in the worst lists: the browser keeps the number otherwise
+    if goto is not None or key not in st.session_state:
+        st.session_state[key] = min(goto if goto is not None else current, n - 1) + 1
+    return int(st.number_input(f"Sample (1 to {n:,}; the lists below open the worst)", 1, n, key=key)) - 1
 
 
 def json_text(r: Rollout) -> str:
@@ -278,13 +297,11 @@ def show_rollouts(ros: list[Rollout]) -> None:
     tabs = st.tabs([r.dtype for r in ros])
     for tab, r in zip(tabs, ros):
         with tab:
-            shown, title = strip_samples(r, pair)
-            st.altair_chart(ratio_strip(token_frame(r, pair, shown), title), width="stretch")
-            one = token_frame(r, pair)
+            views = pair_views(r.rollout_id, pair, r)
+            st.altair_chart(views["strip"], width="stretch")
             c1, c2 = st.columns(2)
-            c1.altair_chart(delta_histogram(one), width="stretch")
-            c2.altair_chart(ratio_histogram(one, r.meta.summary[pair].get("tis_cap", 2.0),
-                                            tuple(r.meta.summary[pair].get("mis_band", (0.5, 2.0)))), width="stretch")
+            c1.altair_chart(views["deltas"], width="stretch")
+            c2.altair_chart(views["ratios"], width="stretch")
             st.markdown("**Three-way comparison**: " + "; ".join(f"*{SHORT[p]}*: {PAIR_WORDS[p]}" for p in shown_pairs(r))
                         + ". Δ = the first side − the second; ratio = the second's probability / the first's. The exact KL "
                         "and the same-top share need both sides' whole distribution, so only the prefill-vs-HF column has "
