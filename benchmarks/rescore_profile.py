@@ -26,19 +26,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from benchmarks.prompt_set import report, rss_peak
+from benchmarks.rescore_scale import logged_lines, scale_args
 
 RID = "0123456789abcdef0123456789abcdef"  # the profiled rollout's id in its throwaway store
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="default: the tiny test Llama (tests/builders.py)")
-    ap.add_argument("--sequences", type=int, default=20_000)
-    ap.add_argument("--prompt", type=int, default=8, help="prompt tokens a sequence")
-    ap.add_argument("--completion", type=int, default=24, help="completion tokens a sequence")
+    scale_args(ap)
     ap.add_argument("--profile", action="store_true", help="print each phase's costliest functions")
     ap.add_argument("--page", action="store_true", help="also open the stored rollout on the Rollout page (Streamlit AppTest)")
-    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import os
 
@@ -46,10 +43,7 @@ def main() -> None:
 
     home = Path(tempfile.mkdtemp(prefix="lpp-rescore-profile-"))
     os.environ["LOGPROB_PARITY_HOME"] = str(home / "store")
-    if a.model is None:
-        from builders import build_tiny_llama
-
-        a.model = str(build_tiny_llama("tiny-llama-bos", adds_bos=True))
+    data = "".join(logged_lines(a)).encode()  # sets a.model when not given
     from core.analysis.request import Context, prepare
     from core.analysis.rescore import _COLUMNS, assemble
     from core.inputs.rollout_logs import read_logged
@@ -57,12 +51,7 @@ def main() -> None:
     from core.results.store import Store
 
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
-    rng = np.random.default_rng(0)
-    lines = [json.dumps({"prompt_token_ids": [0, *rng.integers(40, vocab, a.prompt - 1).tolist()],
-                         "completion_token_ids": rng.integers(40, vocab, a.completion).tolist(),
-                         "logprobs": np.round(-rng.random(a.completion) * 4, 6).tolist(), "id": f"r{i}"})
-             for i in range(a.sequences)]
-    data = ("\n".join(lines) + "\n").encode()
+    rng = np.random.default_rng(1)  # the scorings' stand-ins
     store = Store(home / "store")
     ctx = Context.of(store=store)
     p = prepare(RunSpec(texts=("logged rollouts",), model=a.model, dtypes=("float32",), device="cpu"), ctx)

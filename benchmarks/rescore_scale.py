@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,30 +52,41 @@ def _run(cmd: list[str], env: dict[str, str], kill_after_parts: int | None = Non
     return proc.returncode, "".join(err), time.perf_counter() - t, peak[0]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def scale_args(ap: argparse.ArgumentParser) -> None:
+    """The options of a logged set's size (this benchmark and rescore_profile.py)."""
     ap.add_argument("--model", default=None, help="default: the tiny test Llama (tests/builders.py)")
     ap.add_argument("--sequences", type=int, default=20_000)
     ap.add_argument("--prompt", type=int, default=8, help="prompt tokens a sequence")
     ap.add_argument("--completion", type=int, default=24, help="completion tokens a sequence")
-    ap.add_argument("--no-resume", action="store_true", help="leave out the killed-and-resumed part")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="lpp-rescore-scale-"))
+
+
+def logged_lines(a: argparse.Namespace) -> Iterator[str]:
+    """The logged set as JSONL lines: random ids in the model's vocabulary (a.model, the tiny test
+    Llama when not given: set on `a`), random negative logprobs, the same for the same options."""
+    import numpy as np
+
     if a.model is None:
         from builders import build_tiny_llama
 
         a.model = str(build_tiny_llama("tiny-llama-bos", adds_bos=True))
-    import numpy as np
-
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
+    for i in range(a.sequences):
+        yield json.dumps({"prompt_token_ids": [0, *rng.integers(40, vocab, a.prompt - 1).tolist()],
+                          "completion_token_ids": rng.integers(40, vocab, a.completion).tolist(),
+                          "logprobs": np.round(-rng.random(a.completion) * 4, 6).tolist(), "id": f"r{i}"}) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    scale_args(ap)
+    ap.add_argument("--no-resume", action="store_true", help="leave out the killed-and-resumed part")
+    a = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="lpp-rescore-scale-"))
     path = home / "logged.jsonl"
     with path.open("w") as f:
-        for i in range(a.sequences):
-            f.write(json.dumps({"prompt_token_ids": [0, *rng.integers(40, vocab, a.prompt - 1).tolist()],
-                                "completion_token_ids": rng.integers(40, vocab, a.completion).tolist(),
-                                "logprobs": np.round(-rng.random(a.completion) * 4, 6).tolist(), "id": f"r{i}"}) + "\n")
+        f.writelines(logged_lines(a))
     env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "core.cli", "rescore", "--rollouts", str(path), "--model", a.model, "--dtype", "float32",
            "--device", "cpu", "--json", str(home / "out.json")]

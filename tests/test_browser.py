@@ -187,6 +187,7 @@ def test_rollout_page_samples_rescores_and_explains(server, demo_model):
         page.get_by_role("textbox", name="Prompts, one a line").fill("  ")
         page.get_by_role("button", name="Run", exact=True).click()
         expect(page.get_by_text("Enter at least one prompt")).to_be_visible(timeout=30_000)
+        page.screenshot(path=str(out / "rollout-bad-input.png"))
         settled(page)  # the refused run has finished: the next submit is the only rerun in flight
         page.get_by_role("textbox", name="Prompts, one a line").fill(prompts)
         page.get_by_role("spinbutton", name="samples a prompt").fill("1")

@@ -24,12 +24,7 @@ import numpy as np
 
 from core.analysis.compare import plan_batches, words_left
 from core.analysis.request import Context, model_max_len, prepare
-from core.analysis.rollout import (
-    CHUNK,
-    INCREMENTAL_TOKENS,
-    MICRO_BATCH,
-    with_trainer_defaults,
-)
+from core.analysis.rollout import CHUNK, INCREMENTAL_TOKENS, MICRO_BATCH, with_trainer_defaults
 from core.analysis.verdict import rollout_verdict
 from core.engines import fullvocab
 from core.engines.host import start_words
@@ -41,14 +36,7 @@ from core.inputs.spec import RunSpec, content_hash
 from core.inputs.tokens import decode_tail_pieces
 from core.results.offpolicy import floor_stats, mismatch_metrics
 from core.results.records import RunEnv
-from core.results.rollout import (
-    PAIRS,
-    ROLLOUT_SCHEMA,
-    Rollout,
-    RolloutMeta,
-    Sample,
-    exact_stats,
-)
+from core.results.rollout import PAIRS, ROLLOUT_SCHEMA, Rollout, RolloutMeta, Sample, exact_stats
 
 NOISE_SEQUENCES = 2  # logged sequences HF rescores again in micro-batches, in chunks and token by token
 PROCESSED_WORDS = ("the logged values: the rollout engine's own logprobs, raw or processed as its logger wrote them "
@@ -171,17 +159,15 @@ def assemble(p: Any, logged: LoggedSet, scored: list[dict[str, np.ndarray]], dty
     _COLUMNS per sequence), pieces, metrics, verdict. Apart from the engines, so its cost can be
     measured alone (benchmarks/rescore_profile.py)."""
     seqs = logged.sequences
-    full = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
-    starts = [len(s.prompt_token_ids) for s in seqs]
     recs = []
     for k, (s, x) in enumerate(zip(seqs, scored)):
-        n0 = starts[k]
         logged_lp = np.asarray(s.logprobs, dtype=np.float64)
         lp = {"decode_raw": logged_lp, "decode_processed": logged_lp.copy(), "prefill": x["prefill"], "hf": x["hf"],  # type: ignore[index]
               "hf_tempered": x["hf_tempered"], "log_kept_mass": x["log_kept_mass"]}  # type: ignore[index]
         exact = {"kl_full": x["kl_full"], "same_top": (x["prefill_top"] == x["hf_top"]).astype(np.float64)}  # type: ignore[index]
         recs.append(Sample(prompt_index=k, seed=-1, prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
-                           pieces=tuple(decode_tail_pieces(p.tokenizer, full[k], n0)),
+                           pieces=tuple(decode_tail_pieces(p.tokenizer, [*s.prompt_token_ids, *s.completion_token_ids],
+                                                           len(s.prompt_token_ids))),
                            finish_reason=f"logged record {s.record}" + (f", id {s.id}" if s.id else "") +
                                          (f", step {s.step}" if s.step is not None else ""),
                            logprob=lp, exact=exact))

@@ -160,15 +160,14 @@ def token_frame(ro: Rollout, pair: str, samples: Any = None, pieces: bool = True
         "abs_delta_plot": np.clip(np.abs(d), 1e-10, None)})
 
 
-def strip_samples(ro: Rollout, pair: str) -> tuple[list[int], str]:
-    """The samples the ratio strip draws, and the words for its title: all of them, or the
-    STRIP_SAMPLES whose whole-sequence ratio is furthest from 1 (in sample order)."""
+def strip_samples(ro: Rollout, worst: pd.DataFrame) -> tuple[list[int], str]:
+    """The samples the ratio strip draws, and the words for its title: all of them, or the first
+    STRIP_SAMPLES of `worst` (Rollout.worst_sequences: furthest from 1 first), in sample order."""
     n = len(ro.samples)
     if n <= STRIP_SAMPLES:
         return list(range(n)), "Importance ratio per token (trainer / rollout probability)"
-    worst = sorted(int(i) for i in ro.worst_sequences(pair, STRIP_SAMPLES)["sample"])
-    return worst, (f"Importance ratio per token, the {STRIP_SAMPLES} of {n:,} sequences furthest from 1 "
-                   "(trainer / rollout probability)")
+    shown = sorted(int(i) for i in worst["sample"].head(STRIP_SAMPLES))
+    return shown, f"Importance ratio per token, the {STRIP_SAMPLES} of {n:,} sequences furthest from 1 (trainer / rollout probability)"
 
 
 def ratio_strip(df: pd.DataFrame, title: str = "Importance ratio per token (trainer / rollout probability)") -> Any:

@@ -24,7 +24,7 @@ Definitions (README, "Rollout metrics"), with log ρ = l_trainer − l_rollout p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -77,19 +77,27 @@ def mismatch_metrics_each(rollout: Sequence[np.ndarray], trainer: Sequence[np.nd
     rs = [np.asarray(r, dtype=np.float64) for r in rollout]
     ts = [np.asarray(t, dtype=np.float64) for t in trainer]
     out: list[dict[str, float | int | None]] = [_empty(0, 0, tis_cap, mis_band) for _ in rs]
-    by_len: dict[int, list[int]] = {}
-    for i, (r, t) in enumerate(zip(rs, ts)):
+    for r, t in zip(rs, ts):
         if r.shape != t.shape:
             raise ValueError(f"rollout and trainer logprobs differ in length: {r.shape} != {t.shape}")
-        if len(r):
-            by_len.setdefault(len(r), []).append(i)
-    for n, idx in by_len.items():
+    for n, idx in by_length(len(r) for r in rs).items():
         lr, lt = np.stack([rs[i] for i in idx]), np.stack([ts[i] for i in idx])  # [k, n]: row j is sequence idx[j]
         rows = _rows(lr, lt, np.sum(lt - lr, axis=1)[:, None], lr.mean(axis=1)[:, None], lt.mean(axis=1)[:, None],
                      tis_cap, mis_band)
         cols = {k: v.tolist() for k, v in rows.items()}
         for j, i in enumerate(idx):
             out[i] = {**_empty(1, n, tis_cap, mis_band), **{k: v[j] for k, v in cols.items()}}
+    return out
+
+
+def by_length(lengths: Iterable[int]) -> dict[int, list[int]]:
+    """Indices by length, leaving out length 0: the sequences whose arrays stack into one [k, n]
+    block, so a statistic per sequence is one numpy call a length (and the same reduction, bit for
+    bit, as one call a sequence)."""
+    out: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n:
+            out.setdefault(n, []).append(i)
     return out
 
 

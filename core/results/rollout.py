@@ -211,14 +211,11 @@ class Rollout:
         at once (one pass, however many samples)."""
         if not self.samples:
             return pd.DataFrame()
+        from core.results.offpolicy import by_length
+
         k = len(self.samples)
         seq_log, largest, counted = np.zeros(k), np.full(k, np.nan), np.zeros(k, dtype=np.int64)
-        by_len: dict[int, list[int]] = {}
-        for i, smp in enumerate(self.samples):
-            by_len.setdefault(len(smp.completion_token_ids), []).append(i)
-        for length, idx in by_len.items():
-            if length == 0:
-                continue
+        for idx in by_length(len(smp.completion_token_ids) for smp in self.samples).values():
             d = np.stack([np.asarray(self.samples[i].delta(pair), dtype=np.float64) for i in idx])
             ok = np.isfinite(d)
             seq_log[idx] = -np.where(ok, d, 0.0).sum(axis=1)
@@ -350,15 +347,11 @@ def exact_stats_each(samples: Any) -> list[dict[str, float | None]]:
     """[exact_stats([s]) for s in samples], computed for all samples of one length at once (a
     rescore's --json gives each of 100,000 sequences its own)."""
     from core.results.metrics import exact_kl_stats_rows, same_top_stats_rows
+    from core.results.offpolicy import by_length
 
-    out: list[dict[str, float | None]] = [{} for _ in samples]
-    by_len: dict[int, list[int]] = {}
-    for i, s in enumerate(samples):
-        if len(s.completion_token_ids) and all(c in s.exact for c in EXACT):
-            by_len.setdefault(len(s.completion_token_ids), []).append(i)
-        else:
-            out[i] = exact_stats([s])
-    for idx in by_len.values():
+    have = [all(c in s.exact for c in EXACT) for s in samples]
+    out: list[dict[str, float | None]] = [{} if h and s.completion_token_ids else exact_stats([s]) for s, h in zip(samples, have)]
+    for idx in by_length(len(s.completion_token_ids) if h else 0 for s, h in zip(samples, have)).values():
         kl = np.stack([np.asarray(samples[i].exact["kl_full"], dtype=np.float64) for i in idx])
         same = np.stack([np.asarray(samples[i].exact["same_top"], dtype=np.float64) for i in idx])
         finite = np.isfinite(same).all(axis=1)

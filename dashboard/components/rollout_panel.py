@@ -14,7 +14,7 @@ from core.inputs.settings import EngineSettings
 from core.inputs.spec import BOS_POLICIES, DTYPES, RunSpec
 from core.present.rollout_view import (
     SHORT, completion_html, delta_histogram, floors_table, metrics_table, ratio_histogram, ratio_strip, rollout_report_html,
-    shown_pairs, strip_samples, token_frame,
+    STRIP_SAMPLES, shown_pairs, strip_samples, token_frame,
 )
 from core.results.rollout import PAIRS, Rollout, Sampling, sampling_words
 from core.analysis.verdict import Verdict
@@ -205,15 +205,19 @@ def _provenance(r: Rollout) -> str:
     return f"computed now, in {total:.1f} s" if isinstance(total, (int, float)) else "computed now"
 
 
+GOTO = f"{KEY}-goto"  # the sample a click in the worst lists opens, for the number picker's next run
+
+
 @st.cache_resource(max_entries=16, show_spinner=False)
 def pair_views(rollout_id: str, pair: str, _r: Rollout) -> dict[str, Any]:
     """What the page shows of one rollout and pair that reads every token: the worst lists, the ratio
     strip and the histograms. A rollout is content-addressed, so (id, pair) names them, and a rerun
     (another sample, a click) reuses them instead of reading millions of tokens again."""
-    shown, title = strip_samples(_r, pair)
+    worst = _r.worst_sequences(pair, max(20, STRIP_SAMPLES))
+    shown, title = strip_samples(_r, worst)
     every = token_frame(_r, pair, pieces=False)
     summary = _r.meta.summary[pair]
-    return {"seqs": _r.worst_sequences(pair, 20), "toks": _r.worst_tokens(pair, 20),
+    return {"seqs": worst.head(20), "toks": _r.worst_tokens(pair, 20),
             "strip": ratio_strip(token_frame(_r, pair, shown), title), "deltas": delta_histogram(every),
             "ratios": ratio_histogram(every, summary.get("tis_cap", 2.0), tuple(summary.get("mis_band", (0.5, 2.0))))}
 
@@ -250,7 +254,6 @@ def worst_lists(r: Rollout, pair: str) -> None:
 
 
 PICK_LIMIT = 1000  # up to this many samples, a list to pick from; beyond, a number (the worst lists open the rest)
-GOTO = f"{KEY}-goto"  # the sample a click in the worst lists opens, for the number picker's next run
 
 
 def sample_picker(r: Rollout) -> int:
