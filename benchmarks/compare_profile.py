@@ -1,7 +1,7 @@
 """Where a warm compare's time goes outside the engines: cProfile of this process during one compare.
 
     python benchmarks/compare_profile.py [--model tinyllama|demo|PATH] [--prompts 64] [--tokens 512]
-                                         [--dtype bfloat16] [--hf-batch 32] [--hf-cudnn-attention on|off] [--tokenizer DIR] [--out FILE]
+                                         [--dtype bfloat16] [--hf-batch 32] [--hf-cudnn-attention on|off] [--tokenizer DIR] [--exact-kl] [--out FILE]
 
 benchmarks/compare_speed.py gives the ratio to the bare engines and splits a compare into vLLM
 scoring, HF scoring (host round trips included) and "the rest in this process"; this script says
@@ -40,9 +40,12 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--hf-cudnn-attention", choices=("default", "on", "off"), default="default")
     ap.add_argument("--top", type=int, default=45, help="functions listed")
+    ap.add_argument("--exact-kl", action="store_true", help="compare with the exact KL (LPP_HF_TIMING=1 prints the HF host's phases)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-profile-"))
+    if os.environ.get("TOKENIZERS_PARALLELISM") == "false" and not os.environ.get("LPP_KEEP_TOKENIZERS_SERIAL"):
+        del os.environ["TOKENIZERS_PARALLELISM"]  # as compare_speed.py: this process as a user runs it
 
     from transformers import AutoTokenizer
 
@@ -67,7 +70,7 @@ def main() -> None:
     store = Store(Path(os.environ["LOGPROB_PARITY_HOME"]))
     cudnn = {"default": None, "on": True, "off": False}[a.hf_cudnn_attention]
     settings = dataclasses.replace(EngineSettings(), hf_batch_size=a.hf_batch, hf_cudnn_attention=cudnn)
-    fullvocab.ENABLED = False
+    fullvocab.ENABLED = a.exact_kl
 
     def run(t: tuple[str, ...]):
         start = time.perf_counter()
@@ -88,7 +91,8 @@ def main() -> None:
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(a.top)
     buf.write("\nBy own time (what this process computes, not what it waits for):\n")
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    head = (f"compare_profile: {model.name}, {a.prompts} x {a.tokens} tokens, {a.dtype}, {device}, hf_batch_size {a.hf_batch}, hf_cudnn_attention {a.hf_cudnn_attention}; "
+    head = (f"compare_profile: {model.name}, {a.prompts} x {a.tokens} tokens, {a.dtype}, {device}, hf_batch_size {a.hf_batch}, hf_cudnn_attention {a.hf_cudnn_attention}, "
+            f"exact KL {'on: ' + r.meta.env.vllm_engine['kl_full'] if a.exact_kl else 'off'}; "
             f"first timed compare {warm:.3f} s, profiled {took:.3f} s (under cProfile): vLLM {tm['vllm_score_s']:.3f} s, "
             f"HF {tm['hf_score_s']:.3f} s, the rest in this process {rest:.3f} s")
     text = head + "\n\n" + buf.getvalue()

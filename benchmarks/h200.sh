@@ -8,6 +8,8 @@
 #   bash benchmarks/h200.sh 8b        8B shape: a 32,000-token text (GPU test), compare speed
 #   bash benchmarks/h200.sh set       8B shape: 1,000 x 2,048 tokens with the exact KL
 #   bash benchmarks/h200.sh frontier  the demo model's frontier on the default GPU grid (speed on 64 x 512)
+#   bash benchmarks/h200.sh now       the exact KL's transport alone, the IPC test, the 1.1B compare speed, and
+#                                     a profile of a compare with the exact KL (the HF host's phases included)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/h200-run}
 mkdir -p "$OUT" /root/models
@@ -37,5 +39,12 @@ case "${1:-}" in
     python benchmarks/compare_speed.py --model $B8 --parts set --set 1000x2048 --hf-batch 8 --out "$OUT/set_8b.md" 2>&1 | tail -8 ;;
   frontier)
     python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py -k "frontier" -s 2>&1 | tail -40 | tee "$OUT/frontier.log" ;;
-  *) echo "usage: $0 tests|rollout|8b|set|frontier" >&2; exit 2 ;;
+  now)
+    python benchmarks/kl_transport.py --out "$OUT/kl_transport.md" 2>&1 | tail -12
+    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py -k "ipc" 2>&1 | tail -5 | tee "$OUT/tests.log"
+    python benchmarks/compare_speed.py --model tinyllama --tokenizer $TOK --out "$OUT/compare_speed_1b.md" 2>&1 | tail -18
+    LPP_HF_TIMING=1 python benchmarks/compare_profile.py --model tinyllama --tokenizer $TOK --exact-kl --out "$OUT/compare_profile_kl.txt" \
+      > "$OUT/compare_profile_kl.log" 2>&1
+    head -1 "$OUT/compare_profile_kl.txt"; grep "lpp-timing" "$OUT/compare_profile_kl.log" | tail -3 ;;
+  *) echo "usage: $0 tests|rollout|again|8b|set|frontier|now" >&2; exit 2 ;;
 esac

@@ -35,8 +35,12 @@ def test_the_pareto_front_keeps_what_nothing_beats_on_both():
 
 def test_the_recommendation_is_the_fastest_within_the_tolerance():
     rows = [_row("exact-slow", 1e-6, 10), _row("rough-fast", 1e-2, 1000), _row("middle", 1e-4, 100)]
-    assert recommend(rows, 1e-3, "given")["name"] == "middle"
+    middle = recommend(rows, 1e-3, "given")
+    assert middle["name"] == "middle" and "2 of 3 configurations are within it" in middle["why"]
     assert recommend(rows, 1.0, "given")["name"] == "rough-fast"
+    alone = recommend(rows, 1e-5, "given")  # the words a person reads when one configuration qualifies
+    assert alone["name"] == "exact-slow" and alone["why"].startswith("the only configuration within the tolerance")
+    assert alone["why"].endswith("1 of 3 configurations is within it") and "faster than every other" not in alone["why"]
     none = recommend(rows, 1e-9, "given")
     assert none["name"] is None and "exact-slow" in none["why"]
     assert recommend([_row("off", None, None, "no GPU")], 1.0, "given")["name"] is None

@@ -161,13 +161,13 @@ def test_folders_of_killed_processes_are_removed(tmp_path, monkeypatch):
         fullvocab.remove(made)
 
 
-def test_the_v2_runner_capture_maps_chunked_rows_to_each_requests_positions(tmp_path):
-    """Plumbing of vLLM's v2 model runner path (the GPU default; the CPU build cannot run it without
-    triton-cpu), with its PromptLogprobsWorker's inputs built by hand: request "a" (5 prompt tokens)
-    in one step, "b" (7) split over two steps, and "c" decoding without prompt logprobs; vLLM's
-    logits_fn called on chunks of 3 rows. Every kept row must be the log_softmax of its own
-    position's logits, and the last prompt position (it predicts a generated token) is not kept.
-    The real runner is checked on the GPU (tests/test_gpu.py)."""
+def _v2_capture(target):
+    """vLLM's v2 model runner path (the GPU default; the CPU build cannot run it without triton-cpu),
+    with its PromptLogprobsWorker's inputs built by hand: request "a" (5 prompt tokens) in one step,
+    "b" (7) split over two steps, and "c" decoding without prompt logprobs; vLLM's logits_fn called
+    on chunks of 3 rows, captured into `target` (begin/end). Returns the prompts, each kept row's
+    expected values (the log_softmax of its own position's logits: a misplaced row cannot pass; the
+    last prompt position predicts a generated token and is not kept) and the chunk sizes seen."""
     from types import SimpleNamespace
 
     import torch
@@ -181,7 +181,6 @@ def test_the_v2_runner_capture_maps_chunked_rows_to_each_requests_positions(tmp_
     for r, ids in prompts.items():
         all_ids[slot[r], : len(ids)] = torch.tensor(ids)
     prompt_lens = np.array([5, 7, 2])
-    # each (request, position)'s logits: a distinct row, so a misplaced row cannot pass
     logits_of = {(r, p): torch.randn(vocab, generator=torch.Generator().manual_seed(100 * slot[r] + p))
                  for r, ids in prompts.items() for p in range(len(ids) + 1)}
 
@@ -206,18 +205,50 @@ def test_the_v2_runner_capture_maps_chunked_rows_to_each_requests_positions(tmp_
 
     worker = Worker()
     assert fullvocab._install_v2(worker) == "v2" and fullvocab._install_v2(worker) == "v2"  # wrapped once
-    folder = str(tmp_path)
-    fullvocab.begin(folder)
+    fullvocab.begin(target)
     for reqs in ([("a", 0, 5), ("b", 0, 4)], [("c", 2, 1), ("b", 4, 3)]):
         hidden, batch = step(reqs)
         worker.compute_prompt_logprobs(lambda h: h.clone(), hidden, batch, all_ids, None, prompt_lens)
-    fullvocab.finish(folder, [prompts["b"], prompts["a"]])
-    assert fullvocab.problem(folder) is None and called == [3, 3, 3, 3, 1]
+    fullvocab.end(target, [prompts["b"], prompts["a"]])
+    want = {r: np.stack([torch.log_softmax(logits_of[(r, p)].float(), dim=-1).numpy() for p in range(len(prompts[r]) - 1)])
+            for r in ("a", "b")}
+    return want, called
+
+
+def test_the_v2_runner_capture_maps_chunked_rows_to_each_requests_positions(tmp_path):
+    """Files: every kept row is its own position's log_softmax, each sequence in its own file. The
+    real runner is checked on the GPU (tests/test_gpu.py)."""
+    from core.engines import fullvocab
+
+    want, called = _v2_capture(str(tmp_path))
+    assert fullvocab.problem(str(tmp_path)) is None and called == [3, 3, 3, 3, 1]
     for i, r in enumerate(["b", "a"]):
-        got = np.load(fullvocab.path_of(folder, i))
-        want = np.stack([torch.log_softmax(logits_of[(r, p)].float(), dim=-1).numpy() for p in range(len(prompts[r]) - 1)])
-        assert got.shape == (len(prompts[r]) - 1, vocab)
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.load(fullvocab.path_of(str(tmp_path), i)), want[r])
+
+
+@pytest.mark.parametrize("rows", [10, None, 4])
+def test_kept_tensors_are_views_of_one_tensor_a_batch_and_reach_the_reader_unchanged(rows):
+    """Tensors: with the batch's row count given (10 = 4 + 6), the sequences' rows are views of one
+    tensor, so the HF host opens one shared allocation a batch (on a GPU one CUDA IPC handle, not
+    one a sequence); without it (None) each request gets a tensor of its own, and when it is too
+    small for them all (4: request "a" fits, "b" does not) the one that does not fit gets its own. Either way the reader gets every row, in sequence order, bit
+    for bit, and a released batch is gone."""
+    from core.engines import fullvocab
+
+    token = f"test-{rows}"
+    want, _ = _v2_capture({"tensors": token, "rows": rows})
+    kept = fullvocab._KEPT[token]
+    one = len({t.untyped_storage().data_ptr() for t in kept}) == 1
+    assert one == (rows == 10), [t.untyped_storage().data_ptr() for t in kept]
+    shared = fullvocab.share(token)
+    assert "error" not in shared and len(shared["handles"]) == 2
+    got = fullvocab.open_rows(shared)
+    for t, r in zip(got, ["b", "a"]):
+        np.testing.assert_array_equal(t.numpy(), want[r])
+    if one:  # the reader opened the shared file once for both sequences
+        assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+    fullvocab.release(token)
+    assert token not in fullvocab._KEPT and "error" in fullvocab.share(token)
 
 
 def test_the_exact_kl_of_float32_rows_is_never_negative():

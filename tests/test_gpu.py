@@ -194,8 +194,8 @@ def test_frontier_on_cuda(gpu_model, store, monkeypatch):
 def test_exact_kl_through_cuda_ipc_equals_the_host_row_path(gpu_model, store):
     """The same vLLM rows, read two ways by the HF host: opened on the GPU through CUDA IPC (the GPU
     default), and copied to a .npy file and memory-mapped (the CPU path). Both KLs agree to 1e-9 at
-    every position, and the rows hold what vLLM reported; then a comparison on the card takes the
-    IPC path and names it."""
+    every position, and the rows hold what vLLM reported; the sequences' rows are views of one
+    allocation (one IPC handle a batch); then a comparison on the card takes the IPC path and names it."""
     import numpy as np
 
     from core.analysis.request import model_max_len
@@ -213,10 +213,11 @@ def test_exact_kl_through_cuda_ipc_equals_the_host_row_path(gpu_model, store):
     try:
         with pool.lease([vreq, hreq]) as lease:
             vh, hh = lease.host(vreq), lease.host(hreq)
-            vscores = vh.score(seqs, 5, None, None, "right", {"tensors": "gpu-test"})
+            vscores = vh.score(seqs, 5, None, None, "right", {"tensors": "gpu-test", "rows": sum(len(s) - 1 for s in seqs)})
             shared = vh.share_rows("gpu-test")
             assert "handles" in shared and shared["runner"] == "v2", shared.get("error")
             rows = fullvocab.open_rows({"handles": shared["handles"]})  # this process maps the same memory
+            assert len({r.untyped_storage().data_ptr() for r in rows}) == 1  # one allocation, opened once
             for i, (ids, r, s) in enumerate(zip(seqs, rows, vscores)):
                 assert r.is_cuda and tuple(r.shape) == (len(ids) - 1, resolve_model(gpu_model).vocab_size)
                 host = r.cpu().numpy()

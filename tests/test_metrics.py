@@ -119,3 +119,75 @@ def test_each_samples_exact_stats_at_once_are_one_call_a_sample():
     want = [exact_stats([s]) for s in samples]
     assert got == want  # the same numbers, bit for bit, and the same Nones
     assert got[0]["kl_full_mean"] is not None and got[3]["kl_full_mean"] is None and got[4]["same_top_p"] is None
+
+
+def _summary_one_call(m):
+    """The summary as one call a sequence computed it before `summarize_each` (1-D numpy, each key
+    by itself): the reference the stacked rows must equal bit for bit."""
+    from core.results.metrics import exact_kl_stats, same_top_stats
+
+    s = m.scored
+    n = int(s.sum())
+    if n == 0:
+        return {k: (0 if k == "n_tokens" else None) for k in SUMMARY_KEYS}
+    d, ad, pd_, kl = m.delta[s], m.abs_delta[s], m.prob_delta[s], m.kl_topk[s]
+    p50, p95, p99 = np.percentile(ad, [50, 95, 99])
+    ratio = np.exp(d)
+    x, y = m.hf_prob[s], m.vllm_prob[s]
+    pearson = None if len(x) < 2 or np.std(x) == 0 or np.std(y) == 0 else float(np.corrcoef(x, y)[0, 1])
+    dp = m.vllm_prob[s] - m.hf_prob[s]
+    return {
+        "n_tokens": n, "max_abs_delta": float(ad.max()), "mean_abs_delta": float(ad.mean()), "p50_abs_delta": float(p50),
+        "p95_abs_delta": float(p95), "p99_abs_delta": float(p99), "mean_delta": float(d.mean()),
+        "max_prob_delta": float(pd_.max()), "mean_prob_delta": float(pd_.mean()),
+        "argmax_agreement": float(m.argmax_agree[s].mean()),
+        "mean_kl_topk": float(np.mean(kl[np.isfinite(kl)])) if np.isfinite(kl).any() else None,
+        "pearson_prob": pearson, "seq_logprob_delta": float(d.sum()),
+        "frac_ratio_outside_0.9_1.1": float(((ratio < 0.9) | (ratio > 1.1)).mean()),
+        **exact_kl_stats(m.kl_full[s] if m.kl_full is not None else np.full(n, np.nan)),
+        **same_top_stats(m.argmax_agree[s]),
+        "dp_mean": float(dp.mean()), "dp_rms": float(np.sqrt(np.mean(dp**2))), "ppl_ratio": float(np.exp(-np.mean(d))),
+    }
+
+
+@pytest.mark.parametrize("with_kl_full", [True, False])
+def test_summarize_each_equals_one_call_a_sequence_bit_for_bit(with_kl_full):
+    """Mixed lengths, sequences with the same number of scored positions (stacked together), a
+    sequence with none, unscored positions inside a sequence, a top-k KL that is NaN at some
+    positions, an exact KL missing at one position of one sequence, and equal probabilities (no
+    Pearson): every key of every sequence equals the 1-D reference exactly, and key order too."""
+    from core.results.metrics import summarize_each
+
+    rng = np.random.default_rng(7)
+    lengths = [5, 9, 9, 1, 9, 30, 2, 17, 9]
+    total = sum(lengths)
+    lh, lv = np.log(rng.uniform(0.01, 1, total)), np.log(rng.uniform(0.01, 1, total))
+    starts = np.cumsum([0, *lengths[:-1]])
+    lh[starts] = NAN
+    lv[starts] = NAN
+    lh[starts[7] + 4] = lv[starts[7] + 4] = NAN  # unscored inside a sequence
+    lv[starts[6] + 1] = lh[starts[6] + 1]  # a 2-token sequence with one equal position
+    top_h, top_v = rng.integers(0, 3, total), rng.integers(0, 3, total)
+    vk, hk = np.log(rng.uniform(0.01, 0.5, (total, 3))), np.log(rng.uniform(0.01, 0.5, (total, 3)))
+    vk[starts[5] + 3] = NAN  # the top-k KL is NaN at one position of the 30-token sequence
+    kl_full = rng.uniform(0, 0.1, total) if with_kl_full else None
+    if kl_full is not None:
+        kl_full[starts[2] + 5] = NAN  # one sequence lacks its exact KL at one position
+    m = token_metrics(lh, lv, top_h, top_v, vk, hk, kl_full)
+    each = summarize_each(m, lengths)
+    assert len(each) == len(lengths)
+    for i, (lo, n) in enumerate(zip(starts, lengths)):
+        part = type(m)(*(None if v is None else v[lo : lo + n] for v in (getattr(m, f) for f in m.__dataclass_fields__)))
+        _assert_same_summary(each[i], _summary_one_call(part), f"sequence {i}")
+    _assert_same_summary(summarize(m), _summary_one_call(m), "the whole batch")
+    assert each[3]["n_tokens"] == 0 and each[3]["mean_abs_delta"] is None  # one token: nothing scored
+    assert each[5]["mean_kl_topk"] is not None and math.isfinite(each[5]["mean_kl_topk"])
+    assert (each[2]["kl_full_mean"] is None) and (each[1]["kl_full_mean"] is not None) == with_kl_full
+
+
+def _assert_same_summary(got, want, where):
+    assert list(got) == list(want) == list(SUMMARY_KEYS), where
+    for k in SUMMARY_KEYS:
+        a, b = got[k], want[k]
+        same = (a is None and b is None) or a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+        assert same, f"{where}, {k}: summarize_each {a!r} against one call a sequence {b!r}"

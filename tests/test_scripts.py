@@ -118,3 +118,26 @@ def test_pieces_and_token_texts_of_a_gguf_style_tokenizer_are_its_raw_decode(dem
     singles = batch_decoder(tok)([[i] for i in ids])
     assert singles == [tok.decode([i], clean_up_tokenization_spaces=False) for i in ids]
     assert " ." in singles and " ," in singles
+
+
+def test_a_whole_array_of_ids_gets_each_tokens_own_text(demo_model):
+    """The top-k columns' texts, looked up for an array of ids at once (Decoder.texts_of_ids), are
+    each id's own raw decode, in place, "" where there is no id (-1): across calls that bring new ids
+    (the table grows), repeated ids, special tokens, and ids seen before through the list call."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from core.inputs.tokens import batch_decoder, raw_decode
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model))
+    dec = batch_decoder(tok)
+    assert dec([[5], [17]]) == [raw_decode(tok, [5]), raw_decode(tok, [17])]
+    rng = np.random.default_rng(3)
+    for top in (40, 2000, len(tok)):  # each call reaches further into the vocabulary
+        ids = rng.integers(-1, top, size=(50, 5))
+        ids[0] = [5, 17, 5, -1, tok.eos_token_id]
+        got = dec.texts_of_ids(ids).to_pylist()
+        want = ["" if i < 0 else raw_decode(tok, [int(i)]) for i in ids.reshape(-1)]
+        assert got == want, [(i, g, w) for i, g, w in zip(ids.reshape(-1), got, want) if g != w][:5]
+    # a second decoder on the same tokenizer reads the same texts (kept on the tokenizer, per process)
+    assert batch_decoder(tok).texts_of_ids(np.array([[17, -1]])).to_pylist() == [raw_decode(tok, [17]), ""]

@@ -192,11 +192,14 @@ def recommend(configs: list[dict[str, Any]], tolerance: float | None, source: st
         lead = (f"as fast as any configuration within the tolerance ({speed}): {others} "
                 f"{'is' if len(tied) == 2 else 'are'} no faster beyond the spread of the repeats, and of these it is the "
                 "most accurate")
+    elif len(within) == 1:
+        lead = f"the only configuration within the tolerance ({speed})"
     else:
         lead = f"the fastest configuration ({speed}), faster than every other within the tolerance by more than the spread"
+    counted = f"{len(within)} of {len(ok)} configurations {'is' if len(within) == 1 else 'are'} within it"
     return {"name": pick["name"], "why": (
         f"{lead}; its mean gap to the float64 reference, {pick['ref_gap']['mean']:.2e}, is within {tolerance:.2e} ({source}); "
-        f"{len(within)} of {len(ok)} configurations are within it")}
+        f"{counted}")}
 
 
 def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | None = None,

@@ -236,24 +236,47 @@ def _store_rows(req_id: str, rows: Any, at: int, vocab: int, like: Any) -> None:
 
 def _rows_into(req_id: str, vocab: int, like: Any = None) -> Any:
     """The request's rows, made on its first rows (the vocabulary width is known then): a memory-
-    mapped file, or a float32 tensor on the device of `like` (the logits'). A tensor that does not fit
-    in memory marks the capture failed, with how much it needed, and scoring goes on."""
+    mapped file, or a float32 tensor on the device of `like` (the logits'), a view of the batch's
+    one tensor (`_arena`). A tensor that does not fit in memory marks the capture failed, with how
+    much it needed, and scoring goes on."""
     ids, path, arr = _STATE["files"][req_id]
     if arr is None:
         shape = (len(ids) - 1, vocab)
         if path is not None:
             arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+        elif _STATE["error"] is not None:  # an earlier request found no room: the capture has failed
+            return None
         else:
             import torch
 
             try:
-                arr = torch.empty(shape, dtype=torch.float32, device=like.device)
+                arr = _arena(shape, like.device)
             except torch.OutOfMemoryError:
-                _STATE["error"] = (f"no room on {like.device} for {shape[0]} x {shape[1]} float32 rows "
-                                   f"({4 * shape[0] * shape[1] / 2**30:.1f} GiB); lower {GPU_ROWS_ENV}")
+                rows = max(shape[0], _STATE.get("rows") or 0)
+                _STATE["error"] = (f"no room on {like.device} for {rows} x {shape[1]} float32 rows "
+                                   f"({4 * rows * shape[1] / 2**30:.1f} GiB); lower {GPU_ROWS_ENV}")
                 return None
         _STATE["files"][req_id] = (ids, path, arr)
     return arr
+
+
+def _arena(shape: tuple[int, int], device: Any) -> Any:
+    """Rows for one request: the next `shape[0]` rows of one float32 tensor made for the whole batch
+    (its row count came with `begin`), or a tensor of their own when they do not fit in it. One
+    allocation a batch is one CUDA IPC handle for the HF host to open, not one a sequence."""
+    import torch
+
+    arena = _STATE.get("arena")
+    total = _STATE.get("rows") or 0
+    if arena is None and total >= shape[0]:
+        arena = _STATE["arena"] = torch.empty((total, shape[1]), dtype=torch.float32, device=device)
+        _STATE["cursor"] = 0
+    if arena is not None and arena.shape[1] == shape[1] and arena.device == torch.device(device):
+        at = _STATE["cursor"]
+        if at + shape[0] <= arena.shape[0]:
+            _STATE["cursor"] = at + shape[0]
+            return arena[at : at + shape[0]]
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _capture(caller: dict[str, Any], logprobs: Any) -> None:
@@ -272,7 +295,7 @@ def _capture(caller: dict[str, Any], logprobs: Any) -> None:
 def begin(target: Any) -> None:
     """Start capturing: `target` is a folder (files) or {"tensors": token} (tensors)."""
     if isinstance(target, dict):
-        _STATE.update(dir=None, token=target["tensors"], files={}, error=None)
+        _STATE.update(dir=None, token=target["tensors"], files={}, error=None, arena=None, rows=target.get("rows"))
     else:
         _STATE.update(dir=target, token=None, files={}, error=None)
 
@@ -288,7 +311,7 @@ def end(target: Any, sequences: list[list[int]]) -> None:
 def keep(token: str, sequences: list[list[int]]) -> None:
     """Stop capturing into tensors; keep each sequence's rows, in order, until `release(token)`."""
     found, error = _by_ids(), _STATE["error"]
-    _STATE.update(token=None, files={}, error=None)
+    _STATE.update(token=None, files={}, error=None, arena=None, rows=None)
     kept = []
     if error is None:
         for i, seq in enumerate(sequences):
@@ -342,15 +365,16 @@ def open_rows(source: Any) -> list[Any]:
     if isinstance(source, dict):
         import torch
 
-        out = []
+        out, opened = [], {}
         for kind, data in source["handles"]:
-            if kind == "cuda":
+            if kind == "cuda":  # torch opens each shared allocation once (views of one share it)
                 rebuild, args = data
                 out.append(rebuild(*args))
             else:
                 manager, name, size, offset, shape, stride = data
-                storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
-                out.append(torch.empty(0, dtype=torch.float32).set_(storage, offset, shape, stride))
+                if name not in opened:
+                    opened[name] = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
+                out.append(torch.empty(0, dtype=torch.float32).set_(opened[name], offset, shape, stride))
         return out
     folder = Path(source)
     n = sum(1 for p in folder.glob("*.npy") if p.stem.isdigit())
@@ -444,6 +468,7 @@ class Exchange:
 
     def __init__(self, n_positions: int, vocab: int | None, device: str) -> None:
         self.kind = transport(device)
+        self.n_positions = n_positions
         self.folder: str | None = None
         self.token: str | None = None
         self.handles: list[Any] | None = None
@@ -463,7 +488,7 @@ class Exchange:
     def vllm_target(self) -> Any:
         if self.why:
             return None
-        return self.folder if self.kind == "files" else {"tensors": self.token}
+        return self.folder if self.kind == "files" else {"tensors": self.token, "rows": self.n_positions}
 
     def after_vllm(self, vllm_host: Any) -> None:
         if self.why:

@@ -102,40 +102,103 @@ def tokenize(tokenizer: Any, text: str, bos: str = "auto") -> TokenizedText:
     return describe(tokenizer, text, ids, bos_added)
 
 
-def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
-    """A function decoding many id lists at once, equal to `raw_decode` on each.
+def batch_decoder(tokenizer: Any) -> Decoder:
+    """A function decoding many id lists at once, equal to `raw_decode` on each (see `Decoder`)."""
+    return Decoder(tokenizer)
+
+
+class Decoder:
+    """Many id lists -> their texts in one call, equal to `raw_decode` on each; and one token's text
+    looked up for a whole array of ids (`texts_of_ids`, the top-k columns).
 
     transformers' `decode` spends most of its time converting arguments in Python (it checks every
     id); the Rust tokenizer behind a fast tokenizer decodes a whole batch in one call. That path is
     used only when it gives the very strings `raw_decode` gives (checked on the first call's first
-    few items; a slow tokenizer keeps `raw_decode`). Lists of one id (the top-k columns' texts) are
-    decoded once per process."""
-    slow = lambda seqs: [raw_decode(tokenizer, list(s)) for s in seqs]  # noqa: E731
-    rust = getattr(tokenizer, "_tokenizer", None)
-    if rust is None or not hasattr(rust, "decode_batch"):
-        return slow
-    state: dict[str, bool] = {}
-    # one token's text, kept on the tokenizer (cached per process): the top-k columns of every run
-    # decode the same ids again and again
-    singles: dict[int, str] = tokenizer.__dict__.setdefault("_lpp_single_texts", {})
+    few items; a slow tokenizer keeps `raw_decode`). One token's text is decoded once per process and
+    tokenizer (`_Singles`): the top-k columns of every run hold the same ids again and again, and a
+    64 x 512-token batch has 327,680 top-k slots."""
 
-    def decode(seqs: list[list[int]]) -> list[str]:
-        if seqs and all(len(s) == 1 for s in seqs):
-            keys = [int(s[0]) for s in seqs]
-            new = sorted(set(keys) - singles.keys())
-            if new:
-                singles.update(zip(new, _texts([[i] for i in new])))
-            return [singles[k] for k in keys]
-        return _texts([list(map(int, s)) for s in seqs])
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        rust = getattr(tokenizer, "_tokenizer", None)
+        self._rust = rust if rust is not None and hasattr(rust, "decode_batch") else None
+        self._ok: bool | None = None  # the Rust path gives raw_decode's strings (None: not checked yet)
+        self._singles: _Singles = tokenizer.__dict__.setdefault("_lpp_singles", _Singles())
 
-    def _texts(seqs: list[list[int]]) -> list[str]:
-        fast = rust.decode_batch(seqs, skip_special_tokens=False)
-        if "ok" not in state:
+    def _slow(self, seqs: list[list[int]]) -> list[str]:
+        return [raw_decode(self._tokenizer, list(s)) for s in seqs]
+
+    def _texts(self, seqs: list[list[int]]) -> list[str]:
+        if self._rust is None:
+            return self._slow(seqs)
+        fast = self._rust.decode_batch(seqs, skip_special_tokens=False)
+        if self._ok is None:
             probe = [s for s in seqs[:16] if s]
-            state["ok"] = slow(probe) == [f for s, f in zip(seqs[:16], fast) if s]
-        return fast if state["ok"] else slow(seqs)
+            self._ok = self._slow(probe) == [f for s, f in zip(seqs[:16], fast) if s]
+        return fast if self._ok else self._slow(seqs)
 
-    return decode
+    def __call__(self, seqs: list[list[int]]) -> list[str]:
+        if seqs and all(len(s) == 1 for s in seqs):
+            return self._singles.texts(self._texts, [int(s[0]) for s in seqs])
+        return self._texts([list(map(int, s)) for s in seqs])
+
+    def texts_of_ids(self, ids: Any) -> Any:
+        """An array of ids (any shape) -> one token's text each, flat, as an Arrow string array
+        ("" where an id is negative: no id there)."""
+        return self._singles.column(self._texts, ids)
+
+
+class _Singles:
+    """One token's text by id, kept on the tokenizer: a numpy array indexed by id, grown as new ids
+    come, and its Arrow copy for lookups (`take`) without a Python object a slot."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import numpy as np
+
+        self._lock = threading.Lock()
+        self._known = np.zeros(0, dtype=bool)
+        self._values = np.empty(0, dtype=object)
+        self._arrow: Any = None  # the values, then one "" (the text of "no id"), as Arrow strings
+
+    def _learn(self, texts: Callable[[list[list[int]]], list[str]], ids: Any) -> None:
+        import numpy as np
+
+        if ids.size == 0:
+            return
+        top = int(ids.max()) + 1
+        if top > len(self._known):
+            grow = top - len(self._known)
+            self._known = np.concatenate([self._known, np.zeros(grow, dtype=bool)])
+            self._values = np.concatenate([self._values, np.full(grow, "", dtype=object)])
+        missing = ids[~self._known[ids]]
+        if missing.size:
+            new = np.unique(missing)
+            self._values[new] = texts([[i] for i in new.tolist()])
+            self._known[new] = True
+            self._arrow = None
+
+    def texts(self, texts: Callable[[list[list[int]]], list[str]], keys: list[int]) -> list[str]:
+        import numpy as np
+
+        ids = np.asarray(keys, dtype=np.int64)
+        with self._lock:
+            self._learn(texts, ids)
+            return self._values[ids].tolist()
+
+    def column(self, texts: Callable[[list[list[int]]], list[str]], ids: Any) -> Any:
+        import numpy as np
+        import pyarrow as pa
+
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        valid = flat >= 0
+        with self._lock:
+            self._learn(texts, flat[valid])
+            if self._arrow is None:
+                self._arrow = pa.array(np.append(self._values, ""), pa.string())
+            where = np.where(valid, flat, len(self._values))
+            return self._arrow.take(pa.array(where))
 
 
 def raw_decode(tokenizer: Any, ids: list[int]) -> str:

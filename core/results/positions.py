@@ -17,17 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from core.results.metrics import TokenMetrics, summarize, token_metrics
+from core.results.metrics import TokenMetrics, summarize_each, token_metrics
 from core.errors import TokenMismatchError
 from core.results.records import SequenceInfo
 from core.engines.scores import TokenScores
 
 SIDES = ("hf", "vllm")
-
-
-def slice_metrics(m: TokenMetrics, lo: int, hi: int) -> TokenMetrics:
-    """Positions [lo, hi) of metrics computed over a whole batch."""
-    return TokenMetrics(*(None if getattr(m, f.name) is None else getattr(m, f.name)[lo:hi] for f in fields(TokenMetrics)))
 
 
 def _check_ids(i: int, ids: np.ndarray, hf: TokenScores, vllm: TokenScores) -> None:
@@ -46,19 +41,24 @@ def _fixed_list(values: np.ndarray) -> Any:
 
 
 def _text_lists(ids: np.ndarray, decode_many: Callable[[list[list[int]]], list[str]] | None) -> Any:
-    """[rows, k] top-k ids -> their texts as a fixed-size list of strings, each distinct id decoded once
-    ("" where there is no id)."""
+    """[rows, k] top-k ids -> their texts as a fixed-size list of strings ("" where there is no id),
+    looked up by id (core.inputs.tokens.Decoder.texts_of_ids) when the decoder can, else each
+    distinct id decoded once."""
     import pyarrow as pa
 
     flat = ids.reshape(-1)
+    k = max(ids.shape[1], 1)
     if decode_many is None:
-        return pa.FixedSizeListArray.from_arrays(pa.array([""] * len(flat), pa.string()), max(ids.shape[1], 1))
+        return pa.FixedSizeListArray.from_arrays(pa.array([""] * len(flat), pa.string()), k)
+    lookup = getattr(decode_many, "texts_of_ids", None)
+    if lookup is not None:
+        return pa.FixedSizeListArray.from_arrays(lookup(flat), k)
     uniq = np.unique(flat[flat >= 0])
     texts = decode_many([[i] for i in uniq.tolist()]) + [""]
     where = np.searchsorted(uniq, flat)
     where = np.where(flat >= 0, where, len(uniq)).astype(np.int32)
     strings = pa.array(texts, pa.string()).take(pa.array(where))
-    return pa.FixedSizeListArray.from_arrays(strings, ids.shape[1])
+    return pa.FixedSizeListArray.from_arrays(strings, k)
 
 
 def batch_table(
@@ -96,10 +96,8 @@ def batch_table(
     kl_full = np.concatenate([s.kl_full if s.kl_full is not None else np.full(len(s.logprob), np.nan) for s in hf])
     m = token_metrics(hf_lp, v_lp, hf_top[:, 0], v_top[:, 0], v_top_lp, gathered, kl_full)
 
-    infos, at = [], 0
-    for t, n in zip(toks, lengths):
-        infos.append(SequenceInfo(t.text, bool(t.bos_added), n, summarize(slice_metrics(m, at, at + n)), getattr(t, "cut_from", None)))
-        at += n
+    infos = [SequenceInfo(t.text, bool(t.bos_added), n, summary, getattr(t, "cut_from", None))
+             for t, n, summary in zip(toks, lengths, summarize_each(m, lengths))]
     seq = np.repeat(np.arange(seq_offset, seq_offset + len(toks), dtype=np.int64), lengths)
     index = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
     strings = lambda name: pa.array(list(itertools.chain.from_iterable(getattr(t, name) for t in toks)), pa.string())  # noqa: E731

@@ -78,6 +78,31 @@ CREATE TABLE IF NOT EXISTS rollouts (
 );
 """
 ROW_GROUP = 65536  # positions per Parquet row group of a run: the unit a view reads
+
+
+def dictionary_columns(schema: Any) -> list[str]:
+    """The Parquet column paths worth a dictionary: the strings (token names, pieces, top-k texts),
+    which repeat. Numbers are written plain: a dictionary of nearly unique floats cost 0.23 s of a
+    64 x 512-token run's 0.28 s write (2-core CPU) and made the file larger (10.1 MB, against 9.1 MB
+    with dictionaries on the strings alone)."""
+    import pyarrow as pa
+
+    out = []
+    for field in schema:
+        t = field.type
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            out.append(field.name)
+        elif (pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t)) and (
+                pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)):
+            out.append(f"{field.name}.list.element")
+    return out
+
+
+def parquet_writer(f: Any, schema: Any) -> Any:
+    """A Parquet writer for a run or a rollout: dictionaries on the string columns only."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetWriter(f, schema, use_dictionary=dictionary_columns(schema))
 ROLLOUT_COLUMNS = {"sample", "prompt", "position", "token_id", "piece", "decode_raw", "decode_processed", "prefill", "hf",
                    "hf_tempered", "log_kept_mass"}
 
@@ -114,8 +139,6 @@ class Store:
         """One run from its position tables (a list, or an iterator read one at a time: a run of
         many batches is never held whole), with `meta` in the file; row groups of at most
         ROW_GROUP rows, so one prompt of a large run is read without the rest."""
-        import pyarrow.parquet as pq
-
         meta_d = dict(meta.to_dict(), schema_version=SCHEMA_VERSION)
         blob = json.dumps(meta_d, allow_nan=False)
 
@@ -125,7 +148,7 @@ class Store:
                 for table in tables:
                     table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: blob})
                     if writer is None:
-                        writer = pq.ParquetWriter(f, table.schema)
+                        writer = parquet_writer(f, table.schema)
                     elif table.schema != writer.schema:
                         table = table.cast(writer.schema)
                     writer.write_table(table, row_group_size=ROW_GROUP)
@@ -401,7 +424,6 @@ class Store:
         """A rollout as Parquet (a row per completion token) with its metadata as JSON in the file,
         written like a run: temp file, fsync, rename, then the index row with the checksum."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         from core.results.rollout import MAIN_PAIR, ROLLOUT_SCHEMA
 
@@ -415,7 +437,7 @@ class Store:
         schema = first.schema.with_metadata({META_KEY: json.dumps(meta, allow_nan=False)})
 
         def write(f: Any) -> None:
-            with pq.ParquetWriter(f, schema) as w:
+            with parquet_writer(f, schema) as w:
                 w.write_table(first.cast(schema))
                 for t in tables:
                     w.write_table(t.cast(schema))

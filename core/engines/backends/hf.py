@@ -62,14 +62,19 @@ class HFBackend(Backend):
         bs = batch_size or self.batch_size
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
         out: list[TokenScores | None] = [None] * len(sequences)
+        clock = _Clock(self.device)
         rows = None if full is None else fullvocab.open_rows(full)
+        clock.lap("open_rows")
         for start in range(0, len(order), bs):
             idx = order[start : start + bs]
             chunk = [sequences[i] for i in idx]
             gathers = None if gather_ids is None else [np.asarray(gather_ids[i]) for i in idx]
             refs = None if rows is None else [rows[i] for i in idx]
-            for i, res in zip(idx, self._from_rows(chunk, self._forward(chunk, padding_side), top_k, gathers, refs)):
+            logits = self._forward(chunk, padding_side)
+            clock.lap("forward")
+            for i, res in zip(idx, self._from_rows(chunk, logits, top_k, gathers, refs, clock)):
                 out[i] = res
+        clock.report("score", sum(len(s) - 1 for s in sequences))
         return out  # type: ignore[return-value]
 
     def _forward(self, chunk: list[list[int]], padding_side: str) -> list[torch.Tensor]:
@@ -134,7 +139,8 @@ class HFBackend(Backend):
         return out
 
     def _from_rows(self, chunk: list[list[int]], rows: list[torch.Tensor], k: int,
-                   gathers: list[np.ndarray] | None, refs: list[np.ndarray] | None = None) -> list[TokenScores]:
+                   gathers: list[np.ndarray] | None, refs: list[np.ndarray] | None = None,
+                   clock: _Clock | None = None) -> list[TokenScores]:
         """The batch's rows, stacked, in blocks of ROW_CHUNK: float32 log_softmax is row-wise, so
         blocking changes no value, and the float32 [positions, vocab] array is never held whole."""
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
@@ -149,6 +155,7 @@ class HFBackend(Backend):
         full = None if g_all is None else torch.empty(g_all.shape, dtype=torch.float64, device=dev)
         kl = None if refs is None else torch.empty(n, dtype=torch.float64, device=dev)
         spans = np.cumsum([0] + [len(ids) - 1 for ids in chunk])
+        clock = clock or _Clock(dev.type)
         for lo in range(0, n, self.ROW_CHUNK):
             hi = min(lo + self.ROW_CHUNK, n)
             block = logits[lo:hi]
@@ -161,16 +168,20 @@ class HFBackend(Backend):
                 cols = torch.cat([cols, g.clamp(min=0)], dim=1)
             lp_t[lo:hi], rank[lo:hi], vals = self._block_stats(block, target[lo:hi], cols)
             top_lp[lo:hi] = vals[:, :k]
-            if kl is not None:
-                kl[lo:hi] = fullvocab.kl_rows(torch.log_softmax(block if block.dtype == torch.float64 else block.float(), dim=-1),
-                                              _ref_rows(refs, spans, lo, hi))
             if full is not None:
                 vals = vals[:, k:].double()
                 vals[g < 0] = float("nan")
                 full[lo:hi] = vals
+            clock.lap("logprobs, top k, gathers")
+            if kl is not None:
+                ref = _ref_rows(refs, spans, lo, hi)
+                clock.lap("exact KL: vLLM's rows")
+                kl[lo:hi] = fullvocab.kl_rows(torch.log_softmax(block if block.dtype == torch.float64 else block.float(), dim=-1), ref)
+                clock.lap("exact KL: sum")
         arrays = [a.cpu().numpy() for a in (lp_t, rank, top_lp, top_ids)]
         full_np = None if full is None else full.cpu().numpy()
         kl_np = None if kl is None else kl.cpu().numpy()
+        clock.lap("read back")
         out, at = [], 0
         for ids in chunk:
             m = len(ids) - 1
