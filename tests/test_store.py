@@ -65,6 +65,33 @@ def test_roundtrip_is_exact(tmp_path):
     assert store.lookup_request("k1") == "abc123" and store.lookup_request("nope") is None
 
 
+def test_a_run_file_keeps_dictionaries_for_its_strings_only(tmp_path):
+    """Token names, pieces and the top-k texts repeat, so they are dictionary-encoded; the numbers
+    are nearly unique, and a dictionary over them cost most of a run's write (core.results.store.
+    dictionary_columns). Read back, every text is what was written."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    from core.results.positions import batch_table
+
+    ids = [1, 10, 11, 10]
+    names = ("<s>", "a", "שלום", "a")  # a right-to-left word among them
+    table, infos, _ = batch_table([TokenizedText("a שלום a", tuple(ids), names, names, True)],
+                                  [_scores(ids, 0.0, gather=True)], [_scores(ids, 1e-3)], lambda seqs: [f"<{s[0]}>" for s in seqs])
+    meta = dataclasses.replace(make_run(texts=("a שלום a",)).meta, sequences=tuple(infos))
+    store = Store(tmp_path)
+    store.write_run(meta, [table])
+    group = pq.ParquetFile(store.path_of(meta.run_id)).metadata.row_group(0)
+    encodings = {group.column(i).path_in_schema: group.column(i).encodings for i in range(group.num_columns)}
+    dictionary = {path for path, enc in encodings.items() if any("DICTIONARY" in e for e in enc)}
+    assert dictionary == {"token", "piece", "hf_topk_text.list.element", "vllm_topk_text.list.element"}, encodings
+    back = store.load(meta.run_id).sequences[0]
+    assert back.tokens == names and back.pieces == names
+    assert np.asarray(back.topk_text["vllm"]).tolist() == [[f"<{i}>" for i in row] if row[0] >= 0 else ["", ""]
+                                                          for row in table.column("vllm_topk_ids").to_pylist()]
+
+
 def test_ids_unknown_ambiguous_and_malformed(tmp_path):
     store = Store(tmp_path)
     store.save(make_run("abc123"))
