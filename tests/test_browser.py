@@ -1,5 +1,6 @@
 """A real browser (Debian's Chromium through Playwright) against `streamlit run`, real engines."""
 
+import contextlib
 import os
 import shutil
 import socket
@@ -59,6 +60,24 @@ def server(home):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
     log.close()
+
+
+@contextlib.contextmanager
+def stored_page(url: str, folder: str):
+    """A Chromium page opened on `url` (a stored result's link), and the folder under
+    test-artifacts/ for its screenshots; the browser is closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    out = ARTIFACTS / folder
+    out.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url)
+            yield page, out
+        finally:
+            browser.close()
 
 
 def settled(page, timeout_ms: int = 120_000) -> None:
@@ -243,18 +262,13 @@ def test_rollout_page_samples_rescores_and_explains(server, demo_model):
 def test_frontier_page_in_the_browser(server, home):
     """A stored frontier opens from its link: the recommendation in words first, the skipped
     configuration with its reason (escaped), the scatter drawn, no 'None' in the table."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from core.results.store import Store
     from test_dashboard import make_frontier
 
     Store(home).save_frontier(make_frontier("fee456"))
-    out = ARTIFACTS / "frontier"
-    out.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{server}/frontier?frontier=fee456")
+    with stored_page(f"{server}/frontier?frontier=fee456", "frontier") as (page, out):
         rec = page.get_by_text("Recommended: float32.")
         expect(rec).to_be_visible(timeout=60_000)
         settled(page)
@@ -266,24 +280,18 @@ def test_frontier_page_in_the_browser(server, home):
         chart.scroll_into_view_if_needed()
         page.screenshot(path=str(out / "frontier-chart.png"))
         assert page.get_by_test_id("stException").count() == 0
-        browser.close()
 
 
 def test_a_rollout_of_thousands_opens_by_number_and_its_worst_sequence_in_one_click(server, home):
     """A stored rollout of 1,200 samples in Chromium: a number picks the sample, the charts draw,
     and a click on the worst sequence opens its tokens and moves the number to it."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from core.results.store import Store
     from test_dashboard import make_big_rollout
 
     Store(home).save_rollout(make_big_rollout("abc778", 1200))
-    out = ARTIFACTS / "rollout-large"
-    out.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{server}/rollout?rollout=abc778")
+    with stored_page(f"{server}/rollout?rollout=abc778", "rollout-large") as (page, out):
         picker = page.get_by_role("spinbutton", name="Sample (1 to 1,200")
         expect(picker).to_have_value("1", timeout=60_000)
         settled(page)
@@ -307,4 +315,3 @@ def test_a_rollout_of_thousands_opens_by_number_and_its_worst_sequence_in_one_cl
         page.locator('[data-testid="stVegaLiteChart"]').first.scroll_into_view_if_needed()
         page.screenshot(path=str(out / "rollout-large-charts.png"))
         assert page.get_by_test_id("stException").count() == 0
-        browser.close()

@@ -123,7 +123,10 @@ class Decoder:
         rust = getattr(tokenizer, "_tokenizer", None)
         self._rust = rust if rust is not None and hasattr(rust, "decode_batch") else None
         self._ok: bool | None = None  # the Rust path gives raw_decode's strings (None: not checked yet)
-        self._singles: _Singles = tokenizer.__dict__.setdefault("_lpp_singles", _Singles())
+        singles = tokenizer.__dict__.get("_lpp_singles")
+        if singles is None:  # made once a tokenizer (decode_pieces builds a Decoder a text)
+            singles = tokenizer.__dict__.setdefault("_lpp_singles", _Singles())
+        self._singles: _Singles = singles
 
     def _slow(self, seqs: list[list[int]]) -> list[str]:
         return [raw_decode(self._tokenizer, list(s)) for s in seqs]
