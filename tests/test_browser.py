@@ -315,3 +315,27 @@ def test_a_rollout_of_thousands_opens_by_number_and_its_worst_sequence_in_one_cl
         page.locator('[data-testid="stVegaLiteChart"]').first.scroll_into_view_if_needed()
         page.screenshot(path=str(out / "rollout-large-charts.png"))
         assert page.get_by_test_id("stException").count() == 0
+
+
+def test_a_bad_frontier_configuration_is_refused_on_the_page_and_the_text_stays(server, home):
+    """The Frontier page in Chromium: a text in emoji, Hebrew and CJK with a configuration that
+    names an unknown setting. Run shows the refusal in words at once (no click to open it), no engine
+    starts, nothing is stored, and the text is still in its box."""
+    from playwright.sync_api import expect
+
+    text = "Cats 🐱 say שלום and 你好 to the fish."
+    with stored_page(f"{server}/frontier", "frontier") as (page, out):
+        page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
+        page.get_by_role("textbox", name="Text").fill(text)
+        page.get_by_role("textbox", name="More configurations: a dtype and setting=value pairs, ';' between them").fill("float32 warp=9")
+        page.get_by_role("button", name="Run", exact=True).click()
+        error = page.get_by_test_id("stAlertContainer").filter(has_text="known setting")
+        expect(error).to_be_visible(timeout=30_000)
+        settled(page)
+        assert "warp" in error.inner_text()
+        assert page.get_by_role("textbox", name="Text").input_value() == text
+        assert page.get_by_test_id("stException").count() == 0
+        from core.results.store import Store
+
+        assert Store(home).list_frontiers().empty
+        page.screenshot(path=str(out / "frontier-bad-input.png"))
