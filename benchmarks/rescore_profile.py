@@ -1,10 +1,11 @@
-"""Where a large rescore spends its time after the engines: building the Rollout, storing it, its --json.
+"""Where a large rescore spends its time besides the engines: reading the file, the parts, the finish, its --json.
 
     python benchmarks/rescore_profile.py [--model PATH] [--sequences 20000] [--prompt 8] [--completion 24] [--profile]
 
 No engine runs: each sequence's scorings are random arrays of the shape the engines return, so the
-figures are this process's own work on a rescore of that size (core.analysis.rescore.assemble, the
-store's write and read back, Rollout.write_json). With --profile, the 15 costliest functions of each
+figures are this process's own work on a rescore of that size (core.analysis.rescore: the records
+read, checked and spooled; each batch's part built and stored; `finish`, the summary from the parts
+and the stored file; the Rollout read back; Rollout.write_json). With --profile, the 15 costliest functions of each
 phase (cProfile, cumulative). Default model: the tiny test Llama (its tokenizer; nothing is loaded
 but the tokenizer).
 """
@@ -44,10 +45,13 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="lpp-rescore-profile-"))
     os.environ["LOGPROB_PARITY_HOME"] = str(home / "store")
     data = "".join(logged_lines(a)).encode()  # sets a.model when not given
+    from types import SimpleNamespace
+
     from core.analysis.request import Context, prepare
-    from core.analysis.rescore import _COLUMNS, assemble
-    from core.inputs.rollout_logs import read_logged
+    from core.analysis.rescore import _batches, _samples, finish
+    from core.inputs.rollout_logs import spool_logged
     from core.inputs.spec import RunSpec
+    from core.results.rollout import sample_table
     from core.results.store import Store
 
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
@@ -74,16 +78,34 @@ def main() -> None:
         return out
 
     p.tokenizer  # loaded before the phases: its import is not theirs
-    logged = phase("read and check the records", lambda: read_logged(data, "logged.jsonl", {}, p.tokenizer, p.spec.bos, vocab))
-    n = a.completion
-    scored = [{c: (rng.integers(0, vocab, n) if c.endswith("_top") else -rng.random(n) * 4) for c in _COLUMNS}
-              for _ in logged.sequences]
-    ro = phase("assemble the Rollout (pieces, metrics, verdict)", lambda: assemble(
-        p, logged, scored, "float32", RID, 256, {}, {}, {"hf": {}, "vllm": {}}, time.perf_counter()))
-    phase("store it (Parquet, a few thousand samples at a time)", lambda: store.save_rollout(ro))
-    phase("read it back from the store", lambda: store.load_rollout(RID))
+    src = home / "logged.jsonl"
+    src.write_bytes(data)
+    del data
+    logged = phase("read, check and spool the records", lambda: spool_logged(src, src.name, {}, p.tokenizer, p.spec.bos, vocab,
+                                                                               home / "spool.arrow"))
+    batches = _batches(logged, vocab, "cpu")
+
+    def scorings(seqs):  # type: ignore[no-untyped-def]
+        pre, got = [], []
+        for s in seqs:
+            n0, n = len(s.prompt_token_ids), len(s.completion_token_ids)
+            ids = np.asarray([*s.prompt_token_ids, *s.completion_token_ids])
+            pre.append(SimpleNamespace(token_ids=ids, logprob=-rng.random(n0 + n) * 4, topk_ids=rng.integers(0, vocab, (n0 + n, 1))))
+            got.append({"logprob": -rng.random(n) * 4, "tempered": -rng.random(n) * 4, "log_kept_mass": np.zeros(n),
+                        "top_id": rng.integers(0, vocab, n), "kl_full": rng.random(n) * 1e-3})
+        return pre, got
+
+    def parts() -> None:
+        for b, (_, idx) in enumerate(batches):
+            seqs = logged.read(idx)
+            store.save_part(RID, b, sample_table(_samples(p.tokenizer, seqs, idx, *scorings(seqs)), idx), {"idx": idx})
+
+    phase(f"each batch's part built and stored (pieces, prompts; {len(batches)} batches)", parts)
+    phase("finish: the summary from the parts (two passes), the verdict, the stored file", lambda: finish(
+        p, logged, batches, "float32", RID, 256, {}, {}, {"hf": {}, "vllm": {}}, time.perf_counter()))
+    ro = phase("read it back from the store (its samples stay in the file)", lambda: store.load_rollout(RID))
     with open(home / "out.json", "w") as f:
-        phase("--json, written a sample at a time", lambda: ro.write_json(f))
+        phase("--json, written a chunk of samples at a time", lambda: ro.write_json(f))
     if a.page:
         from streamlit.testing.v1 import AppTest
 

@@ -322,7 +322,7 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
     t0 = time.perf_counter()
     on_event = _event_printer(args, t0)
-    ros = rescore(path.read_bytes(), path.name, spec, Context.of(on_event=on_event), mapping=parse_mapping(args.map),
+    ros = rescore(path, path.name, spec, Context.of(on_event=on_event), mapping=parse_mapping(args.map),
                   use_cache=not args.no_cache)
     return _print_rollouts(args, ros, t0)
 

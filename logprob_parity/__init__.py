@@ -88,10 +88,10 @@ def rescore(rollouts: str | Path | bytes, model: str | None = None, dtypes: str 
     if isinstance(rollouts, bytes):
         if not name:
             raise ValueError("rescore(bytes) needs name= (its file name: .jsonl, .parquet or .json)")
-        data = rollouts
+        data: bytes | Path = rollouts
     else:
-        path = Path(rollouts)
-        data, name = path.read_bytes(), name or path.name
+        data = Path(rollouts)
+        name = name or data.name
     mapping = map if isinstance(map, dict) else parse_mapping(map)
     spec = _spec(("logged rollouts",), model, dtypes, device, bos, settings)
     return _rescore(data, name, spec, _ctx(home, progress), mapping=mapping, use_cache=use_cache)

@@ -138,3 +138,138 @@ def test_a_killed_rescore_resumes_without_recomputing_its_stored_batches(tiny_bo
         assert x["completion_token_ids"] == y["completion_token_ids"]
         assert [p["logprob"] for p in x["positions"]] == [p["logprob"] for p in y["positions"]]
     assert a["summary"] == b["summary"]
+
+
+def test_a_spooled_file_reads_back_the_sequences_it_checked_and_a_bad_one_leaves_no_spool(tok, tmp_path):
+    """The rescore's spool (records checked once, kept on disk, read back a batch at a time) gives the
+    sequences and digest the in-memory reader gives, from a path or from an upload's bytes."""
+    from core.inputs.rollout_logs import SPOOL_ROWS, spool_logged
+
+    rng = np.random.default_rng(5)
+    records = [{"prompt_token_ids": [0, *rng.integers(40, 500, int(rng.integers(1, 6))).tolist()],
+                "completion_token_ids": rng.integers(40, 500, 3).tolist(), "logprobs": (-rng.random(3)).tolist(),
+                "temperature": [1.0, 0.7][i % 2], "step": i // 10, **({"id": f"r{i}"} if i % 3 else {})}
+               for i in range(SPOOL_ROWS + 5)]  # two record batches in the spool
+    path = tmp_path / "many.jsonl"
+    path.write_bytes(_jsonl(*records))
+    whole = read_logged(path, path.name, {}, tok, "auto", 512)
+    idx = [SPOOL_ROWS + 4, 0, 7, SPOOL_ROWS - 1, SPOOL_ROWS]
+    for source in (path, path.read_bytes()):
+        spool = tmp_path / "spool.arrow"
+        got = spool_logged(source, path.name, {}, tok, "auto", 512, spool)
+        assert got.digest == whole.digest and len(got) == len(records) and got.n_tokens == whole.n_tokens
+        assert got.read(idx) == [whole.sequences[i] for i in idx]
+        assert got.temperature[1] == 0.7 and got.completion_len.tolist() == [3] * len(records)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(_jsonl(*records[:5], {**GOOD, "logprobs": [-1.0, float("nan")]}))
+    with pytest.raises(UserError, match="record 6"):
+        spool_logged(bad, bad.name, {}, tok, "auto", 512, tmp_path / "bad.arrow")
+    assert not (tmp_path / "bad.arrow").exists()
+
+
+def _random_samples(rng, n):
+    from core.results.rollout import Sample
+
+    out = []
+    for i in range(n):
+        k = int(rng.integers(1, 9))
+        hf = -rng.exponential(1.0, k)
+        out.append(Sample(prompt_index=i, seed=-1, prompt_token_ids=tuple(rng.integers(0, 500, 3).tolist()),
+                          completion_token_ids=tuple(rng.integers(0, 500, k).tolist()),
+                          pieces=tuple(["שלום", "猫", "🙂", " a", "", "\n", "<b>", "x"][:k]), finish_reason=f"logged record {i + 1}",
+                          logprob={"decode_raw": hf + rng.standard_normal(k) * 0.1, "decode_processed": hf.copy(), "prefill": hf * 1.001,
+                                   "hf": hf, "hf_tempered": hf * 1.1, "log_kept_mass": np.zeros(k)},
+                          exact={"kl_full": rng.random(k) * 1e-3, "same_top": np.ones(k)}, prompt_text=f"prompt {i} «ok»"))
+    return out
+
+
+def test_a_stored_rescore_reads_its_samples_from_its_file_and_gives_what_they_held(home, monkeypatch):
+    """A rescore is stored from tables of its samples (written in sequence order, as `finish` writes
+    them, in row groups of 7 rows that cut samples) and read back lazily: every sample, the worst
+    lists, the histograms' rows, the frame and the --json are those of the same samples held in
+    memory; nothing per sample sits in the metadata or the index row."""
+    import dataclasses
+    import io
+    import sqlite3
+
+    from core.present.rollout_view import token_frame
+
+    monkeypatch.setattr("core.results.store.ROW_GROUP", 7)
+    from core.results.records import RunEnv
+    from core.results.rollout import Rollout, RolloutMeta, StoredSamples, sample_table
+
+    rng = np.random.default_rng(11)
+    samples = _random_samples(rng, 300)
+    meta = RolloutMeta(rollout_id="ab" * 16, created="", created_ts=0.0, model="m", model_path="m", revision=None,
+                       model_identity={}, dtype="float32", device="cpu", bos="auto", settings={},
+                       sampling={"source": "logged", "file": "x.jsonl", "records": len(samples)}, prompts=(), processed="",
+                       env=RunEnv(device="cpu", torch="t", transformers="t", vllm="v", vllm_dist="v", hf_engine={}, vllm_engine={}),
+                       timing={}, summary={}, floors={})
+    store = Store(home)
+    store.write_rollout(meta, (sample_table(samples[lo:lo + 70], range(lo, min(lo + 70, 300))) for lo in range(0, 300, 70)), 300)
+    lazy = store.load_rollout(meta.rollout_id)
+    held = Rollout(meta=meta, samples=tuple(samples))
+    assert isinstance(lazy.samples, StoredSamples) and len(lazy.samples) == 300
+    for i in (0, 69, 70, 299, 150):
+        a, b = lazy.samples[i], samples[i]
+        assert (a.prompt_index, a.prompt_token_ids, a.completion_token_ids, a.pieces, a.finish_reason, a.prompt_text) == \
+               (b.prompt_index, b.prompt_token_ids, b.completion_token_ids, b.pieces, b.finish_reason, b.prompt_text)
+        for c in b.logprob:
+            assert np.array_equal(a.logprob[c], b.logprob[c])
+        assert lazy.prompt_of(i) == b.prompt_text
+    for pair in ("decode_vs_hf", "prefill_vs_hf"):
+        assert lazy.worst_tokens(pair, 15).equals(held.worst_tokens(pair, 15))
+        assert lazy.worst_sequences(pair, 15).equals(held.worst_sequences(pair, 15))
+        assert token_frame(lazy, pair, pieces=False).equals(token_frame(held, pair, pieces=False))
+    assert lazy.to_frame().equals(held.to_frame())
+    one, two = io.StringIO(), io.StringIO()
+    lazy.write_json(one)
+    dataclasses.replace(held).write_json(two)
+    assert one.getvalue() == two.getvalue()
+    with sqlite3.connect(home / "index.sqlite") as db:
+        (row,) = db.execute("SELECT meta FROM rollouts").fetchone()
+    assert "prompt 299" not in row and json.loads(row)["first_text"].startswith("logged: 300 sequences")
+
+
+@pytest.mark.engine
+def test_a_rescore_cut_in_windows_and_sampling_groups_stores_every_record_in_file_order(tiny_bos, home, tmp_path, monkeypatch):
+    """With windows of 7 sequences and records of two temperatures (so batches leave the file's
+    order), the real engines' rescore is stored in record order: each sample holds its record's ids,
+    logged logprobs and prompt, and the summary is the whole-set metrics of what was stored."""
+    import math
+
+    import core.analysis.rescore as rs
+    from core.analysis.request import Context
+    from core.inputs.spec import RunSpec
+    from core.inputs.tokens import load_tokenizer
+    from core.results.offpolicy import mismatch_metrics
+    from core.results.rollout import PAIRS, exact_stats
+
+    monkeypatch.setattr(rs, "WINDOW_SEQUENCES", 7)
+    monkeypatch.setenv("LPP_BATCH_TOKENS", "40")
+    rng = np.random.default_rng(2)
+    records = [{"prompt_token_ids": [0, *rng.integers(40, 500, int(rng.integers(2, 6))).tolist()],
+                "completion_token_ids": rng.integers(40, 500, int(rng.integers(3, 9))).tolist(), "id": f"r{i}",
+                "temperature": (1.0, 0.6)[int(rng.integers(0, 2))]} for i in range(23)]
+    for r in records:
+        r["logprobs"] = (-rng.random(len(r["completion_token_ids"])) * 3).tolist()
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(_jsonl(*records))
+    (ro,) = rs.rescore(path, path.name, RunSpec(texts=("x",), model=str(tiny_bos), dtypes=("float32",), device="cpu"),
+                       Context.of(store=Store(home)))
+    assert ro.meta.timing["batches"] >= 8 and len(ro.samples) == 23 and ro.meta.sampling["varies"]
+    tok = load_tokenizer(str(tiny_bos))
+    for i, r in enumerate(records):
+        s = ro.samples[i]
+        assert list(s.completion_token_ids) == r["completion_token_ids"] and list(s.prompt_token_ids) == r["prompt_token_ids"]
+        assert s.logprob["decode_raw"].tolist() == r["logprobs"] and s.finish_reason == f"logged record {i + 1}, id r{i}"
+        assert ro.prompt_of(i) == tok.decode(r["prompt_token_ids"]) and np.isfinite(s.logprob["hf"]).all()
+    held = [ro.samples[i] for i in range(23)]
+    for pair, (a, b, _) in PAIRS.items():
+        want = mismatch_metrics([s.logprob[a] for s in held], [s.logprob[b] for s in held])
+        if pair == "prefill_vs_hf":
+            want.update(exact_stats(held))
+        for k, v in want.items():
+            got = ro.meta.summary[pair][k]
+            assert got == v or (isinstance(v, float) and math.isclose(got, v, rel_tol=1e-12, abs_tol=1e-13)), (pair, k, got, v)
+    assert not any((home / "partial").glob("*/part-*.arrow")) and not any((home / "partial").glob("logged/*.arrow"))

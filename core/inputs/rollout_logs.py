@@ -10,6 +10,10 @@ Every record is checked before anything runs: a bad one is named with its field 
 or stored. Checked: a field is there and of the right kind, the lengths agree, every id is in the
 model's vocabulary, no logprob is NaN or above 0, and where a record carries both its prompt text and
 ids, the model's tokenizer makes those ids of that text (else the rollouts came from another tokenizer).
+
+A file is read a line (JSONL) or a row group (Parquet) at a time; a rescore spools the checked
+records to an Arrow file on disk and reads them back a batch at a time (`spool_logged`), so a file
+of 100,000 sequences is never held in memory. `rollout --json` output, one JSON object, is read whole.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from core.errors import UserError
 
@@ -71,14 +77,15 @@ def parse_mapping(text: str | None) -> dict[str, str]:
     return out
 
 
-def _records(data: bytes, name: str) -> Iterator[dict[str, Any]]:
-    """The file's records in order: JSONL lines, Parquet rows, or the samples of `rollout --json` output."""
+def _records(source: bytes | Path, name: str) -> Iterator[dict[str, Any]]:
+    """The file's records in order: JSONL lines, Parquet rows, or the samples of `rollout --json`
+    output. `source` is the file (read a line or a row group at a time) or its bytes (an upload)."""
     suffix = Path(name).suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
-            f = pq.ParquetFile(io.BytesIO(data))
+            f = pq.ParquetFile(io.BytesIO(source) if isinstance(source, bytes) else str(source))
         except Exception as exc:  # noqa: BLE001 - any reader error is a bad file, said in words
             raise UserError(f"{name} is not a readable Parquet file ({exc})") from None
         for batch in f.iter_batches(batch_size=4096):
@@ -87,27 +94,34 @@ def _records(data: bytes, name: str) -> Iterator[dict[str, Any]]:
     if suffix not in (".jsonl", ".json"):
         raise UserError(f"{name}: unsupported file type {suffix!r}; use .jsonl (one record a line), .parquet, or .json "
                         "(the output of `logprob-parity rollout --json`)")
+    with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as f:
+        if suffix == ".json":  # one object, the project's own output: read whole (a .jsonl streams)
+            try:
+                obj = json.loads(_text(f.read(), name, None))
+            except ValueError as exc:
+                raise UserError(f"{name} is not JSON ({exc})") from None
+            yield from _from_rollout_json(obj, name)
+            return
+        for n, raw in enumerate(f, 1):
+            line = _text(raw, name, n)
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as exc:
+                raise UserError(f"{name}, line {n}: not JSON ({exc.msg}); nothing was scored") from None
+            if not isinstance(rec, dict):
+                raise UserError(f"{name}, line {n}: a record must be a JSON object with the fields {', '.join(FIELDS[:5])}")
+            yield rec
+
+
+def _text(raw: bytes, name: str, line: int | None) -> str:
+    """Bytes of the file (or of one of its lines) as text; a UTF-8 byte-order mark is dropped."""
     try:
-        text = data.decode("utf-8-sig")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise UserError(f"{name} is not UTF-8 text (byte {exc.start} is invalid)") from None
-    if suffix == ".json":
-        try:
-            obj = json.loads(text)
-        except ValueError as exc:
-            raise UserError(f"{name} is not JSON ({exc})") from None
-        yield from _from_rollout_json(obj, name)
-        return
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError as exc:
-            raise UserError(f"{name}, line {n}: not JSON ({exc.msg}); nothing was scored") from None
-        if not isinstance(rec, dict):
-            raise UserError(f"{name}, line {n}: a record must be a JSON object with the fields {', '.join(FIELDS[:5])}")
-        yield rec
+        where = f"{name}, line {line}" if line is not None else name
+        raise UserError(f"{where} is not UTF-8 text (byte {exc.start} is invalid)") from None
 
 
 def _from_rollout_json(obj: Any, name: str) -> Iterator[dict[str, Any]]:
@@ -144,13 +158,23 @@ def _number(rec: dict[str, Any], field: str, default: Any, where: str, kind: typ
     return out
 
 
-def read_logged(data: bytes, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None) -> LoggedSet:
-    """Every record of the file, mapped and checked (UserError naming the record and field)."""
+def read_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str,
+                vocab: int | None) -> LoggedSet:
+    """Every record of the file, mapped and checked, in memory (a few records; a rescore spools them,
+    `spool_logged`)."""
+    digest = hashlib.sha256()
+    out = tuple(iter_logged(source, name, mapping, tokenizer, bos, vocab, digest))
+    return LoggedSet(out, Path(name).name, digest.hexdigest()[:32])
+
+
+def iter_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None,
+                digest: Any) -> Iterator[LoggedSequence]:
+    """The file's records one at a time, mapped and checked (UserError naming the record and field);
+    each one's ids, logprobs and sampling go into `digest` (hashlib), the rescore's identity."""
     from core.inputs.tokens import encode_texts
 
-    out: list[LoggedSequence] = []
-    digest = hashlib.sha256()
-    for n, raw in enumerate(_records(data, name), 1):
+    n = 0
+    for n, raw in enumerate(_records(source, name), 1):
         if n > MAX_RECORDS:
             raise UserError(f"{name} holds more than {MAX_RECORDS:,} records; split it")
         rec = {f: raw.get(mapping.get(f, f)) for f in FIELDS}
@@ -214,7 +238,95 @@ def read_logged(data: bytes, name: str, mapping: dict[str, str], tokenizer: Any,
                              temperature, top_p, top_k if top_k > 0 else -1)
         digest.update(json.dumps([seq.prompt_token_ids, seq.completion_token_ids, seq.logprobs, seq.temperature, seq.top_p,
                                   seq.top_k]).encode())
-        out.append(seq)
-    if not out:
+        yield seq
+    if not n:
         raise UserError(f"{name} holds no records")
-    return LoggedSet(tuple(out), Path(name).name, digest.hexdigest()[:32])
+
+
+SPOOL_ROWS = 4096  # sequences an Arrow record batch of the spool
+
+
+@dataclass(frozen=True, eq=False)
+class LoggedIndex:
+    """A logged file read once and checked, its sequences spooled to an Arrow file on disk (`path`)
+    and read back a batch at a time (`read`): a rescore of 100,000 sequences holds a few numbers a
+    sequence, never the sequences. The per-sequence arrays are in file order."""
+
+    path: Path
+    source: str  # the file's name
+    digest: str  # as LoggedSet.digest
+    prompt_len: np.ndarray  # int64 [sequences]
+    completion_len: np.ndarray  # int64 [sequences]
+    temperature: np.ndarray  # float64 [sequences]
+    top_p: np.ndarray  # float64 [sequences]
+    top_k: np.ndarray  # int64 [sequences]
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.completion_len.sum())
+
+    def read(self, idx: Any) -> list[LoggedSequence]:
+        """Sequences `idx` (file order numbers, from 0), from the spool."""
+        import pyarrow as pa
+
+        out: dict[int, LoggedSequence] = {}
+        idx = [int(i) for i in idx]
+        with pa.memory_map(str(self.path)) as src:
+            reader = pa.ipc.open_file(src)
+            by_batch: dict[int, list[int]] = {}
+            for i in idx:
+                by_batch.setdefault(i // SPOOL_ROWS, []).append(i)
+            for b, members in by_batch.items():
+                rows = pa.Table.from_batches([reader.get_batch(b)]).take([i % SPOOL_ROWS for i in members]).to_pylist()
+                for i, r in zip(members, rows):
+                    out[i] = LoggedSequence(r["record"], r["id"], r["step"], tuple(r["prompt"]), tuple(r["completion"]),
+                                            tuple(r["logprobs"]), r["temperature"], r["top_p"], r["top_k"])
+        return [out[i] for i in idx]
+
+
+def spool_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None,
+                 path: Path) -> LoggedIndex:
+    """Every record checked (`iter_logged`) and written to the Arrow file `path`, SPOOL_ROWS
+    sequences a record batch; nothing of the file is kept in memory but a few numbers a sequence.
+    A bad record raises before anything is scored, and the spool is removed."""
+    import pyarrow as pa
+
+    schema = pa.schema([("record", pa.int64()), ("id", pa.string()), ("step", pa.int64()), ("prompt", pa.list_(pa.int64())),
+                        ("completion", pa.list_(pa.int64())), ("logprobs", pa.list_(pa.float64())),
+                        ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int64())])
+    digest = hashlib.sha256()
+    numbers: dict[str, list[Any]] = {k: [] for k in ("prompt_len", "completion_len", "temperature", "top_p", "top_k")}
+    rows: list[LoggedSequence] = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def flush(w: Any) -> None:
+        cols = {"record": [r.record for r in rows], "id": [r.id for r in rows], "step": [r.step for r in rows],
+                "prompt": [r.prompt_token_ids for r in rows], "completion": [r.completion_token_ids for r in rows],
+                "logprobs": [r.logprobs for r in rows], "temperature": [r.temperature for r in rows],
+                "top_p": [r.top_p for r in rows], "top_k": [r.top_k for r in rows]}
+        w.write_batch(pa.RecordBatch.from_pydict(cols, schema=schema))
+        rows.clear()
+
+    try:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+            for seq in iter_logged(source, name, mapping, tokenizer, bos, vocab, digest):
+                rows.append(seq)
+                numbers["prompt_len"].append(len(seq.prompt_token_ids))
+                numbers["completion_len"].append(len(seq.completion_token_ids))
+                numbers["temperature"].append(seq.temperature)
+                numbers["top_p"].append(seq.top_p)
+                numbers["top_k"].append(seq.top_k)
+                if len(rows) == SPOOL_ROWS:
+                    flush(w)
+            if rows:
+                flush(w)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return LoggedIndex(path, Path(name).name, digest.hexdigest()[:32],
+                       np.asarray(numbers["prompt_len"], dtype=np.int64), np.asarray(numbers["completion_len"], dtype=np.int64),
+                       np.asarray(numbers["temperature"], dtype=np.float64), np.asarray(numbers["top_p"], dtype=np.float64),
+                       np.asarray(numbers["top_k"], dtype=np.int64))

@@ -128,7 +128,7 @@ def completion_html(ro: Rollout, i: int, pair: str = "decode_vs_hf", floor: floa
         tip = html.escape(_tip(ro, i, t), quote=True)
         spans.append(f'<span class="{cls}" style="{style}" data-index="{t}" data-value="{v!r}">{piece}'
                      f'<span class="lpp-tip">{tip}</span></span>')
-    prompt = html.escape(ro.meta.prompts[s.prompt_index], quote=True)
+    prompt = html.escape(ro.prompt_of(i), quote=True)
     label = html.escape(f"sample {i + 1}", quote=True)
     stop = {"length": "reached max tokens", "stop": "the model ended it"}.get(s.finish_reason or "", s.finish_reason or "")
     note = html.escape(f"seed {s.seed} · {len(s.completion_token_ids)} tokens{' · ' + stop if stop else ''} · "
@@ -146,16 +146,32 @@ STRIP_SAMPLES = 40  # the ratio strip draws a row a sample: beyond this many, th
 def token_frame(ro: Rollout, pair: str, samples: Any = None, pieces: bool = True) -> pd.DataFrame:
     """Per completion token of these samples (default: all): sample, position, piece (unless not
     wanted: the histograms need none), Δ of `pair`, |Δ| and the importance ratio ρ = exp(trainer −
-    rollout). Built from the samples' arrays, not the stored table, so a rollout of 100,000 samples
-    gives its few shown rows at once."""
-    idx = list(range(len(ro.samples)) if samples is None else samples)
-    part = [ro.samples[i] for i in idx]
-    ns = np.array([len(s.completion_token_ids) for s in part], dtype=np.int64)
-    d = np.concatenate([np.asarray(s.delta(pair), dtype=np.float64) for s in part]) if part else np.zeros(0)
+    rollout). A few samples' rows come from their arrays; every token's (the histograms) from the
+    Δ chunks (Rollout.delta_chunks: a stored rescore's straight from its file's columns)."""
+    cols: dict[str, list[Any]] = {"sample": [], "position": [], "piece": [], "delta": []}
+
+    def add(idx: Any, ns: np.ndarray, d: np.ndarray) -> None:
+        cols["sample"].append(np.repeat(np.asarray(idx, dtype=np.int64), ns))
+        cols["position"].append(np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns))
+        cols["delta"].append(d)
+
+    if samples is None and not pieces:  # every token, a chunk of Δ at a time (a stored rescore's read from its file)
+        for lo, ns, d in ro.delta_chunks(pair):
+            add(np.arange(lo, lo + len(ns)), ns, d)
+    else:
+        chunks: Any = ([(list(samples), [ro.samples[i] for i in samples])] if samples is not None else
+                       ((range(lo, lo + len(part)), part) for lo, part in ro.chunks()))
+        for idx, part in chunks:
+            ns = np.array([len(s.completion_token_ids) for s in part], dtype=np.int64)
+            add(idx, ns, np.concatenate([np.asarray(s.delta(pair), dtype=np.float64) for s in part]) if part else np.zeros(0))
+            if pieces:
+                cols["piece"].extend(p for s in part for p in s.pieces)
+    cat = {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64 if k != "delta" else np.float64)
+           for k, v in cols.items() if k != "piece"}
+    d = cat["delta"]
     return pd.DataFrame({
-        "sample": np.repeat(np.array(idx, dtype=np.int64), ns),
-        "position": np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns),
-        **({"piece": [p for s in part for p in s.pieces]} if pieces else {}),
+        "sample": cat["sample"], "position": cat["position"],
+        **({"piece": cols["piece"]} if pieces else {}),
         "delta": d, "abs_delta": np.abs(d), "ratio": np.exp(np.clip(-d, -20, 20)),
         "abs_delta_plot": np.clip(np.abs(d), 1e-10, None)})
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -117,6 +118,7 @@ class Sample:
     finish_reason: str | None
     logprob: dict[str, np.ndarray]  # COLUMNS -> float64 [n]
     exact: dict[str, np.ndarray] = field(default_factory=dict)  # EXACT -> float64 [n]; empty in rollouts stored before them
+    prompt_text: str | None = None  # a logged sequence's prompt, decoded (a sampled one's is meta.prompts[prompt_index])
 
     def delta(self, pair: str) -> np.ndarray:
         a, b, _ = PAIRS[pair]
@@ -170,7 +172,7 @@ class RolloutMeta:
 @dataclass(frozen=True, eq=False)
 class Rollout:
     meta: RolloutMeta
-    samples: tuple[Sample, ...]
+    samples: Sequence[Sample]  # a tuple, or StoredSamples (a stored rescore's, read from its file when asked for)
     from_store: bool = False
 
     @property
@@ -188,52 +190,93 @@ class Rollout:
     def worst_tokens(self, pair: str = "decode_vs_hf", n: int = 20) -> pd.DataFrame:
         """The n tokens whose importance ratio is furthest from 1 for this pair (|Δ logp| largest),
         worst first (ties in sample and position order): sample, position, token, both sides'
-        logprobs, Δ and the ratio trainer/rollout. One pass over all tokens, however many samples."""
+        logprobs, Δ and the ratio trainer/rollout. One pass over all tokens a chunk at a time, keeping
+        the n best so far (a token without a value, NaN, comes last)."""
         a, b, _ = PAIRS[pair]
-        d = self.column_of(lambda s: s.delta(pair))
-        if not len(d):
-            return pd.DataFrame()
-        key = np.where(np.isnan(d), -1.0, np.abs(d))  # a token without a value (NaN) comes last
-        flat = np.argsort(-key, kind="stable")[:n]
-        starts = np.cumsum([0] + [len(s.completion_token_ids) for s in self.samples])
+        key, where, delta = np.zeros(0), np.zeros((0, 2), dtype=np.int64), np.zeros(0)
+        for lo, ns, d in self.delta_chunks(pair):
+            if not len(d):
+                continue
+            k = np.where(np.isnan(d), -1.0, np.abs(d))
+            top = np.argsort(-k, kind="stable")[:n]
+            starts = np.cumsum(ns) - ns
+            i = np.searchsorted(starts, top, side="right") - 1  # the last sample starting at or before: never an empty one
+            here = np.stack([lo + i, top - starts[i]], axis=1)
+            key, where, delta = np.concatenate([key, k[top]]), np.concatenate([where, here]), np.concatenate([delta, d[top]])
+            keep = np.lexsort((where[:, 1], where[:, 0], -key))[:n]  # worst first, ties in sample and position order
+            key, where, delta = key[keep], where[keep], delta[keep]
         rows = []
-        for f in flat.tolist():
-            i = int(np.searchsorted(starts, f, side="right")) - 1
-            smp, t = self.samples[i], f - int(starts[i])
+        for (i, t), dv in zip(where.tolist(), delta.tolist()):
+            smp = self.samples[i]
             rows.append({"sample": i, "position": t, "token": smp.pieces[t], "token_id": smp.completion_token_ids[t],
-                         a: float(smp.logprob[a][t]), b: float(smp.logprob[b][t]), "delta": float(d[f]),
-                         "ratio": float(np.exp(-d[f]))})
+                         a: float(smp.logprob[a][t]), b: float(smp.logprob[b][t]), "delta": dv, "ratio": float(np.exp(-dv))})
         return pd.DataFrame(rows)
 
     def worst_sequences(self, pair: str = "decode_vs_hf", n: int = 20) -> pd.DataFrame:
         """The n sequences whose whole-sequence importance ratio exp(Σ log ρ) is furthest from 1,
-        worst first: each sequence's Σ over its tokens with a value, all sequences of one length summed
-        at once (one pass, however many samples)."""
-        if not self.samples:
+        worst first: each sequence's Σ over its tokens with a value, the sequences of one length in a
+        chunk summed at once (one pass, however many samples)."""
+        if not len(self.samples):
             return pd.DataFrame()
         from core.results.offpolicy import by_length
 
         k = len(self.samples)
         seq_log, largest, counted = np.zeros(k), np.full(k, np.nan), np.zeros(k, dtype=np.int64)
-        for idx in by_length(len(smp.completion_token_ids) for smp in self.samples).values():
-            d = np.stack([np.asarray(self.samples[i].delta(pair), dtype=np.float64) for i in idx])
-            ok = np.isfinite(d)
-            seq_log[idx] = -np.where(ok, d, 0.0).sum(axis=1)
-            counted[idx] = ok.sum(axis=1)
-            largest[idx] = np.where(ok.any(axis=1), np.abs(np.where(ok, d, 0.0)).max(axis=1), np.nan)
+        for lo, ns, dd in self.delta_chunks(pair):
+            starts = np.cumsum(ns) - ns
+            for length, idx in by_length(ns.tolist()).items():
+                d = dd[starts[idx][:, None] + np.arange(length)]  # [sequences of this length, length]
+                ok = np.isfinite(d)
+                at = np.asarray(idx, dtype=np.int64) + lo
+                seq_log[at] = -np.where(ok, d, 0.0).sum(axis=1)
+                counted[at] = ok.sum(axis=1)
+                largest[at] = np.where(ok.any(axis=1), np.abs(np.where(ok, d, 0.0)).max(axis=1), np.nan)
         order = np.argsort(-np.abs(seq_log), kind="stable")[:n]
         return pd.DataFrame([{"sample": int(i), "tokens": int(counted[i]), "seq_log_ratio": float(seq_log[i]),
                               "largest |Δ|": None if np.isnan(largest[i]) else float(largest[i]),
-                              "what": self.samples[i].finish_reason or ""} for i in order.tolist()])
+                              "what": self.samples[int(i)].finish_reason or ""} for i in order.tolist()])
 
     def column_of(self, f: Any) -> np.ndarray:
         """f(sample) (an array over its completion tokens) for every sample, end to end (float64)."""
-        arrays = [np.asarray(f(s), dtype=np.float64) for s in self.samples]
+        arrays = [np.asarray(f(s), dtype=np.float64) for _, part in self.chunks() for s in part]
         return np.concatenate(arrays) if arrays else np.zeros(0)
 
+    def prompt_of(self, i: int) -> str:
+        """Sample i's prompt text."""
+        s = self.samples[i]
+        return s.prompt_text if s.prompt_text is not None else self.meta.prompts[s.prompt_index]
+
+    def chunks(self, per: int = 4096, tokens: int = 262_144) -> Iterator[tuple[int, list[Sample]]]:
+        """(number of the first, samples) in order, at most `per` samples or about `tokens` tokens a
+        chunk: what the store, --json and the lists read at a time, so a stored rescore of 100,000
+        long sequences is read a part at a time (core.results.rollout.StoredSamples)."""
+        part: list[Sample] = []
+        lo = used = 0
+        for i in range(len(self.samples)):
+            smp = self.samples[i]
+            part.append(smp)
+            used += len(smp.completion_token_ids)
+            if len(part) >= per or used >= tokens:
+                yield lo, part
+                lo, part, used = i + 1, [], 0
+        if part:
+            yield lo, part
+
+    def delta_chunks(self, pair: str) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(first sample, token counts of consecutive samples from it, their Δ of `pair` end to end),
+        in order: a stored rescore's straight from its file's Δ columns (StoredSamples.column_chunks),
+        an in-memory rollout's from its samples (the same float64 differences)."""
+        if isinstance(self.samples, StoredSamples):
+            yield from self.samples.column_chunks(f"delta_{pair}")
+            return
+        for lo, part in self.chunks():
+            ns = np.array([len(x.completion_token_ids) for x in part], dtype=np.int64)
+            yield lo, ns, (np.concatenate([np.asarray(x.delta(pair), dtype=np.float64) for x in part]) if part else np.zeros(0))
+
     def to_frame(self) -> pd.DataFrame:
-        """One row per completion token (what the store writes as Parquet)."""
-        tables = list(self.tables())
+        """One row per completion token (what the store writes as Parquet, without each sample's
+        prompt and finish columns)."""
+        tables = [sample_table(part, range(lo, lo + len(part)), info=False) for lo, part in self.chunks()]
         if not tables:
             return pd.DataFrame(columns=["sample", "prompt", "position", "token_id", "piece", *COLUMNS])
         import pyarrow as pa
@@ -241,26 +284,10 @@ class Rollout:
         return pa.concat_tables(tables).to_pandas()
 
     def tables(self, per: int = 4096) -> Iterator[Any]:
-        """`to_frame`'s rows as Arrow tables of `per` samples each, built column by column (the store
-        writes them one after another: a rollout of 100,000 sequences is never one frame)."""
-        import pyarrow as pa
-
-        for lo in range(0, len(self.samples), per):
-            part = self.samples[lo : lo + per]
-            ns = np.array([len(x.completion_token_ids) for x in part], dtype=np.int64)
-            cat = lambda arrays: np.concatenate(arrays) if arrays else np.zeros(0)  # noqa: E731
-            cols: dict[str, Any] = {
-                "sample": np.repeat(np.arange(lo, lo + len(part), dtype=np.int64), ns),
-                "prompt": np.repeat(np.array([x.prompt_index for x in part], dtype=np.int64), ns),
-                "position": np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns),
-                "token_id": np.fromiter((t for x in part for t in x.completion_token_ids), dtype=np.int64, count=int(ns.sum())),
-                "piece": pa.array([piece for x in part for piece in x.pieces], pa.string()),
-                **{c: cat([np.asarray(x.logprob[c], dtype=np.float64) for x in part]) for c in COLUMNS},
-                **{c: cat([np.asarray(x.exact.get(c, np.full(len(x.completion_token_ids), np.nan)), dtype=np.float64)
-                           for x in part]) for c in EXACT},
-                **{f"delta_{pair}": cat([np.asarray(x.delta(pair), dtype=np.float64) for x in part]) for pair in PAIRS},
-            }
-            yield pa.table(cols)
+        """The stored rows (`sample_table`) a chunk of samples at a time: a rollout of 100,000
+        sequences is never one frame."""
+        for lo, part in self.chunks(per):
+            yield sample_table(part, range(lo, lo + len(part)))
 
     @classmethod
     def from_frame(cls, meta: RolloutMeta, df: pd.DataFrame, from_store: bool = True) -> "Rollout":
@@ -300,8 +327,7 @@ class Rollout:
         """Each sample's --json object; the metrics of `per` samples at a time, each pair in one call."""
         from core.results.offpolicy import mismatch_metrics_each
 
-        for lo in range(0, len(self.samples), per):
-            part = self.samples[lo : lo + per]
+        for _, part in self.chunks(per):
             each = {pair: mismatch_metrics_each([s.logprob[a] for s in part], [s.logprob[b] for s in part])
                     for pair, (a, b, _) in PAIRS.items()}
             exact = exact_stats_each(part)
@@ -309,6 +335,156 @@ class Rollout:
                 metrics = {pair: each[pair][j] for pair in PAIRS}
                 metrics["prefill_vs_hf"].update(exact[j])
                 yield _sample_json(s, metrics)
+
+
+class StoredSamples(Sequence):
+    """A stored rescore's samples, read from its Parquet file a row group at a time when asked for:
+    the file holds each sample's rows in sample order, its prompt and finish on its first row
+    (INFO_COLUMNS), so nothing a sample needs is kept in the metadata; opening one of 100,000
+    sequences reads the row group that holds it. Row groups are found by their `sample` range."""
+
+    CACHED_GROUPS = 4
+
+    def __init__(self, path: Any, n: int) -> None:
+        self._path, self._n = path, n
+        self._file: Any = None
+        self._ranges = np.zeros((0, 2), dtype=np.int64)
+        self._groups: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        with self._lock:
+            parts = [self._group(g) for g in self._groups_of(i)]
+        if not parts:  # a sample without completion tokens has no rows
+            return Sample(prompt_index=i, seed=-1, prompt_token_ids=(), completion_token_ids=(), pieces=(), finish_reason=None,
+                          logprob={c: np.zeros(0) for c in COLUMNS}, exact={c: np.zeros(0) for c in EXACT})
+        cols: dict[str, Any] = {}
+        info: dict[str, Any] = {}
+        for g in parts:
+            a, b = np.searchsorted(g["sample"], [i, i + 1])
+            for c, v in g.items():
+                if c != "info":
+                    cols.setdefault(c, []).append(v[a:b])
+            info = g["info"].get(i, info)
+        col = {c: np.concatenate(v) if len(v) > 1 else v[0] for c, v in cols.items()}
+        return Sample(prompt_index=int(col["prompt"][0]) if len(col["prompt"]) else i, seed=int(info.get("seed") or -1),
+                      prompt_token_ids=tuple(info.get("prompt_token_ids") or ()),
+                      completion_token_ids=tuple(col["token_id"].tolist()), pieces=tuple(col["piece"].tolist()),
+                      finish_reason=info.get("finish_reason"), logprob={c: col[c] for c in COLUMNS},
+                      exact={c: col[c] for c in EXACT}, prompt_text=info.get("prompt_text"))
+
+    def column_chunks(self, column: str) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(first sample, token counts of the consecutive samples from it, their `column` end to end),
+        a row group at a time, read straight from the file (no Sample is built): what a pass over
+        every token (the worst lists, the histograms) reads. A sample cut by a row group's end is
+        carried into the next chunk."""
+        import pyarrow.parquet as pq
+
+        file = pq.ParquetFile(self._path)  # its own reader: another thread may be reading a sample through self._file
+        groups = file.metadata.num_row_groups
+        done = 0
+        carry_s, carry_v = np.zeros(0, dtype=np.int64), np.zeros(0)
+        for g in range(groups):
+            t = file.read_row_group(g, columns=["sample", column])
+            smp = np.concatenate([carry_s, t.column("sample").to_numpy()])
+            val = np.concatenate([carry_v, t.column(column).to_numpy()])
+            hi = int(smp.max()) if g < groups - 1 and len(smp) else self._n
+            cut = int(np.searchsorted(smp, hi)) if g < groups - 1 else len(smp)
+            carry_s, carry_v = smp[cut:], val[cut:]
+            if hi > done:
+                yield done, np.bincount(smp[:cut] - done, minlength=hi - done), val[:cut]
+                done = hi
+        if done < self._n:
+            yield done, np.zeros(self._n - done, dtype=np.int64), np.zeros(0)
+
+    def _groups_of(self, i: int) -> list[int]:
+        if self._file is None:
+            import pyarrow.parquet as pq
+
+            self._file = pq.ParquetFile(self._path)
+            md = self._file.metadata
+            at = self._file.schema_arrow.get_field_index("sample")
+            ranges = []
+            for g in range(md.num_row_groups):
+                st = md.row_group(g).column(at).statistics
+                if st is None or not st.has_min_max:
+                    sample = self._file.read_row_group(g, columns=["sample"]).column(0).to_numpy()
+                    ranges.append((int(sample.min()), int(sample.max())) if len(sample) else (-1, -2))
+                else:
+                    ranges.append((int(st.min), int(st.max)))
+            self._ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        r = self._ranges
+        return np.flatnonzero((r[:, 0] <= i) & (i <= r[:, 1])).tolist()
+
+    def _group(self, g: int) -> dict[str, Any]:
+        if g not in self._groups:
+            import pyarrow.compute as pc
+
+            t = self._file.read_row_group(g)
+            cols: dict[str, Any] = {c: t.column(c).to_numpy() for c in ("sample", "prompt", "token_id", *COLUMNS, *EXACT)}
+            cols["piece"] = np.asarray(t.column("piece").to_pylist(), dtype=object)
+            firsts = t.filter(pc.equal(t.column("position"), 0)).select(["sample", *INFO_COLUMNS]).to_pylist()
+            cols["info"] = {r.pop("sample"): r for r in firsts}
+            if len(self._groups) >= self.CACHED_GROUPS:
+                self._groups.pop(next(iter(self._groups)))
+            self._groups[g] = cols
+        return self._groups[g]
+
+
+INFO_COLUMNS = ("prompt_token_ids", "prompt_text", "finish_reason", "seed")  # a sample's own, on its position-0 row
+
+
+def sample_table(samples: list[Sample], numbers: Any, info: bool = True) -> Any:
+    """These samples' rows, one a completion token, as an Arrow table built column by column:
+    sample number (`numbers`, one a sample), prompt, position, token id and text, COLUMNS, EXACT and
+    each pair's Δ; with `info`, INFO_COLUMNS on each sample's first row (null on the others), which
+    is all a stored rescore keeps of its samples (StoredSamples reads them back)."""
+    import pyarrow as pa
+
+    ns = np.array([len(x.completion_token_ids) for x in samples], dtype=np.int64)
+    total = int(ns.sum())
+    cat = lambda arrays: np.concatenate(arrays) if arrays else np.zeros(0)  # noqa: E731
+    position = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns)
+    cols: dict[str, Any] = {
+        "sample": np.repeat(np.asarray(list(numbers), dtype=np.int64), ns),
+        "prompt": np.repeat(np.array([x.prompt_index for x in samples], dtype=np.int64), ns),
+        "position": position,
+        "token_id": np.fromiter((t for x in samples for t in x.completion_token_ids), dtype=np.int64, count=total),
+        "piece": pa.array([piece for x in samples for piece in x.pieces], pa.string()),
+        **{c: cat([np.asarray(x.logprob[c], dtype=np.float64) for x in samples]) for c in COLUMNS},
+        **{c: cat([np.asarray(x.exact.get(c, np.full(len(x.completion_token_ids), np.nan)), dtype=np.float64)
+                   for x in samples]) for c in EXACT},
+        **{f"delta_{pair}": cat([np.asarray(x.delta(pair), dtype=np.float64) for x in samples]) for pair in PAIRS},
+    }
+    if info:
+        first = np.cumsum(ns) - ns
+        at = {int(f): x for f, x, n in zip(first, samples, ns) if n}
+
+        def spread(get: Any, kind: Any) -> Any:
+            return pa.array(_sparse(total, {r: get(x) for r, x in at.items()}), kind)
+
+        cols["prompt_token_ids"] = spread(lambda x: list(x.prompt_token_ids), pa.list_(pa.int64()))
+        cols["prompt_text"] = spread(lambda x: x.prompt_text, pa.string())
+        cols["finish_reason"] = spread(lambda x: x.finish_reason, pa.string())
+        cols["seed"] = spread(lambda x: x.seed, pa.int64())
+    return pa.table(cols)
+
+
+def _sparse(total: int, at: dict[int, Any]) -> list[Any]:
+    out: list[Any] = [None] * total
+    for r, v in at.items():
+        out[r] = v
+    return out
 
 
 def _sample_json(s: Sample, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -421,33 +421,40 @@ class Store:
         return self.root / "rollouts"
 
     def save_rollout(self, ro: Any) -> None:
-        """A rollout as Parquet (a row per completion token) with its metadata as JSON in the file,
-        written like a run: temp file, fsync, rename, then the index row with the checksum."""
-        import pyarrow as pa
+        """A rollout as Parquet (a row per completion token, a few thousand samples written at a
+        time: never the whole rollout as one frame) with its metadata as JSON in the file."""
+        self.write_rollout(ro.meta, ro.tables(), len(ro.samples))
 
-        from core.results.rollout import MAIN_PAIR, ROLLOUT_SCHEMA
+    def write_rollout(self, meta_obj: Any, tables: Any, n_samples: int) -> None:
+        """A rollout from its row tables (core.results.rollout.sample_table; an iterator is read one
+        at a time), written like a run: temp file, fsync, rename, then the index row with the
+        checksum. The index row keeps the metadata without its per-sample lists."""
+        from core.results.rollout import MAIN_PAIR, ROLLOUT_SCHEMA, sample_table
 
         folder = self.rollouts_dir
         folder.mkdir(exist_ok=True)
-        meta = dict(ro.meta.to_dict(), schema_version=ROLLOUT_SCHEMA)
-        tables = ro.tables()  # a few thousand samples at a time: never the whole rollout as one frame
+        meta = dict(meta_obj.to_dict(), schema_version=ROLLOUT_SCHEMA)
+        tables = iter(tables)
         first = next(tables, None)
         if first is None:
-            first = pa.Table.from_pandas(ro.to_frame(), preserve_index=False)
+            first = sample_table([], [])
         schema = first.schema.with_metadata({META_KEY: json.dumps(meta, allow_nan=False)})
 
         def write(f: Any) -> None:
             with parquet_writer(f, schema) as w:
-                w.write_table(first.cast(schema))
+                w.write_table(first.cast(schema), row_group_size=ROW_GROUP)
                 for t in tables:
-                    w.write_table(t.cast(schema))
+                    w.write_table(t.cast(schema), row_group_size=ROW_GROUP)
 
-        digest = _atomic_write(folder / f"{ro.rollout_id}.parquet", write)
-        s = ro.meta.summary.get(MAIN_PAIR, {})
+        digest = _atomic_write(folder / f"{meta_obj.rollout_id}.parquet", write)
+        s = meta_obj.summary.get(MAIN_PAIR, {})
+        light = {k: v for k, v in meta.items() if k != "samples"}
+        light["first_text"] = str((meta.get("prompts") or [_sampling_words(meta.get("sampling") or {})])[0])[:80]
+        light["prompts"] = (meta.get("prompts") or [])[:1]
         with closing(self._db()) as db, db:
             db.execute("INSERT OR REPLACE INTO rollouts VALUES (?,?,?,?,?,?,?,?,?,?)",
-                       (ro.rollout_id, ro.meta.created_ts or time.time(), ro.meta.model, ro.meta.dtype, len(ro.samples),
-                        int(s.get("n_tokens") or 0), s.get("max_abs_delta"), s.get("mean_abs_delta"), json.dumps(meta), digest))
+                       (meta_obj.rollout_id, meta_obj.created_ts or time.time(), meta_obj.model, meta_obj.dtype, n_samples,
+                        int(s.get("n_tokens") or 0), s.get("max_abs_delta"), s.get("mean_abs_delta"), json.dumps(light), digest))
 
     def has_rollout(self, rollout_id: str) -> bool:
         with closing(self._db()) as db:
@@ -468,7 +475,13 @@ class Store:
     def load_rollout(self, rollout_id: str) -> Any:
         import pyarrow.parquet as pq
 
-        from core.results.rollout import ROLLOUT_SCHEMA, Rollout, RolloutMeta
+        from core.results.rollout import (
+            INFO_COLUMNS,
+            ROLLOUT_SCHEMA,
+            Rollout,
+            RolloutMeta,
+            StoredSamples,
+        )
 
         rid, expected = self._by_prefix("rollouts", "rollout_id", rollout_id, "rollout", "rollouts", ", sha256")
         path = self.rollouts_dir / f"{rid}.parquet"
@@ -477,14 +490,17 @@ class Store:
         try:
             if _sha256(path) != expected:
                 raise UserError(f"stored rollout {rid} failed its integrity check (file changed since it was written)")
-            table = pq.read_table(path)
-            raw = json.loads(table.schema.metadata[META_KEY])
+            schema = pq.read_schema(path)
+            raw = json.loads(schema.metadata[META_KEY])
             if raw.get("rollout_id") != rid or raw.get("schema_version") != ROLLOUT_SCHEMA:
                 raise UserError(f"stored rollout {rid} does not match its index entry (schema or id); delete and re-run it")
-            missing = ROLLOUT_COLUMNS - set(table.column_names)
+            missing = ROLLOUT_COLUMNS - set(schema.names)
             if missing:
                 raise UserError(f"stored rollout {rid} lacks columns {sorted(missing)}; delete and re-run it")
-            return Rollout.from_frame(RolloutMeta.from_dict(raw), table.to_pandas())
+            meta = RolloutMeta.from_dict(raw)
+            if not meta.samples and set(INFO_COLUMNS) <= set(schema.names):  # a rescore: its samples stay in the file
+                return Rollout(meta=meta, samples=StoredSamples(path, int(meta.sampling.get("records") or 0)), from_store=True)
+            return Rollout.from_frame(meta, pq.read_table(path).to_pandas())
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise UserError(f"stored rollout {rid} is unreadable ({type(exc).__name__}: {exc})") from exc
 
@@ -496,7 +512,7 @@ class Store:
         df = pd.DataFrame([r[:-1] for r in rows], columns=cols)
         df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
         metas = [json.loads(r[-1]) for r in rows]
-        df["first_text"] = [str((m.get("prompts") or [""])[0])[:80] for m in metas]
+        df["first_text"] = [m["first_text"] if "first_text" in m else str((m.get("prompts") or [""])[0])[:80] for m in metas]
         df["sampling"] = [_sampling_words(m.get("sampling") or {}) for m in metas]
         df["level"] = [(m.get("verdict") or {}).get("level", "") for m in metas]
         return df

@@ -99,9 +99,10 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
 IMPORT_KEY = "rollout-import"
 
 
-def import_form() -> tuple[bytes, str, dict[str, str], RunSpec] | None:
+def import_form() -> tuple[Any, str, dict[str, str], RunSpec] | None:
     """Logged rollouts to rescore (core.inputs.rollout_logs): an uploaded file within the server's size
-    limit, or a path under the server's model-root rules; (bytes, file name, field mapping, spec) when
+    limit, or a path under the server's model-root rules (read a line at a time, not into memory);
+    (its bytes or path, file name, field mapping, spec) when
     Rescore was pressed with usable input, else None (with the reason on the page)."""
     from pathlib import Path
 
@@ -141,7 +142,7 @@ def import_form() -> tuple[bytes, str, dict[str, str], RunSpec] | None:
             check_allowed(str(p.resolve()), model_roots())  # the same rules as a model folder
             if not p.is_file():
                 raise UserError(f"{p} is not a file on this server")
-            data, name = p.read_bytes(), p.name
+            data, name = p, p.name
         else:
             raise UserError("Upload a rollouts file or give a path on the server.")
         model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
@@ -155,7 +156,7 @@ def import_form() -> tuple[bytes, str, dict[str, str], RunSpec] | None:
         return None
 
 
-def run_rescore(data: bytes, name: str, mapping: dict[str, str], spec: RunSpec) -> list[Rollout] | None:
+def run_rescore(data: Any, name: str, mapping: dict[str, str], spec: RunSpec) -> list[Rollout] | None:
     from core.analysis.rescore import rescore
 
     return run_job(lambda ctx: rescore(data, name, spec, ctx, mapping=mapping), "Rescoring the logged rollouts",
@@ -264,7 +265,7 @@ def sample_picker(r: Rollout) -> int:
     current = query_int("sample", 0, 0, max(n - 1, 0))
     if n <= PICK_LIMIT:
         return st.selectbox("Sample", range(n), index=current,
-                            format_func=lambda i: f"{i + 1}: {r.meta.prompts[r.samples[i].prompt_index][:60]}",
+                            format_func=lambda i: f"{i + 1}: {r.prompt_of(i)[:60]}",
                             key=f"{KEY}-sample")
     key = f"{KEY}-sample-no"
     goto = st.session_state.pop(GOTO, None)  # a click in the worst lists: the browser keeps the number otherwise
