@@ -8,6 +8,8 @@
 #   bash benchmarks/h200.sh 8b        8B shape: a 32,000-token text (GPU test), compare speed
 #   bash benchmarks/h200.sh set       8B shape: 1,000 x 2,048 tokens with the exact KL
 #   bash benchmarks/h200.sh frontier  the demo model's frontier on the default GPU grid (speed on 64 x 512)
+#   bash benchmarks/h200.sh rescore   logged rollouts rescored on the 1.1B shape (exact KL), 1,000 and 6,000 sequences of
+#                                     256 + 512 tokens: time and the CLI process's peak memory
 #   bash benchmarks/h200.sh now       the exact KL's transport alone, the IPC test, the 1.1B compare speed, and
 #                                     a profile of a compare with the exact KL (the HF host's phases included)
 set -uo pipefail
@@ -46,5 +48,14 @@ case "${1:-}" in
     LPP_HF_TIMING=1 python benchmarks/compare_profile.py --model tinyllama --tokenizer $TOK --exact-kl --out "$OUT/compare_profile_kl.txt" \
       > "$OUT/compare_profile_kl.log" 2>&1
     head -1 "$OUT/compare_profile_kl.txt"; grep "lpp-timing" "$OUT/compare_profile_kl.log" | tail -3 ;;
-  *) echo "usage: $0 tests|rollout|again|8b|set|frontier|now" >&2; exit 2 ;;
+  rescore)
+    B1=/root/models/tinyllama-1.1b-random
+    [ -f "$B1/config.json" ] || python -c "
+from pathlib import Path; from benchmarks.engines import build_tinyllama
+build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
+    for n in 1000 6000; do
+      python benchmarks/rescore_scale.py --model $B1 --sequences $n --prompt 256 --completion 512 --device cuda --dtype bfloat16 \
+        --no-resume --no-json --out "$OUT/rescore_scale_1b_$n.md" 2>&1 | tail -8
+    done ;;
+  *) echo "usage: $0 tests|rollout|again|8b|set|frontier|now|rescore" >&2; exit 2 ;;
 esac

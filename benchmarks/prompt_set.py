@@ -54,7 +54,7 @@ def main() -> None:
     prompts = [" ".join(words[(i * 7) % (len(words) - 40):][: 4 + i % 12]) + f" ({i})" for i in range(a.prompts)]
     pfile = home / "set.txt"
     pfile.write_text("\n".join(prompts) + "\n")
-    env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=str(REPO))
+    env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "core.cli", "compare", "--model", a.model, "--prompts", str(pfile), "--dtype", a.dtype,
            "--device", "cpu", "--json", str(home / "out.json")]
     rows: list[tuple[str, str]] = []

@@ -1,6 +1,7 @@
 """Logged rollouts at scale on this machine: `rescore` of many sequences, its memory, and a killed run that resumes.
 
-    python benchmarks/rescore_scale.py [--model PATH] [--sequences 20000] [--prompt 8] [--completion 24] [--no-resume] [--out FILE]
+    python benchmarks/rescore_scale.py [--model PATH] [--sequences 20000] [--prompt 8] [--completion 24] [--no-resume]
+        [--device cpu] [--dtype float32] [--no-json] [--out FILE]
 
 Writes a JSONL of logged rollouts (random ids in the model's vocabulary, random negative logprobs),
 runs `logprob-parity rescore --rollouts FILE` as a user runs it (a child process, real engines) and
@@ -30,6 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from benchmarks.prompt_set import report, rss_peak
+from core.env import device_name
 
 
 def _run(cmd: list[str], env: dict[str, str], kill_after_parts: int | None = None,
@@ -82,14 +84,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     scale_args(ap)
     ap.add_argument("--no-resume", action="store_true", help="leave out the killed-and-resumed part")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-json", action="store_true", help="leave out --json (a GPU load of millions of tokens writes gigabytes)")
     a = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="lpp-rescore-scale-"))
     path = home / "logged.jsonl"
     with path.open("w") as f:
         f.writelines(logged_lines(a))
-    env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "core.cli", "rescore", "--rollouts", str(path), "--model", a.model, "--dtype", "float32",
-           "--device", "cpu", "--json", str(home / "out.json")]
+    env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "core.cli", "rescore", "--rollouts", str(path), "--model", a.model, "--dtype", a.dtype,
+           "--device", a.device, *([] if a.no_json else ["--json", str(home / "out.json")])]
+    where = "this CPU" if a.device == "cpu" else f"{device_name(a.device)} ({a.dtype})"
     rows: list[tuple[str, str]] = []
     tokens = a.sequences * a.completion
     rc, err, took, peak = _run(cmd, env)
@@ -101,9 +107,10 @@ def main() -> None:
                  "whole process", f"{took:.0f} s, engines' start included; {n_batches} batches"))
     rows.append(("peak memory of the CLI process (its engine hosts are processes of their own)", f"{peak / 2**30:.2f} GB"))
     rows.append(("the last progress line", lines[-1].strip() if lines else "-"))
-    rows.append(("--json", f"{(home / 'out.json').stat().st_size / 2**20:.0f} MiB"))
+    if not a.no_json:
+        rows.append(("--json", f"{(home / 'out.json').stat().st_size / 2**20:.0f} MiB"))
     if a.no_resume:
-        report(f"{a.sequences:,} logged rollouts rescored on this CPU", a.model, rows, a.out)
+        report(f"{a.sequences:,} logged rollouts rescored on {where}", a.model, rows, a.out)
         return
     env2 = dict(env, LOGPROB_PARITY_HOME=str(home / "store2"))  # a store without the finished rescore
     partial = home / "store2" / "partial"
@@ -114,7 +121,7 @@ def main() -> None:
     rc, err, took, _ = _run(cmd, env2)
     said = next((ln.strip() for ln in err.splitlines() if "came from the store" in ln), "-")
     rows.append(("the same command again", f"{took:.0f} s (exit {rc}); it said: {said}"))
-    report(f"{a.sequences:,} logged rollouts rescored on this CPU", a.model, rows, a.out)
+    report(f"{a.sequences:,} logged rollouts rescored on {where}", a.model, rows, a.out)
 
 if __name__ == "__main__":
     main()

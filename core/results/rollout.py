@@ -236,11 +236,6 @@ class Rollout:
                               "largest |Δ|": None if np.isnan(largest[i]) else float(largest[i]),
                               "what": self.samples[int(i)].finish_reason or ""} for i in order.tolist()])
 
-    def column_of(self, f: Any) -> np.ndarray:
-        """f(sample) (an array over its completion tokens) for every sample, end to end (float64)."""
-        arrays = [np.asarray(f(s), dtype=np.float64) for _, part in self.chunks() for s in part]
-        return np.concatenate(arrays) if arrays else np.zeros(0)
-
     def prompt_of(self, i: int) -> str:
         """Sample i's prompt text."""
         s = self.samples[i]
