@@ -129,6 +129,7 @@ def test_a_killed_rescore_resumes_without_recomputing_its_stored_batches(tiny_bo
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{stored} of 20 batches came from the store" in again.stderr, again.stderr[-3000:]
     assert not any(partial.glob("*/part-*.arrow"))
+    assert not any((partial / "logged").glob("*.arrow"))  # the killed process's spool went with the next run
     clean = subprocess.run(cmd + ["--no-cache", "--json", str(tmp_path / "clean.json")], env=env, capture_output=True, text=True,
                            timeout=600)
     assert clean.returncode == 0, clean.stderr[-3000:]
