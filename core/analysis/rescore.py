@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,7 @@ def rescore(source: bytes | Path, name: str, spec: RunSpec, ctx: Context | None 
     spec = with_trainer_defaults(spec)
     p = prepare(dataclasses.replace(spec, texts=(f"logged rollouts from {name}",)), ctx)
     ctx.emit("tokenize", None, f"reading and checking the records of {name}")
-    spool = _spool_path(ctx.store.root / "partial" / "logged")
+    spool = ctx.store.new_spool()
     try:
         logged = spool_logged(source, name, mapping or {}, p.tokenizer, p.spec.bos, p.model.vocab_size, spool)
         longest = int((logged.prompt_len + logged.completion_len).max())
@@ -104,19 +103,6 @@ def rescore(source: bytes | Path, name: str, spec: RunSpec, ctx: Context | None 
         return out
     finally:
         spool.unlink(missing_ok=True)
-
-
-def _spool_path(folder: Path) -> Path:
-    """A spool file of this process's own; spools left by processes that are gone (killed) are removed."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("spool-*.arrow"):
-        try:
-            os.kill(int(old.stem.split("-")[1]), 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            old.unlink(missing_ok=True)
-        except PermissionError:
-            pass
-    return folder / f"spool-{os.getpid()}-{time.monotonic_ns()}.arrow"
 
 
 def _windows(logged: LoggedIndex) -> list[tuple[int, int]]:
@@ -170,7 +156,7 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
             digest = content_hash([batch, [s.logprobs for s in seqs]], 16)
             old = store.part_info(rid, b)
             if old is not None and (old.get("idx"), old.get("ids"), old.get("layout")) == (idx, digest, PART_LAYOUT):
-                table = store.part_table(rid, b, ["sample", "hf"])
+                table = None  # read below only if it holds a sequence the floors rescore
                 if old.get("kl_why"):
                     kl_why.add(old["kl_why"])
                 reused += 1
@@ -198,9 +184,11 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
                 computed += n_tok
                 t_compute += time.perf_counter() - t_b
             done += n_tok
-            for i in idx:
-                if i < n_first:
-                    first_hf[i] = table.column("hf").to_numpy()[table.column("sample").to_numpy() == i]
+            wanted = [i for i in idx if i < n_first]
+            if wanted:
+                table = table if table is not None else store.part_table(rid, b, ["sample", "hf"])
+                hf_col, seq_col = table.column("hf").to_numpy(), table.column("sample").to_numpy()
+                first_hf.update({i: hf_col[seq_col == i] for i in wanted})
             ctx.on_progress(dtype, done, total)
             rate = computed / t_compute if t_compute else 0.0
             left = f", {words_left((total - done) / rate)}" if rate and done < total else ""

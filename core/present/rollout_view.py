@@ -155,17 +155,16 @@ def token_frame(ro: Rollout, pair: str, samples: Any = None, pieces: bool = True
         cols["position"].append(np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns))
         cols["delta"].append(d)
 
-    if samples is None and not pieces:  # every token, a chunk of Δ at a time (a stored rescore's read from its file)
+    if samples is None:  # every token, a chunk of Δ at a time (a stored rescore's read from its file)
         for lo, ns, d in ro.delta_chunks(pair):
             add(np.arange(lo, lo + len(ns)), ns, d)
+        if pieces:
+            cols["piece"] = [p for _, part in ro.chunks() for s in part for p in s.pieces]
     else:
-        chunks: Any = ([(list(samples), [ro.samples[i] for i in samples])] if samples is not None else
-                       ((range(lo, lo + len(part)), part) for lo, part in ro.chunks()))
-        for idx, part in chunks:
-            ns = np.array([len(s.completion_token_ids) for s in part], dtype=np.int64)
-            add(idx, ns, np.concatenate([np.asarray(s.delta(pair), dtype=np.float64) for s in part]) if part else np.zeros(0))
-            if pieces:
-                cols["piece"].extend(p for s in part for p in s.pieces)
+        part = [ro.samples[i] for i in samples]
+        ns = np.array([len(s.completion_token_ids) for s in part], dtype=np.int64)
+        add(list(samples), ns, np.concatenate([np.asarray(s.delta(pair), dtype=np.float64) for s in part]) if part else np.zeros(0))
+        cols["piece"] = [p for s in part for p in s.pieces]
     cat = {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64 if k != "delta" else np.float64)
            for k, v in cols.items() if k != "piece"}
     d = cat["delta"]

@@ -232,6 +232,20 @@ class Store:
         table = table.select(columns) if columns else table
         return table.replace_schema_metadata(None)
 
+    def new_spool(self) -> Path:
+        """A path for this process's spool of a logged file (core.inputs.rollout_logs.spool_logged),
+        in `partial/logged/`; spools left by processes that are gone (killed) are removed first."""
+        folder = self.root / "partial" / "logged"
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("spool-*.arrow"):
+            try:
+                os.kill(int(old.stem.split("-")[1]), 0)
+            except (ValueError, IndexError, ProcessLookupError):
+                old.unlink(missing_ok=True)
+            except PermissionError:
+                pass
+        return folder / f"spool-{os.getpid()}-{time.monotonic_ns()}.arrow"
+
     def drop_partial(self, run_id: str) -> None:
         import shutil
 
