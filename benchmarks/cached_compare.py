@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from core.paths import store_root  # noqa: E402
+from logprob_parity.paths import store_root  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     (store_root() / "models").mkdir(parents=True, exist_ok=True)
     (home / "models").symlink_to(store_root() / "models")
     env = dict(os.environ, LOGPROB_PARITY_HOME=str(home))
-    cmd = [sys.executable, "-m", "core.cli", "compare", "--prompts", str(REPO / "core/data/sentences.txt"),
+    cmd = [sys.executable, "-m", "logprob_parity.cli", "compare", "--prompts", str(REPO / "logprob_parity/data/sentences.txt"),
            "--dtype", "float32,bfloat16", "--quiet"]
     try:
         t = time.perf_counter()

@@ -50,13 +50,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.engines import build_tinyllama, prompts_of
-    from core.analysis.compare import compare
-    from core.engines import fullvocab, pool
-    from core.env import resolve_device
-    from core.inputs.models import resolve_model
-    from core.inputs.settings import EngineSettings
-    from core.inputs.spec import RunSpec
-    from core.results.store import Store
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.engines import fullvocab, pool
+    from logprob_parity.env import resolve_device
+    from logprob_parity.inputs.models import resolve_model
+    from logprob_parity.inputs.settings import EngineSettings
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.store import Store
 
     device = resolve_device("auto")
     if a.model == "tinyllama":

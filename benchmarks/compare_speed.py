@@ -33,10 +33,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B).
-LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-               max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
-               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192})
+LLAMA8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 128256,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
 TARGETS = {"ratio": 1.5, "kl_ratio": 1.25, "kl_rate_1b": 20000.0}
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-speed-"))
     # The GPU machine's setup script turns the tokenizers' threads off for every process there; `lpp`
     # and the dashboard leave the library's default (a batch encoded on every core), and the engine
-    # hosts turn them off for themselves (core.engines.host). Measure this process as a user runs it.
+    # hosts turn them off for themselves (logprob_parity.engines.host). Measure this process as a user runs it.
     if os.environ.get("TOKENIZERS_PARALLELISM") == "false" and not os.environ.get("LPP_KEEP_TOKENIZERS_SERIAL"):
         del os.environ["TOKENIZERS_PARALLELISM"]
 
@@ -93,15 +93,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.engines import Table, build_tinyllama, prompts_of
-    from core.analysis import request as request_mod
-    from core.analysis.compare import compare
-    from core.analysis.request import Context, prepare
-    from core.engines import fullvocab, pool
-    from core.env import device_name, resolve_device, versions
-    from core.inputs.models import resolve_model
-    from core.inputs.settings import EngineSettings
-    from core.inputs.spec import RunSpec
-    from core.results.store import Store
+    from logprob_parity.analysis import request as request_mod
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.analysis.request import Context, prepare
+    from logprob_parity.engines import fullvocab, pool
+    from logprob_parity.env import device_name, resolve_device, versions
+    from logprob_parity.inputs.models import resolve_model
+    from logprob_parity.inputs.settings import EngineSettings
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.store import Store
 
     device = resolve_device("auto")
     work = Path(tempfile.mkdtemp(prefix="lpp-speed-"))
@@ -216,7 +216,7 @@ def main() -> None:
                   f"**{took:.1f} s = {n / took:,.0f} tokens/s; exact KL at {int(np.isfinite(kl).sum()):,} of {n:,} positions** "
                   f"({r.meta.env.vllm_engine['kl_full']}); {n * model.vocab_size * 4 / 1e9:.1f} GB of float32 rows; "
                   f"mean |Δ logp| {r.summary['mean_abs_delta']:.3e}, KL mean {r.summary['kl_full_mean']}")
-        from core.present.render import token_view_html, windows
+        from logprob_parity.present.render import token_view_html, windows
 
         back = store.load(r.run_id)
         t = time.perf_counter()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from core.paths import store_root  # noqa: E402
+from logprob_parity.paths import store_root  # noqa: E402
 
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"]
 GOAL_S = {"cpu": 5.0, "cuda": 2.0}
@@ -44,7 +44,7 @@ def _server(home: Path, prewarm: bool) -> tuple[subprocess.Popen, str, float]:
     port = _free_port()
     env = dict(os.environ, LOGPROB_PARITY_HOME=str(home), LPP_PREWARM="1" if prewarm else "0")
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "core.cli", "dashboard", "--headless", "--address", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "logprob_parity.cli", "dashboard", "--headless", "--address", "127.0.0.1", "--port", str(port)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -137,7 +137,7 @@ def main() -> None:
     a = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
-    from core.env import resolve_device, versions
+    from logprob_parity.env import resolve_device, versions
 
     want = set(a.dtypes.split(","))
     rows: list[tuple[str, float]] = []

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # TinyLlama-1.1B's shape; the vocabulary is the tokenizer's.
-TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                 num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0)
+TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
 
 
 def build_tinyllama(out: Path, tokenizer_path: str, device: str) -> str:
@@ -50,7 +50,7 @@ def build_tinyllama(out: Path, tokenizer_path: str, device: str) -> str:
 
 
 def prompts_of(tokenizer, n: int, length: int) -> list[list[int]]:
-    from core.inputs.prompts import filler_ids
+    from logprob_parity.inputs.prompts import filler_ids
 
     return filler_ids(tokenizer, n, length)
 
@@ -116,16 +116,16 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from core.engines import pool
-    from core.engines.records import LoadRequest
-    from core.engines.backends.hf import HFBackend
-    from core.analysis.compare import compare
-    from core.analysis.request import model_max_len
-    from core.env import device_name, resolve_device, versions
-    from core.inputs.models import resolve_model
-    from core.inputs.prompts import SEED_TEXT
-    from core.inputs.spec import DTYPES, EngineSettings, RunSpec
-    from core.results.store import Store
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.analysis.request import model_max_len
+    from logprob_parity.engines import pool
+    from logprob_parity.engines.backends.hf import HFBackend
+    from logprob_parity.engines.records import LoadRequest
+    from logprob_parity.env import device_name, resolve_device, versions
+    from logprob_parity.inputs.models import resolve_model
+    from logprob_parity.inputs.prompts import SEED_TEXT
+    from logprob_parity.inputs.spec import DTYPES, EngineSettings, RunSpec
+    from logprob_parity.results.store import Store
 
     device = resolve_device("auto")
     work = Path(tempfile.mkdtemp(prefix="lpp-bench-"))

@@ -1,5 +1,5 @@
 """The engine side of time to first result, without a browser (the GPU machine has no Streamlit):
-what `logprob-parity dashboard` does at server start (core.analysis.prewarm: the default model's
+what `logprob-parity dashboard` does at server start (logprob_parity.analysis.prewarm: the default model's
 engines in the default dtypes, one warm-up pass each), then the first comparison of a new text on
 those engines, a second one, and for contrast the first comparison on cold engines.
 
@@ -30,13 +30,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-first-"))
-    from core.analysis.compare import compare
-    from core.analysis.prewarm import default_dtypes, warm_defaults
-    from core.analysis.request import Context
-    from core.engines.pool import EnginePool
-    from core.env import device_name, resolve_device, versions
-    from core.inputs.spec import RunSpec
-    from core.results.store import Store
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.analysis.prewarm import default_dtypes, warm_defaults
+    from logprob_parity.analysis.request import Context
+    from logprob_parity.engines.pool import EnginePool
+    from logprob_parity.env import device_name, resolve_device, versions
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.store import Store
 
     device = resolve_device("auto")
     dtypes = default_dtypes(device)

@@ -2,7 +2,7 @@
 
 llm-compressor's maintainers measured 1.1 tokens/s pulling full-vocabulary logprobs through vLLM's
 public API (a Python object per vocabulary entry). Ours never builds those objects (see
-core/engines/fullvocab.py). Target on the H200, TinyLlama-shaped 1.1B model, 64 x 512 tokens,
+logprob_parity/engines/fullvocab.py). Target on the H200, TinyLlama-shaped 1.1B model, 64 x 512 tokens,
 bfloat16: at least 1,000 tokens/s.
 
     python benchmarks/fullvocab_kl.py [--model tinyllama|demo|PATH] [--tokenizer PATH] [--prompts 64] [--tokens 512] [--dtype bfloat16] [--out FILE]
@@ -47,12 +47,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.engines import Table, build_tinyllama, prompts_of
-    from core.analysis.compare import compare
-    from core.engines import fullvocab, pool
-    from core.env import device_name, resolve_device, versions
-    from core.inputs.models import resolve_model
-    from core.inputs.spec import RunSpec
-    from core.results.store import Store
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.engines import fullvocab, pool
+    from logprob_parity.env import device_name, resolve_device, versions
+    from logprob_parity.inputs.models import resolve_model
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.store import Store
 
     device = resolve_device("auto")
     work = Path(tempfile.mkdtemp(prefix="lpp-kl-bench-"))

@@ -4,7 +4,7 @@
 
 `benchmarks/compare_speed.py` times a compare with the exact KL against one without it; this script
 splits the difference that is not the engines' forward passes. Two processes stand in for the vLLM
-host and the HF host and run core.engines.fullvocab's own functions on random float32 rows of the
+host and the HF host and run logprob_parity.engines.fullvocab's own functions on random float32 rows of the
 compare benchmark's shape (64 x 511 rows of 49,152 by default):
   - keep: each sequence's rows written where vLLM's capture writes them (`_rows_into`), then `keep`;
   - share: `share` (CUDA IPC handles) and the pipe to the other process;
@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-BLOCK_BYTES = 1 << 30  # core.engines.backends.hf.HFEngine.CUDA_BLOCK_BYTES
+BLOCK_BYTES = 1 << 30  # logprob_parity.engines.backends.hf.HFEngine.CUDA_BLOCK_BYTES
 
 
 def _sync(torch) -> None:
@@ -42,7 +42,7 @@ def _sync(torch) -> None:
 def producer(conn, n: int, length: int, vocab: int, repeats: int, device: str) -> None:
     import torch
 
-    from core.engines import fullvocab
+    from logprob_parity.engines import fullvocab
 
     gen = torch.Generator(device=device).manual_seed(0)
     rows = [torch.log_softmax(torch.randn(length - 1, vocab, device=device, generator=gen), dim=-1) for _ in range(2)]
@@ -75,8 +75,8 @@ def producer(conn, n: int, length: int, vocab: int, repeats: int, device: str) -
 def consumer(conn, n: int, length: int, vocab: int, device: str) -> None:
     import torch
 
-    from core.engines import fullvocab
-    from core.engines.backends.hf import _rows_of
+    from logprob_parity.engines import fullvocab
+    from logprob_parity.engines.backends.hf import _rows_of
 
     gen = torch.Generator(device=device).manual_seed(1)
     lh = torch.log_softmax(torch.randn(length - 1, vocab, device=device, generator=gen), dim=-1)
@@ -85,7 +85,7 @@ def consumer(conn, n: int, length: int, vocab: int, device: str) -> None:
         msg = conn.recv()
         if msg is None:
             return
-        layout, shared = msg
+        _layout, shared = msg
         _sync(torch)
         t = time.perf_counter()
         opened = fullvocab.open_rows(shared)
@@ -120,7 +120,7 @@ def fewer_passes(lh, ref):
 def math_ab(vocab: int, device: str, repeats: int) -> list[str]:
     import torch
 
-    from core.engines import fullvocab
+    from logprob_parity.engines import fullvocab
 
     rows = max(256, BLOCK_BYTES // (4 * vocab)) if device == "cuda" else 256
     gen = torch.Generator(device=device).manual_seed(2)

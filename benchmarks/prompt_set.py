@@ -49,13 +49,13 @@ def main() -> None:
         from builders import build_tiny_llama
 
         a.model = str(build_tiny_llama("tiny-llama-bos", adds_bos=True))
-    lines = (REPO / "core" / "data" / "sentences.txt").read_text().splitlines()
+    lines = (REPO / "logprob_parity" / "data" / "sentences.txt").read_text().splitlines()
     words = " ".join(lines).split()
     prompts = [" ".join(words[(i * 7) % (len(words) - 40):][: 4 + i % 12]) + f" ({i})" for i in range(a.prompts)]
     pfile = home / "set.txt"
     pfile.write_text("\n".join(prompts) + "\n")
     env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "core.cli", "compare", "--model", a.model, "--prompts", str(pfile), "--dtype", a.dtype,
+    cmd = [sys.executable, "-m", "logprob_parity.cli", "compare", "--model", a.model, "--prompts", str(pfile), "--dtype", a.dtype,
            "--device", "cpu", "--json", str(home / "out.json")]
     rows: list[tuple[str, str]] = []
     t = time.perf_counter()
@@ -69,7 +69,7 @@ def main() -> None:
 
     w = threading.Thread(target=watch, daemon=True)
     w.start()
-    out, err = proc.communicate()
+    _out, err = proc.communicate()
     took = time.perf_counter() - t
     w.join()
     if proc.returncode != 0:
@@ -82,9 +82,9 @@ def main() -> None:
     rows.append(("--json written a sequence at a time", f"{(home / 'out.json').stat().st_size / 2**20:.0f} MiB"))
 
     os.environ["LOGPROB_PARITY_HOME"] = str(home / "store")
-    from core.present.charts import worst_tokens
-    from core.present.render import token_view_html
-    from core.results.store import Store
+    from logprob_parity.present.charts import worst_tokens
+    from logprob_parity.present.render import token_view_html
+    from logprob_parity.results.store import Store
 
     store = Store(home / "store")
     run_id = store.list_runs()["run_id"].iloc[0]
@@ -110,7 +110,7 @@ def main() -> None:
 def report(title: str, model: str, rows: list[tuple[str, str]], out: str | None) -> None:
     """The results table of a CPU-scale benchmark, headed by the machine, versions, model and the
     command line; printed, and written to `out` when given."""
-    from core.env import versions
+    from logprob_parity.env import versions
 
     v = versions()
     text = "\n".join([f"# {title}", "",

@@ -3,7 +3,7 @@
     python benchmarks/rescore_profile.py [--model PATH] [--sequences 20000] [--prompt 8] [--completion 24] [--profile]
 
 No engine runs: each sequence's scorings are random arrays of the shape the engines return, so the
-figures are this process's own work on a rescore of that size (core.analysis.rescore: the records
+figures are this process's own work on a rescore of that size (logprob_parity.analysis.rescore: the records
 read, checked and spooled; each batch's part built and stored; `finish`, the summary from the parts
 and the stored file; the Rollout read back; Rollout.write_json). With --profile, the 15 costliest functions of each
 phase (cProfile, cumulative). Default model: the tiny test Llama (its tokenizer; nothing is loaded
@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from benchmarks.prompt_set import report, rss_peak
-from benchmarks.rescore_scale import logged_lines, scale_args
+from benchmarks.prompt_set import report, rss_peak  # noqa: E402 - importable once the repo is on the path
+from benchmarks.rescore_scale import logged_lines, scale_args  # noqa: E402
 
 RID = "0123456789abcdef0123456789abcdef"  # the profiled rollout's id in its throwaway store
 
@@ -47,12 +47,12 @@ def main() -> None:
     data = "".join(logged_lines(a)).encode()  # sets a.model when not given
     from types import SimpleNamespace
 
-    from core.analysis.request import Context, prepare
-    from core.analysis.rescore import _batches, _samples, finish
-    from core.inputs.rollout_logs import spool_logged
-    from core.inputs.spec import RunSpec
-    from core.results.rollout import sample_table
-    from core.results.store import Store
+    from logprob_parity.analysis.request import Context, prepare
+    from logprob_parity.analysis.rescore import _batches, _samples, finish
+    from logprob_parity.inputs.rollout_logs import spool_logged
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.rollout import sample_table
+    from logprob_parity.results.store import Store
 
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(1)  # the scorings' stand-ins
@@ -77,7 +77,7 @@ def main() -> None:
             profiles.append((name, s.getvalue()))
         return out
 
-    p.tokenizer  # loaded before the phases: its import is not theirs
+    _ = p.tokenizer  # loaded before the phases: its import is not theirs
     src = home / "logged.jsonl"
     src.write_bytes(data)
     del data
@@ -109,7 +109,7 @@ def main() -> None:
     if a.page:
         from streamlit.testing.v1 import AppTest
 
-        at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=600)
+        at = AppTest.from_file(str(REPO / "logprob_parity" / "dashboard" / "app.py"), default_timeout=600)
         at.switch_page("views/rollout.py")
         at.query_params.update({"rollout": RID})
         phase("the Rollout page opens it (its script, first run: the store read included)", at.run)

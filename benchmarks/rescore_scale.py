@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from benchmarks.prompt_set import report, rss_peak
-from core.env import device_name
+from benchmarks.prompt_set import report, rss_peak  # noqa: E402 - importable once the repo is on the path
+from logprob_parity.env import device_name  # noqa: E402
 
 
 def _run(cmd: list[str], env: dict[str, str], kill_after_parts: int | None = None,
@@ -93,7 +93,7 @@ def main() -> None:
     with path.open("w") as f:
         f.writelines(logged_lines(a))
     env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "core.cli", "rescore", "--rollouts", str(path), "--model", a.model, "--dtype", a.dtype,
+    cmd = [sys.executable, "-m", "logprob_parity.cli", "rescore", "--rollouts", str(path), "--model", a.model, "--dtype", a.dtype,
            "--device", a.device, *([] if a.no_json else ["--json", str(home / "out.json")])]
     where = "this CPU" if a.device == "cpu" else f"{device_name(a.device)} ({a.dtype})"
     rows: list[tuple[str, str]] = []

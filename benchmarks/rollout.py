@@ -37,18 +37,18 @@ def main() -> None:
 
     import torch
 
-    from core.analysis.request import Context
-    from core.analysis.rollout import rollout
-    from core.env import device_name, resolve_device, versions
-    from core.inputs.demo import build_demo_model
-    from core.inputs.settings import EngineSettings
-    from core.inputs.spec import RunSpec
-    from core.results.rollout import Sampling
-    from core.results.store import Store
+    from logprob_parity.analysis.request import Context
+    from logprob_parity.analysis.rollout import rollout
+    from logprob_parity.env import device_name, resolve_device, versions
+    from logprob_parity.inputs.demo import build_demo_model
+    from logprob_parity.inputs.settings import EngineSettings
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.rollout import Sampling
+    from logprob_parity.results.store import Store
 
     model = a.model or str(build_demo_model())
     device = resolve_device("auto")
-    lines = (REPO / "core" / "data" / "sentences.txt").read_text().splitlines()
+    lines = (REPO / "logprob_parity" / "data" / "sentences.txt").read_text().splitlines()
     prompts = tuple(f"{lines[i % len(lines)]} ({i})" for i in range(a.prompts))
     sampling = Sampling(samples=1, temperature=1.0, max_tokens=a.tokens, seed=0, ignore_eos=True)
     ctx = Context.of(store=Store())
@@ -128,7 +128,7 @@ def main() -> None:
     bare = bare_gen + bare_hf
     hf = None  # freed: the next model is ours
     # where HF's side goes: our HF backend's rollout_score in this process (no host, no socket), warm
-    from core.engines.backends.hf import HFBackend
+    from logprob_parity.engines.backends.hf import HFBackend
 
     ours_hf = HFBackend(model, a.dtype, device, dataclasses.replace(EngineSettings(), hf_batch_size=16),
                         ro.meta.settings["max_model_len"])

@@ -32,18 +32,18 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-probe-"))
     os.environ.setdefault("LPP_HF_TIMING", "1")
-    from core.analysis.request import Context, prepare
-    from core.analysis.rollout import _engines, rollout, with_rollout_defaults
-    from core.engines import fullvocab
-    from core.env import resolve_device
-    from core.inputs.demo import build_demo_model
-    from core.inputs.settings import EngineSettings
-    from core.inputs.spec import RunSpec
-    from core.results.rollout import Sampling
+    from logprob_parity.analysis.request import Context, prepare
+    from logprob_parity.analysis.rollout import _engines, rollout, with_rollout_defaults
+    from logprob_parity.engines import fullvocab
+    from logprob_parity.env import resolve_device
+    from logprob_parity.inputs.demo import build_demo_model
+    from logprob_parity.inputs.settings import EngineSettings
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.rollout import Sampling
 
     model = a.model or str(build_demo_model())
     device = resolve_device("auto")
-    lines = (REPO / "core" / "data" / "sentences.txt").read_text().splitlines()
+    lines = (REPO / "logprob_parity" / "data" / "sentences.txt").read_text().splitlines()
     prompts = tuple(f"{lines[i % len(lines)]} ({i})" for i in range(a.prompts))
     sampling = Sampling(samples=1, temperature=1.0, max_tokens=a.tokens, seed=0, ignore_eos=True)
     settings = dataclasses.replace(EngineSettings(), enforce_eager=None if device != "cpu" else True, hf_batch_size=16)

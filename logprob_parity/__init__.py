@@ -9,7 +9,7 @@
     lp.diff(runs[0], runs[1]).headline
     lp.load("3f2a9c")                                               # any stored run, rollout or frontier
 
-The same functions the console script and the pages call (core.analysis.*), with plain keyword
+The same functions the console script and the pages call (logprob_parity.analysis.*), with plain keyword
 arguments; every call stores its result as they do ($LOGPROB_PARITY_HOME) and returns the typed
 records (Run, Rollout, CheckResult, RunDiff, FrontierResult), each with `.to_pandas()` where a table
 makes sense.
@@ -21,13 +21,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+# Importing the package imports neither torch nor vLLM: every function below imports its stage lazily,
+# and the engines load in their own host processes.
+__version__ = "0.1.0"
+
 __all__ = ["compare", "rollout", "rescore", "check", "diff", "load"]
 
 
 def _spec(texts: str | Sequence[str], model: str | None, dtypes: str | Sequence[str], device: str, bos: str,
           settings: dict[str, Any] | None, **extra: Any) -> Any:
-    from core.inputs.settings import EngineSettings
-    from core.inputs.spec import RunSpec
+    from logprob_parity.inputs.settings import EngineSettings
+    from logprob_parity.inputs.spec import RunSpec
 
     texts = (texts,) if isinstance(texts, str) else tuple(texts)
     dtypes = tuple(d.strip() for d in dtypes.split(",")) if isinstance(dtypes, str) else tuple(dtypes)
@@ -38,9 +42,9 @@ def _spec(texts: str | Sequence[str], model: str | None, dtypes: str | Sequence[
 
 
 def _ctx(home: str | None, progress: bool) -> Any:
-    from core.analysis.request import Context
-    from core.inputs.models import model_roots_from_env
-    from core.results.store import Store
+    from logprob_parity.analysis.request import Context
+    from logprob_parity.inputs.models import model_roots_from_env
+    from logprob_parity.results.store import Store
 
     def say(stage: str, dtype: str | None, detail: str) -> None:
         print(f"{stage}{f' [{dtype}]' if dtype else ''}: {detail}", flush=True)
@@ -54,8 +58,8 @@ def compare(texts: str | Sequence[str], model: str | None = None, dtypes: str | 
             noise_floor: bool = True, truncate: bool = False, use_cache: bool = True, home: str | None = None,
             progress: bool = False) -> list[Any]:
     """Score `texts` with HF and vLLM on the same token ids: one stored Run per dtype. `settings`:
-    engine settings by name (core.inputs.settings), e.g. {"attention_backend": "FLEX_ATTENTION"}."""
-    from core.analysis.compare import compare as _compare
+    engine settings by name (logprob_parity.inputs.settings), e.g. {"attention_backend": "FLEX_ATTENTION"}."""
+    from logprob_parity.analysis.compare import compare as _compare
 
     spec = _spec(texts, model, dtypes, device, bos, settings, top_k=top_k, noise_floor=noise_floor, truncate=truncate)
     return _compare(spec, _ctx(home, progress), use_cache=use_cache)
@@ -67,8 +71,8 @@ def rollout(prompts: str | Sequence[str], model: str | None = None, dtypes: str 
             settings: dict[str, Any] | None = None, noise_samples: int = 2, use_cache: bool = True, home: str | None = None,
             progress: bool = False) -> list[Any]:
     """Sample with vLLM's decode path and rescore with vLLM prefill and HF: one stored Rollout per dtype."""
-    from core.analysis.rollout import rollout as _rollout
-    from core.results.rollout import Sampling
+    from logprob_parity.analysis.rollout import rollout as _rollout
+    from logprob_parity.results.rollout import Sampling
 
     spec = _spec(prompts, model, dtypes, device, bos, settings)
     sampling = Sampling(samples=samples, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
@@ -82,8 +86,8 @@ def rescore(rollouts: str | Path | bytes, model: str | None = None, dtypes: str 
             progress: bool = False) -> list[Any]:
     """Rescore logged rollouts (a JSONL/Parquet file, or its bytes with `name`) with vLLM prefill and
     HF; `map` renames fields ("logprobs=rollout_log_probs,..." or a dict). One stored Rollout per dtype."""
-    from core.analysis.rescore import rescore as _rescore
-    from core.inputs.rollout_logs import parse_mapping
+    from logprob_parity.analysis.rescore import rescore as _rescore
+    from logprob_parity.inputs.rollout_logs import parse_mapping
 
     if isinstance(rollouts, bytes):
         if not name:
@@ -102,8 +106,8 @@ def check(runs: Any, *, max_mean_abs_delta: float | None = None, max_abs_delta: 
           max_worsening: float = 1.5, home: str | None = None) -> Any:
     """The parity gate: a CheckResult (`.passed`, `.lines()`, `.exit_code`, `.to_pandas()`). `runs`
     and `baseline` are Runs or stored run ids."""
-    from core.analysis.check import Bounds
-    from core.analysis.check import check as _check
+    from logprob_parity.analysis.check import Bounds
+    from logprob_parity.analysis.check import check as _check
 
     runs = [runs] if not isinstance(runs, (list, tuple)) else list(runs)
     runs = [load(r, home=home) if isinstance(r, str) else r for r in runs]
@@ -114,7 +118,7 @@ def check(runs: Any, *, max_mean_abs_delta: float | None = None, max_abs_delta: 
 
 def diff(a: Any, b: Any, *, home: str | None = None) -> Any:
     """Two runs of the same model and token ids side by side: a RunDiff (`.headline`, `.changes`, `.to_pandas()`)."""
-    from core.analysis.diff import diff_runs
+    from logprob_parity.analysis.diff import diff_runs
 
     a = load(a, home=home) if isinstance(a, str) else a
     b = load(b, home=home) if isinstance(b, str) else b
@@ -123,7 +127,7 @@ def diff(a: Any, b: Any, *, home: str | None = None) -> Any:
 
 def load(any_id: str, *, home: str | None = None) -> Any:
     """A stored run, rollout or frontier by its id (or a unique prefix of it)."""
-    from core.results.store import Store
+    from logprob_parity.results.store import Store
 
     store = Store(home) if home else Store()
     if store.is_rollout(any_id):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv for logprob-parity: vLLM's CUDA build where an NVIDIA GPU is present, its CPU build
-# elsewhere. `--test` adds the test tools and Debian's Chromium for the browser test.
+# elsewhere. `--test` adds the test tools (pytest, Playwright, ruff), the docs' tools (MkDocs) and
+# Debian's Chromium for the browser test.
 # Re-running is cheap: pip is skipped while pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ VENV=.venv
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=gpu; else FLAVOUR=cpu; fi
 EXTRAS=$FLAVOUR
-[ $WITH_TEST = 1 ] && EXTRAS="$EXTRAS,test"
+[ $WITH_TEST = 1 ] && EXTRAS="$EXTRAS,test,docs"
 STAMP="$VENV/.lpp-setup-$(cat pyproject.toml "$0" | sha256sum | cut -c1-16)-${EXTRAS//,/-}"
 
 if [ ! -f "$STAMP" ]; then
@@ -34,7 +35,7 @@ fi
 
 # The embedded demo model's folder (converted from its GGUF, about 20 s once), so the dashboard's first
 # start goes straight to starting engines: a fresh install answers as fast as a warm one.
-if ! out=$("$VENV/bin/python" -c "from core.inputs.demo import build_demo_model; print(build_demo_model())" 2>&1); then
+if ! out=$("$VENV/bin/python" -c "from logprob_parity.inputs.demo import build_demo_model; print(build_demo_model())" 2>&1); then
   echo "warning: could not prepare the demo model (the dashboard will try again on first use):" >&2
   echo "$out" | tail -5 >&2
 fi

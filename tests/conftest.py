@@ -1,4 +1,4 @@
-"""Shared fixtures. Engine tests share warm workers through core.engines' pool (one process)."""
+"""Shared fixtures. Engine tests share warm workers through logprob_parity.engines' pool (one process)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from builders import CACHE, REPO, build_tiny_gptq, build_tiny_llama  # noqa: E402
+from builders import CACHE, REPO, build_tiny_gptq, build_tiny_llama
 
 # Demo model and other built models live here across test runs (CI builds them once per run).
 MODELS_HOME = CACHE / "home"
@@ -20,8 +20,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests need CUDA, multi-GPU tests two GPUs; skip them (with the reason) elsewhere."""
-    from core.env import cuda_present
-    from core.engines.memory import gpus
+    from logprob_parity.engines.memory import gpus
+    from logprob_parity.env import cuda_present
 
     cuda = cuda_present()
     many = cuda and len(gpus()) >= 2
@@ -52,7 +52,7 @@ def tiny_nobos() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
-    from core.inputs.demo import build_demo_model
+    from logprob_parity.inputs.demo import build_demo_model
 
     return build_demo_model(MODELS_HOME / "models" / "smollm2-135m-instruct")
 
@@ -62,7 +62,7 @@ def gpu_model() -> str:
     """The demo model for GPU runs: the GPU machine's converted copy (LPP_GPU_MODEL), else built here."""
     path = os.environ.get("LPP_GPU_MODEL", "/tmp/models/smollm2-135m")
     if not Path(path, "config.json").is_file():
-        from core.inputs.demo import build_demo_model
+        from logprob_parity.inputs.demo import build_demo_model
 
         return str(build_demo_model())
     return path

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from test_check import _stored
 
 import logprob_parity as lp
-from test_check import _stored
 
 
 def test_load_check_and_diff_work_on_stored_ids(home):

@@ -7,31 +7,37 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parent.parent / "core"
-# From the most basic up; docs/architecture.md lists the same order.
-LAYERS = (("errors", "paths", "env"), ("inputs",), ("engines",), ("results",), ("analysis",), ("present",), ("cli",))
+PACKAGE = Path(__file__).resolve().parent.parent / "logprob_parity"
+# From the most basic up; docs/architecture.md lists the same order. The package's own __init__ (the
+# Python API) and __main__ sit on top of everything.
+LAYERS = (("errors", "paths", "env"), ("inputs",), ("engines",), ("results",), ("analysis",), ("present",),
+          ("cli", "dashboard"), ("__init__", "__main__"))
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def _imports() -> dict[str, set[str]]:
-    """module (core.x.y) -> the core modules it imports, anywhere in its body."""
+    """module (logprob_parity.x.y) -> the package's modules it imports, anywhere in its body. A name
+    imported from a package counts when it is a module (`from logprob_parity.engines import fullvocab`);
+    `from logprob_parity import __version__` is no arrow to the API."""
     out: dict[str, set[str]] = {}
-    for path in CORE.rglob("*.py"):
-        mod = ".".join(("core", *path.relative_to(CORE).with_suffix("").parts)).removesuffix(".__init__")
+    for path in PACKAGE.rglob("*.py"):
+        mod = ".".join(("logprob_parity", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
         found = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("core."):
-                found.add(node.module)
-                found.update(f"{node.module}.{a.name}" for a in node.names)  # `from core.engines import fullvocab`
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "logprob_parity":
+                if node.module != "logprob_parity":
+                    found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name.startswith("core."))
+                found.update(a.name for a in node.names if a.name.startswith("logprob_parity."))
         out[mod] = found
     modules = set(out)
     return {m: {x for x in deps if x in modules and x != m} for m, deps in out.items()}
 
 
 def _stage(module: str) -> str:
-    return module.split(".")[1]
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def test_every_import_points_down_the_stages():

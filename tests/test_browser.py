@@ -11,14 +11,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import cli_env
-from hostile import HOSTILE as HOSTILE_STRINGS
 from test_hostile import hostile_run
+
+from hostile import HOSTILE as HOSTILE_STRINGS
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+DOCS_IMG = REPO / "docs" / "img"
+# The README's tour: one picture a page, each written by the browser test that drives that page.
+README_SHOTS = ("compare", "prompt-set", "rollout", "frontier", "diagnostics", "runs", "diff")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"]
 HOSTILE = "Thou art <script>alert(1)</script> and <img src=x onerror=alert(1)> lovely."
 
@@ -26,6 +29,16 @@ pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (scripts/setup.sh --test installs it)"),
 ]
+
+
+def docs_shot(page, name: str) -> None:
+    """The README's picture of a page, taken from the real app as this test left it, scrolled to the top.
+    Every run of the browser tests writes it again, so the README shows the pages as they are now."""
+    assert name in README_SHOTS, name
+    page.mouse.move(5, 5)  # no hover panel in the picture
+    page.mouse.wheel(0, -100_000)
+    settled(page)
+    page.screenshot(path=str(DOCS_IMG / f"{name}.png"))
 
 
 def _free_port() -> int:
@@ -37,9 +50,9 @@ def _free_port() -> int:
 @pytest.fixture()
 def server(home):
     port = _free_port()
-    log = open(home / "streamlit.log", "wb")
+    log = open(home / "streamlit.log", "wb")  # noqa: SIM115 - open while the server runs, closed after it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(REPO / "dashboard" / "app.py"), "--server.port", str(port),
+        [sys.executable, "-m", "streamlit", "run", str(REPO / "logprob_parity" / "dashboard" / "app.py"), "--server.port", str(port),
          "--server.headless", "true", "--server.address", "127.0.0.1"],
         cwd=REPO, env=cli_env(home), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -163,8 +176,8 @@ def test_hostile_text_never_executes(server, home, tmp_path):
     """53 hostile strings as tokens, in the dashboard (a shared link) and in the HTML report."""
     from playwright.sync_api import sync_playwright
 
-    from core.present.report import write_html_report
-    from core.results.store import Store
+    from logprob_parity.present.report import write_html_report
+    from logprob_parity.results.store import Store
 
     run = hostile_run()
     Store(home).save(run)
@@ -236,6 +249,7 @@ def test_rollout_page_samples_rescores_and_explains(server, demo_model):
         box, view = tip.bounding_box(), page.viewport_size
         assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= view["width"] and box["y"] + box["height"] <= view["height"]
         page.screenshot(path=str(out / "rollout-top.png"))
+        docs_shot(page, "rollout")
         page.mouse.move(5, 5)
         expect(tip).to_be_hidden()
         # other samples: the Arabic and the CJK prompt read back as written
@@ -263,9 +277,9 @@ def test_frontier_page_in_the_browser(server, home):
     """A stored frontier opens from its link: the recommendation in words first, the skipped
     configuration with its reason (escaped), the scatter drawn, no 'None' in the table."""
     from playwright.sync_api import expect
-
-    from core.results.store import Store
     from test_dashboard import make_frontier
+
+    from logprob_parity.results.store import Store
 
     Store(home).save_frontier(make_frontier("fee456"))
     with stored_page(f"{server}/frontier?frontier=fee456", "frontier") as (page, out):
@@ -277,6 +291,7 @@ def test_frontier_page_in_the_browser(server, home):
         expect(chart).to_have_count(1)
         assert rec.bounding_box()["y"] < chart.bounding_box()["y"]
         page.screenshot(path=str(out / "frontier-top.png"))
+        docs_shot(page, "frontier")
         chart.scroll_into_view_if_needed()
         page.screenshot(path=str(out / "frontier-chart.png"))
         assert page.get_by_test_id("stException").count() == 0
@@ -286,9 +301,9 @@ def test_a_rollout_of_thousands_opens_by_number_and_its_worst_sequence_in_one_cl
     """A stored rollout of 1,200 samples in Chromium: a number picks the sample, the charts draw,
     and a click on the worst sequence opens its tokens and moves the number to it."""
     from playwright.sync_api import expect
-
-    from core.results.store import Store
     from test_dashboard import make_big_rollout
+
+    from logprob_parity.results.store import Store
 
     Store(home).save_rollout(make_big_rollout("abc778", 1200))
     with stored_page(f"{server}/rollout?rollout=abc778", "rollout-large") as (page, out):
@@ -335,7 +350,7 @@ def test_a_bad_frontier_configuration_is_refused_on_the_page_and_the_text_stays(
         assert "warp" in error.inner_text()
         assert page.get_by_role("textbox", name="Text").input_value() == text
         assert page.get_by_test_id("stException").count() == 0
-        from core.results.store import Store
+        from logprob_parity.results.store import Store
 
         assert Store(home).list_frontiers().empty
         page.screenshot(path=str(out / "frontier-bad-input.png"))

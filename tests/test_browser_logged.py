@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, server, settled  # noqa: F401 - server is a fixture
+from test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, docs_shot, server, settled  # noqa: F401 - server is a fixture
 
 pytestmark = [pytest.mark.browser, pytest.mark.engine]
 
@@ -15,11 +15,11 @@ pytestmark = [pytest.mark.browser, pytest.mark.engine]
 def test_rescore_a_logged_file_open_the_worst_token_and_diff_two_runs(server, tiny_bos, home, tmp_path):  # noqa: F811
     from playwright.sync_api import expect, sync_playwright
 
-    from core.analysis.compare import compare
-    from core.inputs.spec import RunSpec
-    from core.results.store import Store
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.store import Store
 
-    f32, bf16 = compare(RunSpec(texts=("Shall I compare thee to a summer's day? Thou art more lovely.",), model=str(tiny_bos),
+    f32, _bf16 = compare(RunSpec(texts=("Shall I compare thee to a summer's day? Thou art more lovely.",), model=str(tiny_bos),
                                 dtypes=("float32", "bfloat16"), device="cpu"), store=Store(home))
     ids = list(f32.sequences[0].token_ids)
     lps = [float(x) for x in f32.sequences[0].vllm.logprob]
@@ -71,4 +71,5 @@ def test_rescore_a_logged_file_open_the_worst_token_and_diff_two_runs(server, ti
         settled(page)
         assert "dtype float32 → bfloat16" in page.locator("[data-testid='stMain']").inner_text()
         page.screenshot(path=str(ARTIFACTS / "diff.png"), full_page=True)
+        docs_shot(page, "diff")
         browser.close()

@@ -4,6 +4,7 @@ fake backend (real host processes, no model), so these tests take seconds to a m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,8 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import cli_env
+
 import test_browser
 from test_browser import CHROMIUM, CHROMIUM_ARGS, _free_port, settled
 
@@ -47,7 +48,7 @@ def hosts_of(pid: int) -> list[int]:
 
 
 class Dashboard:
-    """`python -m core.cli dashboard` in its own process group, with this test's store and env."""
+    """`python -m logprob_parity.cli dashboard` in its own process group, with this test's store and env."""
 
     def __init__(self, home: Path, address: str = "127.0.0.1", **env: str) -> None:
         self.port = _free_port()
@@ -58,7 +59,7 @@ class Dashboard:
         environment.update(env)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "core.cli", "dashboard", "--headless", "--address", address, "--port", str(self.port)],
+                [sys.executable, "-m", "logprob_parity.cli", "dashboard", "--headless", "--address", address, "--port", str(self.port)],
                 cwd=REPO, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         self.url = f"http://127.0.0.1:{self.port}"
@@ -73,10 +74,8 @@ class Dashboard:
         pytest.fail("the dashboard did not start: " + self.log.read_text()[-2000:])
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _browser(p):
@@ -95,7 +94,7 @@ def test_beyond_localhost_diagnostics_refuse_a_local_folder_visibly(home, tiny_b
     message on screen (no click needed), exactly as Compare does, and nothing is computed."""
     from playwright.sync_api import expect, sync_playwright
 
-    from core.results.store import Store
+    from logprob_parity.results.store import Store
 
     ARTIFACTS.mkdir(exist_ok=True)
     dash = Dashboard(home, address="0.0.0.0")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 import pytest
-
-from core.cli import main
-from core.results.store import Store
 from test_store import make_run
+
+from logprob_parity.cli import main
+from logprob_parity.results.store import Store
 
 
 def _stored(home, run_id, scale=1.0, texts=("a <b>", "c\\nd")):
@@ -17,8 +17,8 @@ def _stored(home, run_id, scale=1.0, texts=("a <b>", "c\\nd")):
 
     import numpy as np
 
-    from core.results.metrics import concat, summarize
-    from core.results.run import SequenceResult
+    from logprob_parity.results.metrics import concat, summarize
+    from logprob_parity.results.run import SequenceResult
 
     base = make_run(run_id, texts=texts)
     seqs = []

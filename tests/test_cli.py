@@ -6,16 +6,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import cli_env, run_files
 
-SENTENCES = Path(__file__).resolve().parent.parent / "core" / "data" / "sentences.txt"
+SENTENCES = Path(__file__).resolve().parent.parent / "logprob_parity" / "data" / "sentences.txt"
 
 
 def cli(home, *args, timeout=1200):
     return subprocess.run(
-        [sys.executable, "-m", "core.cli", *args], capture_output=True, text=True, env=cli_env(home), timeout=timeout
-    )
+        [sys.executable, "-m", "logprob_parity.cli", *args], capture_output=True, text=True, env=cli_env(home), timeout=timeout
+    , check=False)
 
 
 @pytest.mark.engine
@@ -98,13 +97,13 @@ def test_store_folder_not_writable(home, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     env_home = blocker / "store"
-    p = subprocess.run([sys.executable, "-m", "core.cli", "runs"], capture_output=True, text=True,
-                       env=cli_env(env_home), timeout=120)
+    p = subprocess.run([sys.executable, "-m", "logprob_parity.cli", "runs"], capture_output=True, text=True,
+                       env=cli_env(env_home), timeout=120, check=False)
     assert p.returncode == 2 and "not usable" in p.stderr and "LOGPROB_PARITY_HOME" in p.stderr
 
 
 def test_no_gpu_for_device_cuda(home):
-    from core.env import cuda_present
+    from logprob_parity.env import cuda_present
 
     if cuda_present():
         pytest.skip("this machine has a GPU")

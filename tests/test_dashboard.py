@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
-
-from core.results.store import Store
 from test_store import make_run
 
-APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+from logprob_parity.results.store import Store
+
+APP = str(Path(__file__).resolve().parent.parent / "logprob_parity" / "dashboard" / "app.py")
 HOSTILE = ("<script>alert(1)</script>", "<img src=x onerror=alert(1)>")
 
 
@@ -194,8 +194,8 @@ def test_a_long_truncated_text_says_so_and_is_drawn_a_window_at_a_time(home):
     assert "shown 512 at a time, the part with the largest gap first" in window.label
     assert _html(at).count('class="lpp-tok') <= 512
     # the windows are ordered by their largest gap, worst first
-    from core.present.render import windows
-    from core.results.store import Store as S
+    from logprob_parity.present.render import windows
+    from logprob_parity.results.store import Store as S
 
     parts = windows([S(home).load("10a9")], 0, 512)
     assert [p[2] for p in parts] == sorted((p[2] for p in parts), reverse=True)
@@ -229,10 +229,10 @@ def make_rollout(rollout_id: str = "abc123", text: str = "The sea <b>is</b> 🌊
     """A stored rollout built by hand (plumbing for page tests; tests/test_rollout.py runs the engines)."""
     import numpy as np
 
-    from core.results.offpolicy import mismatch_metrics
-    from core.analysis.verdict import rollout_verdict
-    from core.results.records import RunEnv
-    from core.results.rollout import PAIRS, Rollout, RolloutMeta, Sample
+    from logprob_parity.analysis.verdict import rollout_verdict
+    from logprob_parity.results.offpolicy import mismatch_metrics
+    from logprob_parity.results.records import RunEnv
+    from logprob_parity.results.rollout import PAIRS, Rollout, RolloutMeta, Sample
 
     pieces = (" <script>x</script>", " 🌊", " مرحبا", " 海")
     decode = np.log([0.5, 0.25, 0.9, 0.3])
@@ -290,7 +290,7 @@ def test_runs_page_lists_rollouts_and_opens_one(home):
 
 def make_frontier(frontier_id: str = "fee123"):
     """A stored frontier built by hand (plumbing for page tests; tests/test_frontier.py runs the engines)."""
-    from core.analysis.frontier import FrontierResult, pareto, recommend
+    from logprob_parity.analysis.frontier import FrontierResult, pareto, recommend
 
     def row(name, dtype, gap, speed, skipped=None):
         return {"name": name, "dtype": dtype, "settings": {}, "skipped": skipped, "start_s": 12.0,
@@ -318,7 +318,7 @@ def test_frontier_page_opens_a_stored_frontier_with_its_recommendation_and_the_s
     Store(home).save_frontier(make_frontier())
     at = _open("frontier", frontier="fee123")
     assert not at.exception
-    assert [s.value for s in at.success][0].startswith("**Recommended: float32.**")
+    assert next(s.value for s in at.success).startswith("**Recommended: float32.**")
     assert any("bfloat16 quantization=fp8" in w.value and "no fp8 kernel" in w.value for w in at.warning)
     table = at.dataframe[0].value
     assert list(table["configuration"]) == ["float32", "bfloat16", "bfloat16 kv_cache_dtype=fp8"]  # the skipped one is above
@@ -363,7 +363,7 @@ def make_big_rollout(rollout_id: str, n: int):
 
     import numpy as np
 
-    from core.results.rollout import Rollout, Sample
+    from logprob_parity.results.rollout import Rollout, Sample
 
     base = make_rollout(rollout_id)
     rng = np.random.default_rng(0)
@@ -390,8 +390,8 @@ def test_rollout_page_on_thousands_of_samples_sends_the_browser_little(home):
     from 1, the histograms arrive counted (a row a bin), and a number opens that sample's tokens."""
     import json as _json
 
-    from core.present.rollout_view import STRIP_SAMPLES
-    from dashboard.components.rollout_panel import PICK_LIMIT
+    from logprob_parity.dashboard.components.rollout_panel import PICK_LIMIT
+    from logprob_parity.present.rollout_view import STRIP_SAMPLES
 
     n = PICK_LIMIT + 200
     Store(home).save_rollout(make_big_rollout("abc777", n))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, settled
+from test_browser import CHROMIUM, CHROMIUM_ARGS, docs_shot, settled
 from test_browser_server import Dashboard, _choose_model
 
 pytestmark = [pytest.mark.browser, pytest.mark.engine,
@@ -79,7 +79,7 @@ def _check_tooltip(page, token) -> None:
 
 
 def _has_palette_marks(element, colours: list[str], at_least: int = 30) -> bool:
-    """A chart has marks: its screenshot holds pixels in the dtype colours of core.present.palette."""
+    """A chart has marks: its screenshot holds pixels in the dtype colours of logprob_parity.present.palette."""
     from PIL import Image
 
     img = Image.open(io.BytesIO(element.screenshot())).convert("RGB")
@@ -100,7 +100,7 @@ def _error_shown(page, text: str) -> None:
 def test_demo_tour(home):
     from playwright.sync_api import expect, sync_playwright
 
-    from core.present.palette import DTYPE_COLOURS
+    from logprob_parity.present.palette import DTYPE_COLOURS
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     dash = Dashboard(home, LPP_PREWARM="1")
@@ -124,6 +124,7 @@ def test_demo_tour(home):
             tour.clean()
             verdicts = page.get_by_test_id("stAlert").filter(has_text=re.compile(r"(Match|Small but systematic|Close|Differs)\. (bfloat16|float32):"))
             tour.shot("compare-result-top")
+            docs_shot(page, "compare")
             assert verdicts.count() == 2, page.get_by_test_id("stAlert").all_inner_texts()  # one per dtype, in words
             assert verdicts.first.bounding_box()["y"] < page.locator(".lpp-tv").bounding_box()["y"]  # before the tokens
             for row in page.locator(".lpp-row .lpp-text").all():
@@ -213,7 +214,7 @@ def test_demo_tour(home):
             settled(page, 900_000)
             tour.clean()
             # the table lists the prompt with the largest gap first: the second row is the second largest
-            from core.results.store import Store
+            from logprob_parity.results.store import Store
 
             stored = Store(home).list_runs()
             run = Store(home).load(stored[stored["n_sequences"] == 3]["run_id"].iloc[0])
@@ -228,6 +229,7 @@ def test_demo_tour(home):
             want = PROMPTS.splitlines()[second]
             assert want.split()[0] in page.locator(".lpp-row .lpp-text").first.inner_text()
             tour.shot("prompt-set", full=True)
+            docs_shot(page, "prompt-set")
 
             # 8. Diagnostics: verdict, noise bars with marks, shares as percentages, words not keys
             page.goto(f"{dash.url}/diagnostics")
@@ -248,6 +250,7 @@ def test_demo_tour(home):
             bars.scroll_into_view_if_needed()
             assert _has_palette_marks(bars, [DTYPE_COLOURS["float32"]])
             tour.shot("diagnostics", full=True)
+            docs_shot(page, "diagnostics")
 
             # 9. Runs: one row per comparison; opening it fills the form with its text
             page.goto(f"{dash.url}/runs")
@@ -255,6 +258,7 @@ def test_demo_tour(home):
             tour.clean()
             expect(page.get_by_text("comparisons (", exact=False)).to_be_visible()  # one row per comparison (AppTest checks the rows)
             tour.shot("runs", full=True)
+            docs_shot(page, "runs")
             grid = page.get_by_test_id("stDataFrame").first
             box = grid.bounding_box()
             # the newest comparison is the prompt set (it opens on its own page); the one before, the long text

@@ -3,12 +3,12 @@
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
-
-from core.analysis.diagnostics import diagnose, knob_lines
-from core.present.diagnostics_view import diagnostics_text
-from core.inputs.spec import RunSpec
-from core.results.store import Store
 from test_dashboard import APP
+
+from logprob_parity.analysis.diagnostics import diagnose, knob_lines
+from logprob_parity.inputs.spec import RunSpec
+from logprob_parity.present.diagnostics_view import diagnostics_text
+from logprob_parity.results.store import Store
 
 pytestmark = pytest.mark.engine
 
@@ -32,7 +32,7 @@ def test_noise_floor(demo_diag):
                                   "hf_attn_eager", "hf_chunked", "hf_incremental"}
         assert all(v["n"] == 29 for v in out.noise.values())
     # the trainer-style rows are in the noise table, in words
-    from core.analysis.diagnostics import diagnostics_tables
+    from logprob_parity.analysis.diagnostics import diagnostics_tables
 
     whats = {row["what"] for row in diagnostics_tables(r)["noise"]}
     assert any("one token a forward through its KV cache" in w for w in whats)
@@ -57,7 +57,7 @@ def test_reference(demo_diag):
 
 def test_downstream(demo_diag):
     _, r = demo_diag
-    for d, out in r.dtypes.items():
+    for _d, out in r.dtypes.items():
         g, m = out.greedy, out.mcq
         assert g["n_tokens"] == 16 and g["hf_text"] and g["vllm_text"]
         assert g["first_difference"] is None or (0 <= g["first_difference"] < 16 and g["hf_token"] != g["vllm_token"])
@@ -69,7 +69,7 @@ def test_downstream(demo_diag):
 
 def test_verdict_and_storage(demo_diag):
     store, r = demo_diag
-    from core.analysis.verdict import SYSTEMATIC_NOISE_RATIO, diagnosis_verdicts
+    from logprob_parity.analysis.verdict import SYSTEMATIC_NOISE_RATIO, diagnosis_verdicts
 
     f32 = r.dtypes["float32"]
     # the stored verdict is the one verdict function's, over the stored evidence
@@ -98,7 +98,7 @@ def test_dashboard_shows_diagnostics(demo_diag, monkeypatch):
     at.query_params["diag"] = r.diagnostics_id
     at.run()
     assert not at.exception
-    from core.analysis.verdict import diagnosis_verdicts
+    from logprob_parity.analysis.verdict import diagnosis_verdicts
 
     shown = " ".join(b.value for b in [*at.success, *at.warning, *at.error])
     assert all(v.headline in shown for v in diagnosis_verdicts(r).values())
@@ -153,7 +153,7 @@ def test_the_remedy_named_is_never_a_setting_that_widens_the_gap():
 
 
 def test_report_carries_the_diagnostics(demo_diag, tmp_path):
-    from core.present.report import report_html
+    from logprob_parity.present.report import report_html
 
     store, r = demo_diag
     runs = [store.load(rid) for rid in r.run_ids.values()]

@@ -6,14 +6,14 @@ import json
 
 import pytest
 from streamlit.testing.v1 import AppTest
-
-from core.analysis.diff import diff_runs
-from core.cli import main
-from core.errors import UserError
-from core.results.store import Store
 from test_check import _stored
 
-APP = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+from logprob_parity.analysis.diff import diff_runs
+from logprob_parity.cli import main
+from logprob_parity.errors import UserError
+from logprob_parity.results.store import Store
+
+APP = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "logprob_parity" / "dashboard" / "app.py")
 
 
 def test_a_wider_run_reads_as_widened_with_what_changed(home):
@@ -73,8 +73,8 @@ def test_the_diff_page_opens_from_a_link_and_says_what_moved(home):
 @pytest.mark.engine
 def test_diff_of_float32_and_bfloat16_runs_puts_the_larger_gap_on_bfloat16(demo_model, home):
     """Real engines on the demo model: the same text in float32 and bfloat16; the diff reads bfloat16 wider."""
-    from core.analysis.compare import compare
-    from core.inputs.spec import RunSpec
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.inputs.spec import RunSpec
 
     f32, bf16 = compare(RunSpec(texts=("The capital of France is Paris, a city of museums.",), model=str(demo_model),
                                 dtypes=("float32", "bfloat16"), device="cpu"), store=Store(home))

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from core.engines import pool
-from core.analysis.compare import compare
-from core.inputs.spec import RunSpec
-from core.results.store import Store
+from logprob_parity.analysis.compare import compare
+from logprob_parity.engines import pool
+from logprob_parity.inputs.spec import RunSpec
+from logprob_parity.results.store import Store
 
 pytestmark = pytest.mark.engine
 
@@ -16,7 +16,8 @@ TEXTS = ("Dave lives in Palm Coast, FL and is a lawyer.", "Caf\u00e9 na\u00efve 
 @pytest.mark.parametrize("model_fixture, tokenizer_adds_bos", [("tiny_bos", True), ("tiny_nobos", False)])
 @pytest.mark.parametrize("bos", ["auto", "none"])
 def test_same_ids_both_backends(request, home, model_fixture, tokenizer_adds_bos, bos):
-    from core.inputs.tokens import load_tokenizer, tokenizer_adds_bos as adds
+    from logprob_parity.inputs.tokens import load_tokenizer
+    from logprob_parity.inputs.tokens import tokenizer_adds_bos as adds
 
     model = request.getfixturevalue(model_fixture)
     assert adds(load_tokenizer(str(model))) is tokenizer_adds_bos
@@ -74,8 +75,8 @@ def test_hf_topk_and_gathered_values_are_consistent(home, tiny_bos):
 
 def test_hf_row_chunking_changes_no_value(tiny_bos):
     """The HF backend in-process (plumbing of its own arithmetic): chunked rows == one block, bit for bit."""
-    from core.engines.backends.hf import HFBackend
-    from core.inputs.spec import EngineSettings
+    from logprob_parity.engines.backends.hf import HFBackend
+    from logprob_parity.inputs.spec import EngineSettings
 
     hf = HFBackend(str(tiny_bos), "float32", "cpu", EngineSettings(), 128)
     ids = [0] + list(range(5, 105))
@@ -90,8 +91,8 @@ def test_hf_row_chunking_changes_no_value(tiny_bos):
 def test_hf_batches_keep_order_and_values(tiny_bos):
     """hf_batch_size > 1 sorts by length, pads, and puts every result back in its place; on this CPU
     float32 values move by at most batch noise, and blocks of rows across a batch are bit-identical."""
-    from core.engines.backends.hf import HFBackend
-    from core.inputs.spec import EngineSettings
+    from logprob_parity.engines.backends.hf import HFBackend
+    from logprob_parity.inputs.spec import EngineSettings
 
     seqs = [[0] + list(range(5, 5 + n)) for n in (40, 7, 23, 40, 1)]
     gathers = [np.tile(np.arange(3), (len(s), 1)) for s in seqs]
@@ -113,8 +114,8 @@ def test_hf_compile_scores_the_same_positions(tiny_bos):
     """hf_compile runs the forward and the logprob blocks through torch.compile (inductor): on this
     CPU in float32 the values stay within float32 fusion noise of eager and the ranks and top-k
     ids are the same, in input order, across a padded batch and an unpadded one."""
-    from core.engines.backends.hf import HFBackend
-    from core.inputs.spec import EngineSettings
+    from logprob_parity.engines.backends.hf import HFBackend
+    from logprob_parity.inputs.spec import EngineSettings
 
     seqs = [[0] + list(range(5, 5 + n)) for n in (40, 7, 23, 40)]
     gathers = [np.tile(np.arange(3), (len(s), 1)) for s in seqs]
@@ -132,8 +133,8 @@ def test_hf_compile_scores_the_same_positions(tiny_bos):
 
 def _idle_hf(tiny_bos, **settings):
     """A loaded HF host that no request holds, last used 5 s ago."""
-    from core.engines.records import LoadRequest
-    from core.inputs.spec import EngineSettings
+    from logprob_parity.engines.records import LoadRequest
+    from logprob_parity.inputs.spec import EngineSettings
 
     load = LoadRequest("hf", str(tiny_bos), "float32", "cpu", EngineSettings(**settings), 256)
     with pool.lease([load]) as lease:
@@ -156,7 +157,7 @@ def test_idle_engines_stop_after_the_timeout(tiny_bos, monkeypatch):
 
 def test_a_new_engine_that_does_not_fit_stops_idle_ones(tiny_bos, monkeypatch):
     """Memory-aware eviction: when free memory is short, idle warm engines go, least recently used first."""
-    from core.engines import memory
+    from logprob_parity.engines import memory
 
     old, _ = _idle_hf(tiny_bos, attn_implementation="eager")
     monkeypatch.setattr(memory, "free_bytes", lambda device: 0)
@@ -165,9 +166,9 @@ def test_a_new_engine_that_does_not_fit_stops_idle_ones(tiny_bos, monkeypatch):
 
 
 def test_fits_together_counts_cold_engines_and_reclaimable_ones(tiny_bos, monkeypatch):
-    from core.engines import memory
-    from core.engines.records import LoadRequest
-    from core.inputs.spec import EngineSettings
+    from logprob_parity.engines import memory
+    from logprob_parity.engines.records import LoadRequest
+    from logprob_parity.inputs.spec import EngineSettings
 
     plan = [LoadRequest(b, str(tiny_bos), d, "cpu", EngineSettings(hf_batch_size=2), 256)
             for d in ("float32", "bfloat16") for b in ("hf", "vllm")]

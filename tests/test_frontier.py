@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from core.analysis.frontier import Config, default_grid, frontier, frontier_text, pareto, parse_configs, recommend
-from core.errors import UserError
-from core.inputs.spec import RunSpec
+from logprob_parity.analysis.frontier import Config, default_grid, frontier, frontier_text, pareto, parse_configs, recommend
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.spec import RunSpec
 
 
 def _row(name, gap, speed, skipped=None):
@@ -19,7 +19,7 @@ def test_configurations_parse_from_words_and_bad_ones_say_why():
     got = parse_configs("float32; bfloat16 kv_cache_dtype=fp8 ; float32 enforce_eager=false attention_backend=FLEX_ATTENTION")
     assert [c.name for c in got] == ["float32", "bfloat16 kv_cache_dtype=fp8",
                                      "float32 enforce_eager=False attention_backend=FLEX_ATTENTION"]
-    assert got[2].settings(__import__("core.inputs.settings", fromlist=["EngineSettings"]).EngineSettings()).enforce_eager is False
+    assert got[2].settings(__import__("logprob_parity.inputs.settings", fromlist=["EngineSettings"]).EngineSettings()).enforce_eager is False
     for bad, words in (("int8", "must start with a dtype"), ("float32 warp=9", "known setting"),
                        ("float32 kv_cache_dtype=int4", "kv_cache_dtype must be one of"), ("float32 enforce_eager=maybe", "true or false"),
                        ("  ;  ", "no configuration")):
@@ -82,7 +82,7 @@ def test_a_pre_quantized_checkpoint_is_refused_with_the_reason(tiny_bos, home, t
     import json
     import shutil
 
-    from core.analysis.request import Context
+    from logprob_parity.analysis.request import Context
 
     model = tmp_path / "tiny-awq"
     shutil.copytree(tiny_bos, model)
@@ -98,9 +98,9 @@ def test_a_pre_quantized_checkpoint_is_refused_with_the_reason(tiny_bos, home, t
 
 @pytest.mark.engine
 def test_a_frontier_on_the_demo_model_measures_and_recommends(demo_model, home, tmp_path):
-    from core.analysis.request import Context
-    from core.inputs.spec import RunSpec
-    from core.results.store import Store
+    from logprob_parity.analysis.request import Context
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.store import Store
 
     configs = parse_configs("float32; bfloat16; float16; bfloat16 kv_cache_dtype=fp8")
     spec = RunSpec(texts=("The capital of France is Paris, and the capital of Italy is Rome.",), model=str(demo_model), device="cpu")
@@ -139,7 +139,7 @@ def test_a_frontier_on_the_demo_model_measures_and_recommends(demo_model, home, 
 
 @pytest.mark.engine
 def test_frontier_cli_writes_json_and_a_bad_configuration_exits_2(demo_model, home, tmp_path, capsys):
-    from core.cli import main
+    from logprob_parity.cli import main
 
     out = tmp_path / "f.json"
     rc = main(["frontier", "--model", str(demo_model), "--prompt", "Hello there, general.", "--device", "cpu",
@@ -154,7 +154,7 @@ def test_frontier_cli_writes_json_and_a_bad_configuration_exits_2(demo_model, ho
 
 
 def test_a_configuration_keeps_its_settings_apart_from_the_base():
-    from core.inputs.settings import EngineSettings
+    from logprob_parity.inputs.settings import EngineSettings
 
     c = Config("bfloat16", (("kv_cache_dtype", "fp8"),))
     s = c.settings(EngineSettings(seed=3))
@@ -167,8 +167,8 @@ def test_a_stored_frontier_shows_and_reports_as_html_and_json_with_its_text_esca
     failure message is engine output, the texts are the user's)."""
     from test_dashboard import make_frontier
 
-    from core.cli import main
-    from core.results.store import Store
+    from logprob_parity.cli import main
+    from logprob_parity.results.store import Store
 
     Store(home).save_frontier(make_frontier("fee321"))
     assert main(["show", "fee3"]) == 0
@@ -195,9 +195,9 @@ def test_configurations_start_in_groups_that_fit_the_pool():
     dtype, the float64 reference) count once."""
     from types import SimpleNamespace
 
-    from core.analysis.frontier import _engines, _groups
-    from core.engines.records import LoadRequest
-    from core.inputs.settings import EngineSettings
+    from logprob_parity.analysis.frontier import _engines, _groups
+    from logprob_parity.engines.records import LoadRequest
+    from logprob_parity.inputs.settings import EngineSettings
 
     class Pool:
         def fits_together(self, requests):
@@ -223,7 +223,7 @@ def test_a_pre_quantized_checkpoint_is_measured_against_the_model_it_quantizes(t
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.analysis.request import Context
+    from logprob_parity.analysis.request import Context
 
     gptq, dequantized = tiny_gptq
     text = "The quick brown fox jumps over the lazy dog, twice."
@@ -251,7 +251,7 @@ def test_a_pre_quantized_checkpoint_is_measured_against_the_model_it_quantizes(t
 
 def test_a_checkpoint_outside_the_servers_model_roots_is_refused(tiny_bos, tiny_gptq, home):
     """A configuration's checkpoint is a model folder like any other: the same model-root rules."""
-    from core.analysis.request import Context
+    from logprob_parity.analysis.request import Context
 
     gptq, _ = tiny_gptq
     ctx = Context.of(model_roots=[str(tiny_bos)])

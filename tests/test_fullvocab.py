@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from core.results.metrics import TokenMetrics, llama_cpp_stats
+from logprob_parity.results.metrics import TokenMetrics, llama_cpp_stats
 
 TEXT = "The quick brown fox jumps over the lazy dog, twice."
 
@@ -59,8 +59,8 @@ def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, mon
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.analysis.compare import compare
-    from core.inputs.spec import RunSpec
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.inputs.spec import RunSpec
 
     def folders() -> set[str]:
         return {f for f in os.listdir("/dev/shm") if f.startswith("lpp-fullvocab-")} if os.path.isdir("/dev/shm") else set()
@@ -105,9 +105,9 @@ def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, mon
 
 @pytest.mark.engine
 def test_a_run_too_large_for_the_exact_kl_says_why_and_still_compares(tiny_bos, home, monkeypatch):
-    from core.analysis.compare import compare
-    from core.engines import fullvocab
-    from core.inputs.spec import RunSpec
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.engines import fullvocab
+    from logprob_parity.inputs.spec import RunSpec
 
     monkeypatch.setattr(fullvocab, "MAX_BYTES", 1000)
     (run,) = compare(RunSpec(texts=(TEXT,), model=str(tiny_bos), dtypes=("float32",), device="cpu"), use_cache=False)
@@ -123,7 +123,7 @@ def test_no_room_for_the_full_logprobs_is_said_not_crashed(monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from core.engines import fullvocab
+    from logprob_parity.engines import fullvocab
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 64 << 20))
@@ -144,9 +144,9 @@ def test_folders_of_killed_processes_are_removed(tmp_path, monkeypatch):
     import sys
     import tempfile
 
-    from core.engines import fullvocab
+    from logprob_parity.engines import fullvocab
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=False).stdout.strip()
     orphan = tmp_path / f"lpp-fullvocab-{dead}-abc"
     mine = tmp_path / f"lpp-fullvocab-{os.getpid()}-def"
     orphan.mkdir()
@@ -172,7 +172,7 @@ def _v2_capture(target):
 
     import torch
 
-    from core.engines import fullvocab
+    from logprob_parity.engines import fullvocab
 
     vocab = 11
     prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7, 8, 9, 10, 1, 2], "c": [3, 4]}
@@ -218,7 +218,7 @@ def _v2_capture(target):
 def test_the_v2_runner_capture_maps_chunked_rows_to_each_requests_positions(tmp_path):
     """Files: every kept row is its own position's log_softmax, each sequence in its own file. The
     real runner is checked on the GPU (tests/test_gpu.py)."""
-    from core.engines import fullvocab
+    from logprob_parity.engines import fullvocab
 
     want, called = _v2_capture(str(tmp_path))
     assert fullvocab.problem(str(tmp_path)) is None and called == [3, 3, 3, 3, 1]
@@ -233,7 +233,7 @@ def test_kept_tensors_are_views_of_one_tensor_a_batch_and_reach_the_reader_uncha
     one a sequence); without it (None) each request gets a tensor of its own, and when it is too
     small for them all (4: request "a" fits, "b" does not) the one that does not fit gets its own. Either way the reader gets every row, in sequence order, bit
     for bit, and a released batch is gone."""
-    from core.engines import fullvocab
+    from logprob_parity.engines import fullvocab
 
     token = f"test-{rows}"
     want, _ = _v2_capture({"tensors": token, "rows": rows})
@@ -256,7 +256,7 @@ def test_the_exact_kl_of_float32_rows_is_never_negative():
     one distribution, and their KL must be 0, not the -1e-6 a sum over the raw rows gives."""
     import torch
 
-    from core.engines import fullvocab
+    from logprob_parity.engines import fullvocab
 
     lh = torch.log_softmax(torch.randn(4, 300, generator=torch.Generator().manual_seed(0)), dim=-1)
     shifted = lh.numpy() + np.float32(1e-6)  # probabilities summing to 1 + 1e-6
@@ -273,9 +273,9 @@ def test_exact_kl_through_shared_tensors_equals_the_files_path(tiny_bos, home, m
     """The GPU transport (vLLM keeps its rows as tensors and shares them with the HF host, which sums
     the KL on the device) gives the very KL the files path gives, on the same engines and ids; on a
     CPU the tensors cross through shared-memory files, which is what this checks here."""
-    from core.analysis.compare import compare
-    from core.engines import fullvocab
-    from core.inputs.spec import RunSpec
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.engines import fullvocab
+    from logprob_parity.inputs.spec import RunSpec
 
     spec = RunSpec(texts=(TEXT, TEXT + " And once more, with feeling."), model=str(tiny_bos), dtypes=("float32",), device="cpu")
     got = {}

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from core.analysis.compare import compare
-from core.env import dtype_support
-from core.inputs.spec import DTYPES, EngineSettings, RunSpec
-from core.results.store import Store
+from logprob_parity.analysis.compare import compare
+from logprob_parity.env import dtype_support
+from logprob_parity.inputs.spec import DTYPES, EngineSettings, RunSpec
+from logprob_parity.results.store import Store
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
-SENTENCES = (Path(__file__).resolve().parent.parent / "core" / "data" / "sentences.txt").read_text().splitlines()
+SENTENCES = (Path(__file__).resolve().parent.parent / "logprob_parity" / "data" / "sentences.txt").read_text().splitlines()
 # Never a tracked file: a GPU run must not rewrite benchmarks/results/ behind the reader's back.
 RESULTS = Path(os.environ.get("LPP_GPU_RESULTS") or Path(tempfile.gettempdir()) / "logprob-parity-gpu.md")
 ROWS: list[str] = []
@@ -49,7 +49,7 @@ def _row(label, run):
 def test_the_card_runs_every_dtype():
     import torch
 
-    major, minor = torch.cuda.get_device_capability()
+    major, _minor = torch.cuda.get_device_capability()
     for d in DTYPES:
         reason = dtype_support(d, "cuda")
         assert (reason is None) == (d != "bfloat16" or major >= 8), (d, reason)
@@ -75,7 +75,7 @@ def test_float32_attention_backends(gpu_model, store):
             try:
                 (run,) = compare(RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=("float32",), device="cuda", settings=settings),
                                  store=store)
-            except Exception as exc:  # noqa: BLE001 - a backend this card or build refuses is reported
+            except Exception as exc:
                 ROWS.append(f"| {label} | float32 | - | - | failed: {str(exc).splitlines()[0][:120]} | | | |")
                 continue
             _row(label, run)
@@ -91,14 +91,14 @@ ROLLOUT_ROWS: list[str] = []
 def test_rollout_three_way_on_cuda(gpu_model, store, dtype):
     """vLLM decode (CUDA graphs on, all requests together) against vLLM prefill and HF, per dtype:
     the three-way table for the closing note."""
-    from core.analysis.rollout import rollout
-    from core.results.rollout import Sampling
+    from logprob_parity.analysis.rollout import rollout
+    from logprob_parity.results.rollout import Sampling
 
     prompts = tuple(SENTENCES[:16])
     sampling = Sampling(samples=4, temperature=1.0, max_tokens=128, seed=0)
     graphs = EngineSettings(enforce_eager=None)  # the rollout default, as the CLI and the page give it: CUDA graphs
     (ro,) = rollout(RunSpec(texts=prompts, model=gpu_model, dtypes=(dtype,), device="cuda", settings=graphs), sampling,
-                    __import__("core.analysis.request", fromlist=["Context"]).Context.of(store=store), use_cache=False)
+                    __import__("logprob_parity.analysis.request", fromlist=["Context"]).Context.of(store=store), use_cache=False)
     m = ro.meta
     assert m.settings["enforce_eager"] is False and m.env.vllm_engine["device"] != "cpu"  # CUDA graphs by default
     s = m.summary
@@ -131,12 +131,12 @@ def test_exact_kl_rows_on_the_gpu_model_runner_are_vllms_own(gpu_model, store):
     of the token and the top 5 that vLLM itself reported there; and a comparison's exact KL must
     then exist at every position, at least its top-k lower bound."""
     import numpy as np
-
-    from core.analysis.request import model_max_len
-    from core.engines import fullvocab, pool
-    from core.engines.records import LoadRequest
-    from core.inputs.models import resolve_model
     from transformers import AutoTokenizer
+
+    from logprob_parity.analysis.request import model_max_len
+    from logprob_parity.engines import fullvocab, pool
+    from logprob_parity.engines.records import LoadRequest
+    from logprob_parity.inputs.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(gpu_model)
     seqs = [tok(s)["input_ids"] for s in SENTENCES[:6]]
@@ -173,8 +173,8 @@ def test_frontier_on_cuda(gpu_model, store, monkeypatch):
     """The default GPU grid on the demo model: at least 10 configurations measured against HF in
     float64 on the card, FP8 weights and the FP8 KV cache among them, float32 closer than bfloat16,
     every one with a mean exact KL; the table and the recommendation are written for the note."""
-    from core.analysis.frontier import default_grid, frontier, frontier_text
-    from core.analysis.request import Context
+    from logprob_parity.analysis.frontier import default_grid, frontier, frontier_text
+    from logprob_parity.analysis.request import Context
 
     monkeypatch.setenv("LPP_MAX_WARM_ENGINES", "40")  # the card holds every engine of the grid: start them side by side
     grid = default_grid("cuda")
@@ -197,12 +197,12 @@ def test_exact_kl_through_cuda_ipc_equals_the_host_row_path(gpu_model, store):
     every position, and the rows hold what vLLM reported; the sequences' rows are views of one
     allocation (one IPC handle a batch); then a comparison on the card takes the IPC path and names it."""
     import numpy as np
-
-    from core.analysis.request import model_max_len
-    from core.engines import fullvocab, pool
-    from core.engines.records import LoadRequest
-    from core.inputs.models import resolve_model
     from transformers import AutoTokenizer
+
+    from logprob_parity.analysis.request import model_max_len
+    from logprob_parity.engines import fullvocab, pool
+    from logprob_parity.engines.records import LoadRequest
+    from logprob_parity.inputs.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(gpu_model)
     seqs = [tok(s)["input_ids"] for s in SENTENCES]
@@ -250,12 +250,12 @@ def test_an_8b_shaped_model_scores_a_32k_token_text_with_the_exact_kl(store, tmp
     import time
 
     import numpy as np
+    from transformers import AutoTokenizer
 
     from benchmarks.compare_speed import build_llama8b
     from benchmarks.engines import prompts_of
-    from core.inputs.models import resolve_model
-    from core.present.render import token_view_html, windows
-    from transformers import AutoTokenizer
+    from logprob_parity.inputs.models import resolve_model
+    from logprob_parity.present.render import token_view_html, windows
 
     path = os.environ.get("LPP_GPU_8B") or ""
     if not Path(path, "config.json").is_file():
@@ -288,8 +288,8 @@ def test_an_8b_shaped_model_scores_a_32k_token_text_with_the_exact_kl(store, tmp
 def test_compare_verdict_equals_the_diagnostics_level_in_float32(gpu_model, store):
     """A comparison judges its gap against the noise floor it measures itself; on the card in float32
     its verdict has the level the full Diagnostics give (the gap is many times HF's own noise there)."""
-    from core.analysis.diagnostics import diagnose
-    from core.analysis.verdict import diagnosis_verdicts, run_verdicts
+    from logprob_parity.analysis.diagnostics import diagnose
+    from logprob_parity.analysis.verdict import diagnosis_verdicts, run_verdicts
 
     spec = RunSpec(texts=(SENTENCES[0],), model=gpu_model, dtypes=("float32",), device="cuda")
     (run,) = compare(spec, store=store, use_cache=False)

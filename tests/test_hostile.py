@@ -4,13 +4,14 @@ import json
 from html.parser import HTMLParser
 
 import pytest
-
-from core.inputs.prompts import parse_prompts
-from core.present.render import token_view_html
-from core.present.report import report_html
-from core.inputs.tokens import load_tokenizer, tokenize
-from hostile import HOSTILE
 from test_store import make_run
+
+from logprob_parity.inputs.prompts import parse_prompts
+from logprob_parity.inputs.tokens import load_tokenizer, tokenize
+from logprob_parity.present.render import token_view_html
+from logprob_parity.present.report import report_html
+
+from hostile import HOSTILE
 
 VIEW_TAGS = {"style", "div", "span", "b"}
 VIEW_ATTRS = {"class", "style", "data-index", "data-value", "data-scale"}
@@ -56,7 +57,7 @@ def test_every_hostile_string_survives_storage_and_json_unchanged(home):
     """The product keeps each of the 50+ hostile strings exactly: stored, reopened and exported."""
     import json
 
-    from core.results.store import Store
+    from logprob_parity.results.store import Store
 
     assert len(HOSTILE) >= 50 and len(set(HOSTILE)) == len(HOSTILE)
     run = hostile_run("beefbeef")

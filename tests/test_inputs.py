@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from core.errors import UserError
-from core.inputs.prompts import parse_prompts
-from core.inputs.spec import MAX_TOP_K, EngineSettings, RunSpec, content_hash
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.prompts import parse_prompts
+from logprob_parity.inputs.spec import MAX_TOP_K, EngineSettings, RunSpec, content_hash
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_settings_roundtrip_and_hash_is_canonical():
 def test_hf_compile_is_an_hf_setting_from_the_cli():
     """--hf-compile reaches HF's part of the settings (so HF's engine key and the run id) and not vLLM's;
     settings stored before the knob existed still load, with it off."""
-    from core.cli import _settings, build_parser
+    from logprob_parity.cli import _settings, build_parser
 
     args = build_parser().parse_args(["compare", "--prompt", "x", "--dtype", "float32", "--hf-compile"])
     on, off = _settings(args), EngineSettings()

@@ -4,10 +4,9 @@ import dataclasses
 
 import pytest
 
-from core.engines import memory
-from core.engines import parallel
-from core.errors import UserError
-from core.inputs.spec import EngineSettings
+from logprob_parity.engines import memory, parallel
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.spec import EngineSettings
 
 H200 = memory.GPU(0, "NVIDIA H200", 141 * memory.GIB, 140 * memory.GIB)
 
@@ -44,7 +43,7 @@ def test_free_bytes_on_cpu_is_the_kernels_available_memory():
 def test_plan_on_cpu_is_one_process_and_refuses_parallel_knobs(tiny_bos):
     s = parallel.resolve(EngineSettings(), str(tiny_bos), "float32", "cpu")
     assert (s.tensor_parallel_size, s.pipeline_parallel_size, s.hf_device_map) == (1, 1, None)
-    for bad in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2), dict(hf_device_map="auto")):
+    for bad in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"hf_device_map": "auto"}):
         with pytest.raises(UserError, match="need GPUs"):
             parallel.resolve(EngineSettings(**bad), str(tiny_bos), "float32", "cpu")
 

@@ -5,15 +5,17 @@ import math
 import numpy as np
 import pytest
 
-from core.results.metrics import SUMMARY_KEYS, concat, kl_topk, summarize, token_metrics
+from logprob_parity.results.metrics import SUMMARY_KEYS, concat, kl_topk, summarize, token_metrics
 
 NAN = float("nan")
 
 
 def _m():
     # position 0 unscored; 1: HF 0.5 vs vLLM 0.4; 2: equal 0.25; 3: HF 0.1 vs vLLM 0.2
-    lh = np.log([1.0, 0.5, 0.25, 0.1]); lh[0] = NAN
-    lv = np.log([1.0, 0.4, 0.25, 0.2]); lv[0] = NAN
+    lh = np.log([1.0, 0.5, 0.25, 0.1])
+    lh[0] = NAN
+    lv = np.log([1.0, 0.4, 0.25, 0.2])
+    lv[0] = NAN
     hf_top1 = np.array([-1, 7, 3, 9])
     vl_top1 = np.array([-1, 7, 4, 9])
     vl_topk = np.log(np.array([[1, 1], [0.4, 0.4], [0.5, 0.25], [0.2, 0.1]]))
@@ -101,7 +103,7 @@ def test_each_samples_exact_stats_at_once_are_one_call_a_sample():
     """exact_stats_each (a rescore's --json, every sample's exact-KL and same-top statistics) gives
     exactly exact_stats([s]) a sample: mixed lengths, one position, a NaN KL, a NaN same-top, a
     sample stored without exact columns and an empty one."""
-    from core.results.rollout import Sample, exact_stats, exact_stats_each
+    from logprob_parity.results.rollout import Sample, exact_stats, exact_stats_each
 
     rng = np.random.default_rng(3)
 
@@ -124,7 +126,7 @@ def test_each_samples_exact_stats_at_once_are_one_call_a_sample():
 def _summary_one_call(m):
     """The summary as one call a sequence computed it before `summarize_each` (1-D numpy, each key
     by itself): the reference the stacked rows must equal bit for bit."""
-    from core.results.metrics import exact_kl_stats, same_top_stats
+    from logprob_parity.results.metrics import exact_kl_stats, same_top_stats
 
     s = m.scored
     n = int(s.sum())
@@ -156,7 +158,7 @@ def test_summarize_each_equals_one_call_a_sequence_bit_for_bit(with_kl_full):
     sequence with none, unscored positions inside a sequence, a top-k KL that is NaN at some
     positions, an exact KL missing at one position of one sequence, and equal probabilities (no
     Pearson): every key of every sequence equals the 1-D reference exactly, and key order too."""
-    from core.results.metrics import summarize_each
+    from logprob_parity.results.metrics import summarize_each
 
     rng = np.random.default_rng(7)
     lengths = [5, 9, 9, 1, 9, 30, 2, 17, 9]

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.analysis.compare import compare
-from core.engines.memory import gpus
-from core.inputs.spec import EngineSettings, RunSpec
-from core.results.store import Store
+from logprob_parity.analysis.compare import compare
+from logprob_parity.engines.memory import gpus
+from logprob_parity.inputs.spec import EngineSettings, RunSpec
+from logprob_parity.results.store import Store
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.gpu, pytest.mark.engine]
 
-SENTENCES = (Path(__file__).resolve().parent.parent / "core" / "data" / "sentences.txt").read_text().splitlines()
+SENTENCES = (Path(__file__).resolve().parent.parent / "logprob_parity" / "data" / "sentences.txt").read_text().splitlines()
 # Never a tracked file: a GPU run must not rewrite benchmarks/results/ behind the reader's back.
 RESULTS = Path(os.environ.get("LPP_MULTIGPU_RESULTS") or Path(tempfile.gettempdir()) / "logprob-parity-multigpu.md")
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.results.offpolicy import METRIC_KEYS, floor_stats, mismatch_metrics, mismatch_metrics_each
-from core.engines.backends.hf import _log_kept_mass
+from logprob_parity.engines.backends.hf import _log_kept_mass
+from logprob_parity.results.offpolicy import METRIC_KEYS, floor_stats, mismatch_metrics, mismatch_metrics_each
 
 # Two sequences. Rollout (vLLM decode) and trainer (HF) logprobs chosen so every ratio is round:
 # log ρ = trainer − rollout = [ln 2, 0, −ln 2] and [ln 1.25].

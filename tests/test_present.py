@@ -7,13 +7,13 @@ import json
 import re
 
 import pytest
-
-from core.analysis.verdict import VLLM_TEST_TOL, run_verdicts
-from core.present.charts import CHARTS, chart_frame
-from core.present.palette import DTYPE_COLOURS
-from core.present.render import AMBER_HI, NEUTRAL, RED_HI, RED_LO, meaning_scale, token_view_html
-from core.present.report import report_html
 from test_store import make_run
+
+from logprob_parity.analysis.verdict import VLLM_TEST_TOL, run_verdicts
+from logprob_parity.present.charts import CHARTS, chart_frame
+from logprob_parity.present.palette import DTYPE_COLOURS
+from logprob_parity.present.render import AMBER_HI, NEUTRAL, RED_HI, RED_LO, meaning_scale, token_view_html
+from logprob_parity.present.report import report_html
 
 
 def test_meaning_scale_is_neutral_within_the_floor_amber_to_the_tolerance_and_red_beyond():
@@ -38,10 +38,11 @@ def _red(style: str) -> bool:
 def test_red_tokens_and_the_verdict_tell_the_same_story(scale):
     """A token is red exactly when it is beyond vLLM's tolerance, and the verdict says so exactly then."""
     from test_store import _scores
-    from core.inputs.tokens import TokenizedText
-    from core.results.run import Run, SequenceResult
-    from core.results.records import RunMeta
-    from core.results.metrics import concat, summarize
+
+    from logprob_parity.inputs.tokens import TokenizedText
+    from logprob_parity.results.metrics import concat, summarize
+    from logprob_parity.results.records import RunMeta
+    from logprob_parity.results.run import Run, SequenceResult
 
     ids = [1, 10, 11, 12, 13]
     toks = ("<s>", "a", "b", "c", "d")
@@ -85,7 +86,7 @@ def test_one_palette_in_the_token_view_the_charts_and_the_report():
 
 
 def test_progress_is_said_in_words():
-    from dashboard.components.runner import describe
+    from logprob_parity.dashboard.components.runner import describe
 
     assert describe("queue", "float32", "waiting for another job on the device (2 in line)").startswith(
         "Waiting for another job [float32]: waiting for another job on the device (2 in line)")

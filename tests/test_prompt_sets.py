@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import cli_env, kill_after_parts
-from core.analysis.compare import plan_batches
+
+from logprob_parity.analysis.compare import plan_batches
 
 LINES = [f"Prompt number {i}: the quick brown fox jumps over the lazy dog {i % 7} times." for i in range(24)]
 
@@ -28,7 +28,7 @@ def test_batches_are_consecutive_bounded_and_never_empty():
         plan = plan_batches(lengths, None, "cpu")
         assert plan == [(0, 2), (2, 3), (3, 4), (4, 7)]
         assert plan_batches(lengths, 512, "cpu") == plan
-        from core.engines import fullvocab
+        from logprob_parity.engines import fullvocab
 
         old = fullvocab.MAX_BYTES
         fullvocab.MAX_BYTES = 4 * 512 * 9  # nine rows of a 512-entry vocabulary
@@ -43,9 +43,9 @@ def test_batches_are_consecutive_bounded_and_never_empty():
 @pytest.mark.engine
 def test_a_set_in_batches_is_the_same_run_as_in_one(tiny_bos, home, monkeypatch):
     """Six batches or one: the same run id, token ids, values, exact KL and summary."""
-    from core.analysis.compare import compare
-    from core.inputs.spec import RunSpec
-    from core.results.store import Store
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.store import Store
 
     spec = RunSpec(texts=tuple(LINES), model=str(tiny_bos), dtypes=("float32",), device="cpu")
     (one,) = compare(spec, store=Store(home / "one"), use_cache=False)
@@ -71,22 +71,22 @@ def test_a_killed_run_resumes_without_recomputing_its_stored_batches(tiny_bos, h
     prompts = tmp_path / "set.txt"
     prompts.write_text("\n".join(LINES * 4) + "\n")
     env = dict(cli_env(home), LPP_BATCH_TOKENS="60")
-    cmd = [sys.executable, "-m", "core.cli", "compare", "--model", str(tiny_bos), "--prompts", str(prompts), "--dtype", "float32",
+    cmd = [sys.executable, "-m", "logprob_parity.cli", "compare", "--model", str(tiny_bos), "--prompts", str(prompts), "--dtype", "float32",
            "--device", "cpu"]
     stored = kill_after_parts(cmd, env, home, 3)
-    again = subprocess.run(cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{stored} of " in again.stderr and "batches came from the store" in again.stderr, again.stderr[-3000:]
     import json
 
     data = json.loads((tmp_path / "out.json").read_text())
     assert len(data["sequences"]) == len(LINES) * 4
-    from core.results.store import Store
+    from logprob_parity.results.store import Store
 
     run = Store(home).load(data["run_id"])
     assert run.meta.timing["batches_from_store"] == stored
     clean = subprocess.run(cmd + ["--no-cache", "--json", str(tmp_path / "clean.json")], env=env, capture_output=True, text=True,
-                           timeout=600)
+                           timeout=600, check=False)
     assert clean.returncode == 0, clean.stderr[-3000:]
     fresh = json.loads((tmp_path / "clean.json").read_text())
     assert fresh["run_id"] == data["run_id"] and fresh["summary"] == data["summary"]

@@ -5,15 +5,16 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
-
-from core.engines import pool
-from core.analysis.compare import compare
-from core.errors import EngineError, UserError
-from core.inputs.spec import EngineSettings, RunSpec
-from core.results.store import Store
 from conftest import run_files
+
+from logprob_parity.analysis.compare import compare
+from logprob_parity.engines import pool
+from logprob_parity.errors import EngineError, UserError
+from logprob_parity.inputs.spec import EngineSettings, RunSpec
+from logprob_parity.results.store import Store
 
 engine = pytest.mark.engine
 
@@ -73,7 +74,7 @@ def test_a_warm_worker_that_died_is_replaced(home, tiny_bos):
 def _run_catching(errors, spec, store):
     try:
         compare(spec, store=store)
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
+    except Exception as exc:
         errors.append(exc)
 
 
@@ -109,7 +110,7 @@ def test_eight_concurrent_clients(home, tiny_bos):
 @engine
 def test_engine_start_timeout(home, tiny_bos, monkeypatch):
     monkeypatch.setenv("LPP_ENGINE_START_TIMEOUT", "3")
-    with pytest.raises(EngineError, match="within 3 s|longer than 3 s"):
+    with pytest.raises(EngineError, match=r"within 3 s|longer than 3 s"):
         compare(_spec(tiny_bos, seed=2001), store=Store(home))
     assert not [w for w in pool.running() if w.info is None]
     assert run_files(home) == []
@@ -121,7 +122,7 @@ def test_vllm_not_installed(home, tiny_bos, tmp_path, monkeypatch):
     shim.mkdir()
     (shim / "vllm.py").write_text("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n")
     monkeypatch.setenv("PYTHONPATH", str(shim))
-    with pytest.raises(UserError, match="not installed .*logprob-parity\\[cpu\\]"):
+    with pytest.raises(UserError, match=r"not installed .*logprob-parity\[cpu\]"):
         compare(_spec(tiny_bos, seed=2002), store=Store(home))
 
 
@@ -146,7 +147,7 @@ def test_custom_code_needs_trust(home, tiny_bos, tmp_path):
     folder.mkdir()
     cfg = (Path(tiny_bos) / "config.json").read_text().replace('"model_type"', '"auto_map": {"AutoModelForCausalLM": "m.M"}, "model_type"')
     (folder / "config.json").write_text(cfg)
-    with pytest.raises(UserError, match="custom code .* trust_remote_code is off"):
+    with pytest.raises(UserError, match=r"custom code .* trust_remote_code is off"):
         compare(_spec(folder), store=Store(home))
 
 
@@ -155,7 +156,7 @@ def test_gated_model_message(home, monkeypatch):
     from huggingface_hub.errors import GatedRepoError
 
     class Response:  # the attributes huggingface_hub's HTTP errors read
-        headers: dict = {}
+        headers: ClassVar[dict] = {}
         status_code = 403
         request = None
 
@@ -168,7 +169,7 @@ def test_gated_model_message(home, monkeypatch):
 
 
 def test_dtype_the_gpu_cannot_run(monkeypatch):
-    from core import env
+    from logprob_parity import env
 
     monkeypatch.setattr(env, "_gpu_query", lambda field: "7.0" if field == "compute_cap" else "Tesla V100")
     assert "bfloat16 needs an Ampere" in env.dtype_support("bfloat16", "cuda")
@@ -183,9 +184,9 @@ def test_model_roots_limit_local_folders(home, tiny_bos, tmp_path):
 
 
 def test_too_long_prompt_can_be_truncated(home, tiny_bos):
-    from core.analysis.request import check_lengths
-    from core.inputs.models import resolve_model
-    from core.inputs.tokens import load_tokenizer, tokenize
+    from logprob_parity.analysis.request import check_lengths
+    from logprob_parity.inputs.models import resolve_model
+    from logprob_parity.inputs.tokens import load_tokenizer, tokenize
 
     model = resolve_model(str(tiny_bos))
     tok = tokenize(load_tokenizer(str(tiny_bos)), "lawyer guitar hiking family " * 60, "auto")

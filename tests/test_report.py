@@ -3,9 +3,10 @@
 import html
 import re
 
-from core.present.report import write_html_report
-from core.present.render import token_view_html
 from test_store import make_run
+
+from logprob_parity.present.render import token_view_html
+from logprob_parity.present.report import write_html_report
 
 HOSTILE = "<script>alert(1)</script> <img src=x onerror=alert(1)> \" onmouseover=\"alert(1)"
 
@@ -21,7 +22,7 @@ def test_report_is_self_contained_and_escaped(tmp_path):
     assert "<svg" in page  # charts inline as SVG
     assert html.escape(HOSTILE, quote=True) in page  # the prompt, shown as text
     assert "alert(1)</script>" not in page
-    from core.present.labels import summary_label
+    from logprob_parity.present.labels import summary_label
 
     for key in run.summary:  # every summary figure, named in words
         assert html.escape(summary_label(key), quote=True) in page

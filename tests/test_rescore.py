@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from core.cli import main
-from core.errors import UserError
-from core.inputs.rollout_logs import parse_mapping, read_logged
-from core.inputs.tokens import load_tokenizer
-from core.results.store import Store
+from logprob_parity.cli import main
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.rollout_logs import parse_mapping, read_logged
+from logprob_parity.inputs.tokens import load_tokenizer
+from logprob_parity.results.store import Store
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +91,9 @@ def test_rollout_json_round_trips_through_rescore_and_a_perturbed_token_ranks_fi
     lines[1]["logprobs"][5] -= 2.0
     path = tmp_path / "perturbed.jsonl"
     path.write_bytes(_jsonl(*lines))
-    from core.analysis.request import Context
-    from core.analysis.rescore import rescore
-    from core.inputs.spec import RunSpec
+    from logprob_parity.analysis.request import Context
+    from logprob_parity.analysis.rescore import rescore
+    from logprob_parity.inputs.spec import RunSpec
 
     (ro,) = rescore(path.read_bytes(), path.name, RunSpec(texts=("x",), model=str(demo_model), dtypes=("float32",), device="cpu"),
                     Context.of(store=Store(home)))
@@ -120,18 +120,18 @@ def test_a_killed_rescore_resumes_without_recomputing_its_stored_batches(tiny_bo
     path = tmp_path / "logged.jsonl"
     path.write_bytes(_jsonl(*records))
     env = dict(cli_env(home), LPP_BATCH_TOKENS="48")  # three sequences a batch: twenty batches
-    cmd = [sys.executable, "-m", "core.cli", "rescore", "--rollouts", str(path), "--model", str(tiny_bos), "--dtype", "float32",
+    cmd = [sys.executable, "-m", "logprob_parity.cli", "rescore", "--rollouts", str(path), "--model", str(tiny_bos), "--dtype", "float32",
            "--device", "cpu"]
     stored = kill_after_parts(cmd, env, home, 3)
     partial = home / "partial"
     assert Store(home).list_rollouts().empty  # nothing half-stored
-    again = subprocess.run(cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{stored} of 20 batches came from the store" in again.stderr, again.stderr[-3000:]
     assert not any(partial.glob("*/part-*.arrow"))
     assert not any((partial / "logged").glob("*.arrow"))  # the killed process's spool went with the next run
     clean = subprocess.run(cmd + ["--no-cache", "--json", str(tmp_path / "clean.json")], env=env, capture_output=True, text=True,
-                           timeout=600)
+                           timeout=600, check=False)
     assert clean.returncode == 0, clean.stderr[-3000:]
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("out.json", "clean.json"))
     assert a["rollout_id"] == b["rollout_id"] and len(a["samples"]) == len(b["samples"]) == 60
@@ -144,7 +144,7 @@ def test_a_killed_rescore_resumes_without_recomputing_its_stored_batches(tiny_bo
 def test_a_spooled_file_reads_back_the_sequences_it_checked_and_a_bad_one_leaves_no_spool(tok, tmp_path):
     """The rescore's spool (records checked once, kept on disk, read back a batch at a time) gives the
     sequences and digest the in-memory reader gives, from a path or from an upload's bytes."""
-    from core.inputs.rollout_logs import SPOOL_ROWS, spool_logged
+    from logprob_parity.inputs.rollout_logs import SPOOL_ROWS, spool_logged
 
     rng = np.random.default_rng(5)
     records = [{"prompt_token_ids": [0, *rng.integers(40, 500, int(rng.integers(1, 6))).tolist()],
@@ -169,7 +169,7 @@ def test_a_spooled_file_reads_back_the_sequences_it_checked_and_a_bad_one_leaves
 
 
 def _random_samples(rng, n):
-    from core.results.rollout import Sample
+    from logprob_parity.results.rollout import Sample
 
     out = []
     for i in range(n):
@@ -193,11 +193,11 @@ def test_a_stored_rescore_reads_its_samples_from_its_file_and_gives_what_they_he
     import io
     import sqlite3
 
-    from core.present.rollout_view import token_frame
+    from logprob_parity.present.rollout_view import token_frame
 
-    monkeypatch.setattr("core.results.store.ROW_GROUP", 7)
-    from core.results.records import RunEnv
-    from core.results.rollout import Rollout, RolloutMeta, StoredSamples, sample_table
+    monkeypatch.setattr("logprob_parity.results.store.ROW_GROUP", 7)
+    from logprob_parity.results.records import RunEnv
+    from logprob_parity.results.rollout import Rollout, RolloutMeta, StoredSamples, sample_table
 
     rng = np.random.default_rng(11)
     samples = _random_samples(rng, 300)
@@ -239,12 +239,12 @@ def test_a_rescore_cut_in_windows_and_sampling_groups_stores_every_record_in_fil
     logged logprobs and prompt, and the summary is the whole-set metrics of what was stored."""
     import math
 
-    import core.analysis.rescore as rs
-    from core.analysis.request import Context
-    from core.inputs.spec import RunSpec
-    from core.inputs.tokens import load_tokenizer
-    from core.results.offpolicy import mismatch_metrics
-    from core.results.rollout import PAIRS, exact_stats
+    import logprob_parity.analysis.rescore as rs
+    from logprob_parity.analysis.request import Context
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.inputs.tokens import load_tokenizer
+    from logprob_parity.results.offpolicy import mismatch_metrics
+    from logprob_parity.results.rollout import PAIRS, exact_stats
 
     monkeypatch.setattr(rs, "WINDOW_SEQUENCES", 7)
     monkeypatch.setenv("LPP_BATCH_TOKENS", "40")

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from core.analysis.request import Context
-from core.analysis.rollout import PROCESSED, RAW, rollout
-from core.engines import fullvocab
-from core.engines.host import HostClient
-from core.engines.records import LoadRequest
-from core.inputs.settings import EngineSettings
-from core.inputs.spec import RunSpec
-from core.results.rollout import COLUMNS, PAIRS, Sampling
-from core.results.store import Store
+from logprob_parity.analysis.request import Context
+from logprob_parity.analysis.rollout import PROCESSED, RAW, rollout
+from logprob_parity.engines import fullvocab
+from logprob_parity.engines.host import HostClient
+from logprob_parity.engines.records import LoadRequest
+from logprob_parity.inputs.settings import EngineSettings
+from logprob_parity.inputs.spec import RunSpec
+from logprob_parity.results.rollout import COLUMNS, PAIRS, Sampling
+from logprob_parity.results.store import Store
 
 pytestmark = pytest.mark.engine
 
@@ -81,7 +81,7 @@ def test_float32_decode_prefill_and_hf_agree_three_ways(rolled):
 
 
 def test_bfloat16_gap_is_nonzero_stored_and_displayed(rolled):
-    from core.present.rollout_view import completion_html
+    from logprob_parity.present.rollout_view import completion_html
 
     ros, store, _, _ = rolled
     ro = ros["bfloat16"]
@@ -130,7 +130,7 @@ def test_prefill_vs_hf_exact_kl_equals_numpy_over_both_full_distributions(rolled
     llama.cpp's statistics in the summary, stored and reloaded, with the JSON per position."""
     from transformers import AutoModelForCausalLM
 
-    from core.results.metrics import exact_kl_stats
+    from logprob_parity.results.metrics import exact_kl_stats
 
     ros, store, seen, _ = rolled
     ro = ros[dtype]
@@ -176,8 +176,8 @@ def test_the_same_seed_reproduces_tokens_and_decode_logprobs(rolled):
 
 
 def test_the_rollout_id_holds_the_sampling_settings_and_seed(rolled):
-    from core.analysis.request import prepare
-    from core.analysis.rollout import rollout_id_for, with_rollout_defaults
+    from logprob_parity.analysis.request import prepare
+    from logprob_parity.analysis.rollout import rollout_id_for, with_rollout_defaults
 
     ros, store, _, spec = rolled
     p = prepare(with_rollout_defaults(spec), Context.of(store=store))
@@ -202,7 +202,7 @@ def test_noise_floors_are_measured_and_named(rolled):
 def test_processed_equals_raw_at_temperature_one_without_a_cut(demo_model):
     """Why a rollout at temperature 1 with no top-k/top-p skips the processed pass: vLLM's two modes
     give the same numbers there (measured, not assumed)."""
-    from core.engines.pool import POOL
+    from logprob_parity.engines.pool import POOL
 
     ids = [[1, 504, 3575, 282, 4649, 314], [1, 18637, 1608, 253, 655, 30]]
     req = LoadRequest("vllm", str(demo_model), "float32", "cpu", EngineSettings(), 256)
@@ -214,7 +214,7 @@ def test_processed_equals_raw_at_temperature_one_without_a_cut(demo_model):
 
 
 def test_rollout_cli_writes_the_documented_json(rolled, demo_model, tmp_path, monkeypatch, capsys):
-    from core.cli import main
+    from logprob_parity.cli import main
 
     monkeypatch.setenv("LOGPROB_PARITY_HOME", str(tmp_path))
     out = tmp_path / "ro.json"

@@ -6,12 +6,12 @@ from __future__ import annotations
 from html.parser import HTMLParser
 
 import pytest
-
-from core.inputs.tokens import load_tokenizer, tokenize
-from core.present.render import token_view_html
-from core.results.records import RunMeta
-from core.results.run import Run, SequenceResult
 from test_store import _scores
+
+from logprob_parity.inputs.tokens import load_tokenizer, tokenize
+from logprob_parity.present.render import token_view_html
+from logprob_parity.results.records import RunMeta
+from logprob_parity.results.run import Run, SequenceResult
 
 TEXTS = [
     "Pizza 🍕 is great! 🎉👍🏽",
@@ -85,7 +85,7 @@ def test_pieces_in_linear_time_equal_the_exact_pieces(demo_model, tiny_bos, text
     decoding every prefix gives (exact_pieces), for emoji, RTL and CJK text, for a whole text and for
     a rollout's completion (decode_tail_pieces), whatever token it starts at and wherever it is cut
     (inside a character too), with the demo model's byte-level BPE and the tiny Llama's tokenizer."""
-    from core.inputs.tokens import decode_pieces, decode_tail_pieces, exact_pieces
+    from logprob_parity.inputs.tokens import decode_pieces, decode_tail_pieces, exact_pieces
 
     for model in (demo_model, tiny_bos):
         tok = load_tokenizer(str(model))
@@ -105,7 +105,7 @@ def test_pieces_and_token_texts_of_a_gguf_style_tokenizer_are_its_raw_decode(dem
     from tokenizers import decoders
     from transformers import AutoTokenizer
 
-    from core.inputs.tokens import _byte_level_pieces, batch_decoder, decode_pieces, exact_pieces
+    from logprob_parity.inputs.tokens import _byte_level_pieces, batch_decoder, decode_pieces, exact_pieces
 
     tok = AutoTokenizer.from_pretrained(str(demo_model), clean_up_tokenization_spaces=True)
     tok._tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
@@ -127,7 +127,7 @@ def test_a_whole_array_of_ids_gets_each_tokens_own_text(demo_model):
     import numpy as np
     from transformers import AutoTokenizer
 
-    from core.inputs.tokens import batch_decoder, raw_decode
+    from logprob_parity.inputs.tokens import batch_decoder, raw_decode
 
     tok = AutoTokenizer.from_pretrained(str(demo_model))
     dec = batch_decoder(tok)

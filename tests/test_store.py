@@ -5,13 +5,13 @@ import os
 import numpy as np
 import pytest
 
-from core.errors import UserError
-from core.results.metrics import concat, summarize
-from core.results.records import RunMeta
-from core.results.run import Run, SequenceResult
-from core.engines.scores import TokenScores
-from core.results.store import Store
-from core.inputs.tokens import TokenizedText
+from logprob_parity.engines.scores import TokenScores
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.tokens import TokenizedText
+from logprob_parity.results.metrics import concat, summarize
+from logprob_parity.results.records import RunMeta
+from logprob_parity.results.run import Run, SequenceResult
+from logprob_parity.results.store import Store
 
 
 def _scores(ids, shift, k=2, gather=False):
@@ -67,13 +67,13 @@ def test_roundtrip_is_exact(tmp_path):
 
 def test_a_run_file_keeps_dictionaries_for_its_strings_only(tmp_path):
     """Token names, pieces and the top-k texts repeat, so they are dictionary-encoded; the numbers
-    are nearly unique, and a dictionary over them cost most of a run's write (core.results.store.
+    are nearly unique, and a dictionary over them cost most of a run's write (logprob_parity.results.store.
     dictionary_columns). Read back, every text is what was written."""
     import dataclasses
 
     import pyarrow.parquet as pq
 
-    from core.results.positions import batch_table
+    from logprob_parity.results.positions import batch_table
 
     ids = [1, 10, 11, 10]
     names = ("<s>", "a", "שלום", "a")  # a right-to-left word among them
@@ -151,7 +151,7 @@ def test_unwritable_root(tmp_path):
 
 def test_mismatched_ids_are_refused_with_a_typed_engine_error():
     """A typed EngineError (the CLI's exit 3, the page's error box), not a bare AssertionError."""
-    from core.errors import EngineError, TokenMismatchError
+    from logprob_parity.errors import EngineError, TokenMismatchError
 
     ids = [1, 2, 3]
     tok = TokenizedText("t", tuple(ids), ("a", "b", "c"), ("a", "b", "c"), False)
@@ -161,12 +161,12 @@ def test_mismatched_ids_are_refused_with_a_typed_engine_error():
 
 
 def test_batch_table_holds_what_sequence_by_sequence_building_holds(tmp_path):
-    """The columnar batch builder (core.results.positions) and the per-sequence SequenceResult path
+    """The columnar batch builder (logprob_parity.results.positions) and the per-sequence SequenceResult path
     give the same stored positions, summaries and top-k texts, and a run written from two batch
     tables reopens sequence by sequence with every value equal."""
     import pyarrow as pa
 
-    from core.results.positions import batch_table, metrics_of
+    from logprob_parity.results.positions import batch_table, metrics_of
 
     texts = ("a <b> c", "d\ne f g", "hi")
     toks, hf, vl = [], [], []
@@ -205,8 +205,8 @@ def test_batch_table_holds_what_sequence_by_sequence_building_holds(tmp_path):
 def test_a_large_run_reopens_one_sequence_without_reading_the_rest(tmp_path, monkeypatch):
     """Row groups bound what opening one prompt reads: with 4-row groups, opening sequence 5 reads
     only the groups that hold its rows, and the values are the stored ones."""
-    import core.results.store as store_mod
-    from core.results.run import StoredSequences
+    import logprob_parity.results.store as store_mod
+    from logprob_parity.results.run import StoredSequences
 
     monkeypatch.setattr(store_mod, "ROW_GROUP", 4)
     run = make_run(texts=tuple(f"text number {i}" for i in range(8)))
@@ -246,7 +246,7 @@ def test_a_rollouts_rows_in_chunks_rebuild_every_sample_in_shuffled_order():
     import pandas as pd
     import pyarrow as pa
 
-    from core.results.rollout import COLUMNS, EXACT, INFO_COLUMNS, Rollout, Sample
+    from logprob_parity.results.rollout import COLUMNS, EXACT, INFO_COLUMNS, Rollout, Sample
 
     rng = np.random.default_rng(1)
     samples = []
@@ -275,7 +275,7 @@ def test_the_worst_tokens_and_sequences_are_found_in_one_pass_as_one_sample_at_a
     counted with 0 tokens, each row's values those of its sample and position."""
     from types import SimpleNamespace
 
-    from core.results.rollout import COLUMNS, PAIRS, Rollout, Sample
+    from logprob_parity.results.rollout import COLUMNS, PAIRS, Rollout, Sample
 
     rng = np.random.default_rng(5)
     samples = []
@@ -285,7 +285,7 @@ def test_the_worst_tokens_and_sequences_are_found_in_one_pass_as_one_sample_at_a
             lp["hf"][3] = np.nan  # a token without HF's value
         samples.append(Sample(i, i, (1,), tuple(range(100 + i, 100 + i + n)), tuple(f"t{i}.{t}" for t in range(n)), f"r{i}", lp))
     ro = Rollout(meta=SimpleNamespace(samples=[x.info() for x in samples]), samples=tuple(samples))
-    for pair, (a, b, _) in PAIRS.items():
+    for pair, (a, _b, _) in PAIRS.items():
         flat = [(i, t, float(x.delta(pair)[t])) for i, x in enumerate(samples) for t in range(len(x.completion_token_ids))]
         want = sorted(flat, key=lambda r: -1.0 if np.isnan(r[2]) else -abs(r[2]))[:6]  # stable: sample, then position
         got = ro.worst_tokens(pair, 6)

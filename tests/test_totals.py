@@ -1,4 +1,4 @@
-"""The summary of a rollout read in parts (core.results.totals) against the whole-array functions:
+"""The summary of a rollout read in parts (logprob_parity.results.totals) against the whole-array functions:
 counts, extremes and quantiles exactly, sums and means to 1e-12 relative."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from core.results.offpolicy import mismatch_metrics
-from core.results.rollout import EXACT, PAIRS, exact_stats
-from core.results.totals import Quantiles, linear_quantile, streamed_summary
+from logprob_parity.results.offpolicy import mismatch_metrics
+from logprob_parity.results.rollout import EXACT, PAIRS, exact_stats
+from logprob_parity.results.totals import Quantiles, linear_quantile, streamed_summary
 
 # per-token values and their order statistics; a sequence's Σ log ρ is a sum (its extremes are not exact)
 EXACTLY = {"n_tokens", "n_sequences", "max_abs_delta", "p99_abs_delta", "rollout_is_min", "rollout_is_max", "kl_full_max", "tis_cap", "mis_band", *(f"kl_full_{k}" for k in

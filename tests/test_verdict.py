@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
-
-from core.present.diagnostics_view import diagnostics_text
-from core.analysis.verdict import Evidence, diagnosis_verdicts, run_verdicts, verdict
-from core.present.render import verdict_html
-from core.present.report import report_html
-from core.results.records import DiagnosticsResult
-from core.results.store import Store
 from test_store import make_run
 
-APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+from logprob_parity.analysis.verdict import Evidence, diagnosis_verdicts, run_verdicts, verdict
+from logprob_parity.present.diagnostics_view import diagnostics_text
+from logprob_parity.present.render import verdict_html
+from logprob_parity.present.report import report_html
+from logprob_parity.results.records import DiagnosticsResult
+from logprob_parity.results.store import Store
+
+APP = str(Path(__file__).resolve().parent.parent / "logprob_parity" / "dashboard" / "app.py")
 
 
 def summary(max_abs: float, mean_abs: float, agree: float = 1.0) -> dict:
@@ -67,9 +67,9 @@ def test_the_same_gap_with_no_noise_measured_is_not_called_a_match():
 
 
 def test_a_comparisons_own_floor_makes_its_verdict_the_diagnostics_level():
-    """A run's summary carries its own floor (core.analysis.floors): many times the gap's size below
+    """A run's summary carries its own floor (logprob_parity.analysis.floors): many times the gap's size below
     it is systematic, in the verdict every view shows; about its size is a match."""
-    from core.analysis.verdict import run_verdicts
+    from logprob_parity.analysis.verdict import run_verdicts
 
     class R:
         dtype, run_id = "float32", "r1"

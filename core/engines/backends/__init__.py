@@ -1,5 +1,0 @@
-"""Backends by name, as lazy "module:Class" strings: importing core never imports torch or vLLM."""
-
-from core.engines.backends.base import BACKEND_REGISTRY, Backend, load_backend_class
-
-__all__ = ["BACKEND_REGISTRY", "Backend", "load_backend_class"]

@@ -1,0 +1,145 @@
+"""A parity gate for CI: does a stored run stay within bounds, or not much worse than a baseline?
+
+`check(runs, bounds, baseline=None)` judges each run's summary against fixed bounds (the largest and
+mean |Δ logp|, the mean exact KL, the share of positions whose most likely token agrees) and, with a
+baseline run of the same model and token ids, against that run's own values times `max_worsening`.
+Every bound is one `Outcome` with its words; the CLI prints one line each and exits 0 when all hold,
+1 when one fails. A bound whose value was not measured (a run without the exact KL) fails, and says
+why: a gate that cannot see must not pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from logprob_parity.errors import UserError
+
+# summary key -> (words, which way is better): "max" keys must stay at or below a bound, "min" at or above
+KEYS = {
+    "mean_abs_delta": ("mean |Δ logp|", "max"),
+    "max_abs_delta": ("largest |Δ logp|", "max"),
+    "kl_full_mean": ("mean exact KL", "max"),
+    "argmax_agreement": ("same top token (share of positions)", "min"),
+}
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Fixed bounds (None: not checked) and, for a baseline, the factor a gap may grow by."""
+
+    max_mean_abs_delta: float | None = None
+    max_abs_delta: float | None = None
+    max_kl_mean: float | None = None
+    min_argmax_agreement: float | None = None
+    max_worsening: float = 1.5
+
+    def fixed(self) -> dict[str, float]:
+        return {k: v for k, v in (("mean_abs_delta", self.max_mean_abs_delta), ("max_abs_delta", self.max_abs_delta),
+                                  ("kl_full_mean", self.max_kl_mean), ("argmax_agreement", self.min_argmax_agreement))
+                if v is not None}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    run_id: str
+    dtype: str
+    key: str
+    value: float | None
+    limit: float | None
+    passed: bool
+    words: str  # the line a CI log shows
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    outcomes: tuple[Outcome, ...]
+    baseline: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def passed(self) -> bool:
+        return all(o.passed for o in self.outcomes)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def lines(self) -> list[str]:
+        return [o.words for o in self.outcomes] + list(self.notes)
+
+    def to_pandas(self) -> Any:
+        """One row a bound: run, dtype, what, value, limit, passed."""
+        import pandas as pd
+
+        return pd.DataFrame([{"run_id": o.run_id, "dtype": o.dtype, "key": o.key, "value": o.value, "limit": o.limit,
+                              "passed": o.passed, "words": o.words} for o in self.outcomes])
+
+
+def _fmt(key: str, v: float | None) -> str:
+    if v is None:
+        return "not measured"
+    return f"{v:.2%}" if key == "argmax_agreement" else f"{v:.3e}"
+
+
+def _outcome(run: Any, key: str, limit: float | None, why: str) -> Outcome:
+    words, way = KEYS[key]
+    value = run.summary.get(key)
+    if value is None or limit is None:
+        ok = False
+        detail = f"{words} is not measured in this run" if value is None else f"the baseline has no {words}"
+    else:
+        ok = value <= limit if way == "max" else value >= limit
+        detail = f"{words} {_fmt(key, value)} {'<=' if way == 'max' else '>='} {_fmt(key, limit)}"
+    tag = "PASS" if ok else "FAIL"
+    return Outcome(run.run_id, run.dtype, key, value, limit, ok, f"{tag} {run.dtype} run {run.run_id[:12]}: {detail} ({why})")
+
+
+def same_comparison(a: Any, b: Any) -> str | None:
+    """None when runs a and b compared the same model on the same token ids, else why not."""
+    ma, mb = a.meta, b.meta
+    if ma.model_identity != mb.model_identity:
+        return f"they are of different models ({ma.model} and {mb.model})"
+    if [s.text for s in ma.sequences] != [s.text for s in mb.sequences]:
+        return "they compared different texts"
+    if [s.n_positions for s in ma.sequences] != [s.n_positions for s in mb.sequences]:
+        return "their texts were tokenized differently"
+    import numpy as np
+
+    ia, ib = a.column_frame(["token_id"])["token_id"].to_numpy(), b.column_frame(["token_id"])["token_id"].to_numpy()
+    if not np.array_equal(ia, ib):
+        return "their token ids differ"
+    return None
+
+
+def check(runs: list[Any], bounds: Bounds, baseline: Any | None = None) -> CheckResult:
+    """Each run against the fixed bounds and, with a baseline, against the baseline times
+    max_worsening (for the agreement: the share of disagreeing positions times it). Raises
+    UserError when nothing is to be checked or the baseline is not a run of the same comparison."""
+    fixed = bounds.fixed()
+    if not fixed and baseline is None:
+        raise UserError("no bound given: pass --max-mean-abs-delta, --max-abs-delta, --max-kl-mean, --min-argmax-agreement "
+                        "or --baseline RUN_ID")
+    if bounds.max_worsening < 1:
+        raise UserError(f"--max-worsening must be at least 1 (got {bounds.max_worsening})")
+    out: list[Outcome] = []
+    for run in runs:
+        for key, limit in fixed.items():
+            out.append(_outcome(run, key, limit, "fixed bound"))
+        if baseline is not None:
+            why = same_comparison(run, baseline)
+            if why:
+                raise UserError(f"run {run.run_id} cannot be checked against baseline {baseline.run_id}: {why}")
+            f = bounds.max_worsening
+            for key in ("mean_abs_delta", "max_abs_delta", "kl_full_mean"):
+                base = baseline.summary.get(key)
+                if base is None and run.summary.get(key) is None:
+                    continue  # measured in neither: nothing to compare
+                out.append(_outcome(run, key, None if base is None else base * f,
+                                    f"baseline {baseline.run_id[:12]} {_fmt(key, base)} x {f:g}"))
+            agree = baseline.summary.get("argmax_agreement")
+            if agree is not None:
+                limit = 1 - (1 - agree) * f
+                out.append(_outcome(run, "argmax_agreement", limit,
+                                    f"baseline {baseline.run_id[:12]} disagrees at {1 - agree:.2%} of positions; at most {f:g}x that"))
+    return CheckResult(tuple(out), baseline.run_id if baseline is not None else None)

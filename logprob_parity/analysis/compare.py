@@ -1,0 +1,367 @@
+"""The pipeline: tokenize once, score the same ids with both engines, compare, store."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from logprob_parity.analysis import floors
+from logprob_parity.results.metrics import concat, summarize
+from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare
+from logprob_parity.engines import fullvocab
+from logprob_parity.engines.host import start_words
+from logprob_parity.engines.pool import Lease
+from logprob_parity.env import device_name, versions
+from logprob_parity.inputs.models import ResolvedModel
+from logprob_parity.inputs.spec import RunSpec, content_hash
+from logprob_parity.inputs.tokens import TokenizedText
+from logprob_parity.results.positions import METRIC_COLUMNS, batch_table, metrics_of
+from logprob_parity.results.records import RunEnv, RunMeta, SequenceInfo
+from logprob_parity.results.run import SCHEMA_VERSION, Run, StoredSequences
+from logprob_parity.results.store import Store
+
+BACKEND_ORDER = ("vllm", "hf")  # vLLM first: HF then gathers its own values on vLLM's top-k ids
+
+
+def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> dict[str, Any]:
+    v = versions()
+    return {
+        "schema": SCHEMA_VERSION,
+        "model": model.identity,
+        "dtype": dtype,
+        "backends": sorted(spec.backends),
+        "settings": spec.settings.run_id_part(),
+        "top_k": spec.top_k,
+        "bos": spec.bos,
+        "versions": {k: v[k] for k in ("torch", "transformers", "vllm")},
+        "device": device_name(device),
+        # a run without its noise floor is another run (the ids of runs with one are as before)
+        **({} if spec.noise_floor else {"noise_floor": False}),
+    }
+
+
+def request_key(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> str:
+    """Hash of the request before tokenizing: the same request maps to the same stored run."""
+    return content_hash({**_identity(spec, model, dtype, device), "texts": list(spec.texts), "truncate": spec.truncate}, 32)
+
+
+def run_id_for(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, toks: list[TokenizedText], max_model_len: int) -> str:
+    """Content address: everything that can change a number, the token ids included."""
+    return run_id_for_ids(spec, model, dtype, device, [t.text for t in toks], [list(t.token_ids) for t in toks], max_model_len)
+
+
+def run_id_for_ids(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, texts: list[str], ids: list[list[int]],
+                   max_model_len: int) -> str:
+    """`run_id_for` from the texts as scored and their ids (no token names or pieces needed)."""
+    return content_hash(
+        {
+            **_identity(spec, model, dtype, device),
+            "texts": list(texts),
+            "token_ids": [list(x) for x in ids],
+            "max_model_len": max_model_len,
+        }
+    )
+
+
+_inflight_lock = threading.Lock()
+_inflight: dict[str, threading.Lock] = {}
+
+
+def _request_lock(key: str) -> threading.Lock:
+    """One lock per request key: identical concurrent requests compute once, the rest wait and read the store."""
+    with _inflight_lock:
+        return _inflight.setdefault(key, threading.Lock())
+
+
+def compare(
+    spec: RunSpec,
+    ctx: Context | None = None,
+    use_cache: bool = True,
+    *,
+    store: Store | None = None,
+    on_event: EventFn | None = None,
+    model_roots: list[str] | None = None,
+) -> list[Run]:
+    """One stored Run per dtype, in spec order. Cached runs come back without starting an engine.
+
+    ctx carries the store, the allowed model roots and the progress callback; the keyword
+    arguments build one when it is not given (model_roots None: anywhere, see logprob_parity.inputs.models).
+    """
+    ctx = ctx or Context.of(store=store, on_event=on_event, model_roots=model_roots)
+    return compare_prepared(prepare(spec, ctx), use_cache)
+
+
+def compare_prepared(p: Prepared, use_cache: bool = True) -> list[Run]:
+    """`compare` for a request already through `prepare` (diagnostics reuse theirs)."""
+    keys = {d: request_key(p.spec, p.model, d, p.device) for d in p.spec.dtypes}
+    with ExitStack() as held:
+        for key in sorted(keys.values()):  # a fixed order: no two requests deadlock
+            held.enter_context(_request_lock(key))
+        return _compare_locked(p, use_cache, keys)
+
+
+def _compare_locked(p: Prepared, use_cache: bool, keys: dict[str, str]) -> list[Run]:
+    ctx, spec = p.ctx, p.spec
+    runs: dict[str, Run] = {}
+    if use_cache:
+        for d, key in keys.items():
+            rid = ctx.store.lookup_request(key)
+            if rid:
+                runs[d] = ctx.store.load(rid)
+                ctx.emit("cache", d, f"run {rid} from the store, no engine started")
+    todo = [d for d in spec.dtypes if d not in runs]
+    if not todo:
+        return [runs[d] for d in spec.dtypes]
+
+    ctx.emit("tokenize", None, f"{len(spec.texts)} text(s)")
+    p.seqs  # noqa: B018 - tokenize now: bad input fails before any engine starts
+    plan = {d: [p.load(b, d) for b in BACKEND_ORDER] for d in todo}
+    everything = [r for rs in plan.values() for r in rs]
+    # Every engine at once when they all fit (they load side by side); otherwise dtype after dtype.
+    if ctx.pool.fits_together(everything):
+        steps = [(todo, everything)]
+    else:
+        steps = [([d], plan[d]) for d in todo]
+    for dtypes, requests in steps:
+        with ctx.pool.lease(requests, on_wait=ctx.waiter(dtypes[0])) as lease:
+            for d in dtypes:
+                runs[d] = _score_dtype(p, d, plan[d], lease, keys[d], use_cache)
+                ctx.emit("store", d, f"run {runs[d].run_id} saved")
+    return [runs[d] for d in spec.dtypes]
+
+
+BATCH_TOKENS_ENV = "LPP_BATCH_TOKENS"  # positions a batch scores at most (default: 65,536 on a GPU, 16,384 on a CPU)
+
+
+def plan_batches(lengths: list[int], vocab: int | None, device: str) -> list[tuple[int, int]]:
+    """Consecutive sequences [lo, hi) a batch: at most BATCH_TOKENS_ENV positions, and at most the
+    exact KL's rows one batch may keep (logprob_parity.engines.fullvocab.batch_bytes), always at least one
+    sequence. The same lengths on the same machine always give the same plan, which is what lets a
+    killed run find its finished batches again."""
+    cap = int(os.environ.get(BATCH_TOKENS_ENV) or (65536 if device.startswith("cuda") else 16384))
+    if vocab:
+        cap = min(cap, max(1, fullvocab.batch_bytes(device) // (4 * vocab)))
+    out, lo, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        rows = max(n - 1, 1)
+        if i > lo and used + rows > cap:
+            out.append((lo, i))
+            lo, used = i, 0
+        used += rows
+    out.append((lo, len(lengths)))
+    return out
+
+
+def words_left(seconds: float) -> str:
+    if seconds < 90:
+        return f"about {seconds:.0f} s left"
+    if seconds < 5400:
+        return f"about {seconds / 60:.0f} min left"
+    return f"about {seconds / 3600:.1f} h left"
+
+
+def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, request_key: str, use_cache: bool) -> Run:
+    """Score, compare and store one dtype, a batch at a time: each batch's table is stored as it
+    finishes (with more than one batch), so memory is bounded by a batch and a killed run, started
+    again with the same request, computes only the batches it lacks."""
+    ctx, spec, store = p.ctx, p.spec, p.ctx.store
+    t0 = time.perf_counter()
+    seqs = p.seqs
+    mml = p.max_model_len
+    rid = run_id_for_ids(spec, p.model, dtype, p.device, p.texts, seqs, mml)
+    n_floor = floors.sample_of(seqs)
+    batches = plan_batches([len(s) for s in seqs], p.model.vocab_size, p.device)
+    many = len(batches) > 1
+    if not use_cache:
+        store.drop_partial(rid)
+    infos: dict[str, Any] = {}
+    timing: dict[str, float] = {"vllm_load_s": 0.0, "hf_load_s": 0.0, "vllm_score_s": 0.0, "hf_score_s": 0.0, "noise_s": 0.0}
+    floor: dict[str, Any] | None = None
+    kl_why: dict[str, int] = {}  # why the exact KL is missing -> how many batches
+    via: set[str] = set()
+    seq_infos: list[Any] = []
+    tables: list[Any] = []  # the one batch's table when there is one batch
+    metrics = None
+    total = sum(len(s) - 1 for s in seqs)
+    done = computed = reused = 0
+    t_compute = 0.0
+    for b, (lo, hi) in enumerate(batches):
+        batch = seqs[lo:hi]
+        n_pos = sum(len(x) - 1 for x in batch)
+        digest = content_hash([list(x) for x in batch], 16)
+        old = store.part_info(rid, b) if many else None
+        if old is not None and (old.get("lo"), old.get("hi"), old.get("ids")) == (lo, hi, digest):
+            seq_infos.extend(SequenceInfo.from_dict(x) for x in old["sequences"])
+            infos = infos or old.get("engines", {})
+            for why, k in (old.get("kl_why") or {}).items():
+                kl_why[why] = kl_why.get(why, 0) + k
+            via.update(old.get("via") or [])
+            floor = floor or old.get("floor")
+            done += n_pos
+            reused += 1
+            continue
+        t_b = time.perf_counter()
+        # the texts' token names and pieces are made while the engines score (no engine waits on them)
+        described = _BESIDE.submit(lambda lo=lo, hi=hi: [p.tokenized(i) for i in range(lo, hi)])
+        scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, len(batches))
+        infos = infos or info_b["engines"]
+        # the floor is measured on the run's first texts (floors.sample_of): beside the first batch's
+        # table when that batch holds them all, else once every batch is scored
+        floor_job = (_BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores)
+                     if spec.noise_floor and b == 0 and hi >= n_floor else None)
+        try:
+            table, part_infos, m = batch_table(described.result(), scores["hf"], scores["vllm"], p.decode_many, lo)
+        finally:  # the engines measured their own noise while this process built the table (never left running)
+            measured = floor_job.result() if floor_job is not None else None
+        if measured is not None:
+            floor, info_b["timing"]["noise_s"] = measured
+            info_b["floor"] = floor
+        for k in timing:
+            timing[k] += info_b["timing"].get(k, 0.0)
+        if why_b:
+            kl_why[why_b] = kl_why.get(why_b, 0) + 1
+        via.update(via_b)
+        seq_infos.extend(part_infos)
+        if many:
+            store.save_part(rid, b, table, {"lo": lo, "hi": hi, "ids": digest, "sequences": [asdict(x) for x in part_infos],
+                                            "engines": info_b["engines"], "kl_why": {why_b: 1} if why_b else {}, "via": sorted(via_b),
+                                            "floor": info_b.get("floor")})
+        else:
+            tables, metrics = [table], m
+        done += n_pos
+        computed += n_pos
+        t_compute += time.perf_counter() - t_b
+        ctx.on_progress(dtype, done, total)
+        if many:
+            rate = computed / t_compute if t_compute else 0.0
+            left = f", {words_left((total - done) / rate)}" if rate and done < total else ""
+            ctx.emit("batch", dtype, f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s{left}"
+                     + (f" ({reused} batch(es) were already in the store)" if reused else ""))
+    if spec.noise_floor and floor is None and many:
+        first = seqs[:n_floor]
+        rows = store.part_table(rid, 0, ["seq", "hf_logprob", "vllm_logprob"]) if batches[0][1] >= n_floor else None
+        if rows is None:
+            import pyarrow as pa
+
+            rows = pa.concat_tables([store.part_table(rid, k, ["seq", "hf_logprob", "vllm_logprob"])
+                                     for k, (lo, _) in enumerate(batches) if lo < n_floor])
+        seq_col = rows.column("seq").to_numpy()
+        main = {side: [_Scored(rows.column(f"{side}_logprob").to_numpy()[seq_col == i]) for i in range(n_floor)]
+                for side in ("hf", "vllm")}
+        floor, timing["noise_s"] = _measure_floor(p, dtype, requests, lease, first, main)
+    if reused:
+        ctx.emit("cache", dtype, f"{reused} of {len(batches)} batches came from the store (an earlier run of this request "
+                 f"stopped before it finished); {len(batches) - reused} computed now")
+    ctx.emit("compare", dtype, "metrics over every position")
+    if many:
+        metrics = concat([metrics_of(store.part_table(rid, b, list(METRIC_COLUMNS))) for b in range(len(batches))])
+    summary = summarize(metrics)
+    summary.update(floors.with_ratio(floor, summary["mean_abs_delta"]))
+    if kl_why:
+        kl_full = "not computed: " + "; ".join(f"{why}" + (f" ({k} of {len(batches)} batches)" if many else "") for why, k in kl_why.items())
+    else:
+        runner = next(iter(via)) if len(via) == 1 else None
+        kl_full = f"exact, every position{f' (from vLLM’s {runner} model runner)' if runner else ''}"
+    infos = {**infos, "vllm": {**(infos.get("vllm") or {}), "kl_full": kl_full,
+                               "kl_transport": fullvocab.TRANSPORT_WORDS[fullvocab.transport(p.device)]}}
+    now = dt.datetime.now(dt.timezone.utc)
+    v = versions()
+    meta = RunMeta(
+        run_id=rid,
+        created=now.isoformat(timespec="seconds"),
+        created_ts=now.timestamp(),
+        model=p.model.name,
+        model_path=p.model.path,
+        revision=p.model.revision,
+        model_identity=p.model.identity,
+        dtype=dtype,
+        backends=tuple(spec.backends),
+        settings={**spec.settings.to_dict(), "max_model_len": mml},
+        top_k=spec.top_k,
+        bos=spec.bos,
+        device=p.device,
+        env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
+                   vllm_dist=v["vllm_dist"], hf_engine=infos.get("hf") or {}, vllm_engine=infos["vllm"]),
+        timing={**{k: round(x, 3) for k, x in timing.items()}, "batches": len(batches), "batches_from_store": reused,
+                "total_s": round(time.perf_counter() - t0, 3)},
+        summary=summary,
+        sequences=tuple(seq_infos),
+    )
+    parts = tables if not many else (store.part_table(rid, b) for b in range(len(batches)))
+    store.write_run(meta, parts, request_key=request_key)
+    store.drop_partial(rid)
+    return Run(meta=meta, sequences=StoredSequences(store.path_of(rid), meta.sequences))
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """A stored sequence's logprobs, as the floor reads a backend's scores (their `.logprob`)."""
+
+    logprob: Any
+
+
+def _measure_floor(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]],
+                   scores: dict[str, list[Any]]) -> tuple[dict[str, Any], float]:
+    """Each engine's own noise on a scored batch's first texts (logprob_parity.analysis.floors), on a device
+    turn of its own: (the floor, seconds)."""
+    ctx, spec = p.ctx, p.spec
+    vreq, hreq = requests
+    vhost, hhost = lease.host(vreq), lease.host(hreq)
+    t = time.perf_counter()
+    with ctx.pool.device_turn(ctx.waiter(dtype), what="the noise floor"):
+        ctx.emit("noise", dtype, f"each engine against itself on {floors.sample_of(seqs)} of the texts (batched, padded, alone)")
+        others = floors.other_prompts(p.tokenizer, spec.bos, vreq.max_model_len)
+        floor = lease.call(vreq, lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size))
+    return floor, time.perf_counter() - t
+
+
+# Work done beside the engines: describing a batch's texts while they score it, and measuring the
+# noise floor while this process builds the batch's table.
+_BESIDE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lpp-beside")
+
+
+def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], b: int,
+                 n_batches: int) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
+    """Both engines on one batch, on one device turn, with the exact KL by this device's transport:
+    (scores per backend, {"engines", "timing"}, why the KL is missing or None, the vLLM runner)."""
+    ctx, spec = p.ctx, p.spec
+    vreq, hreq = requests  # BACKEND_ORDER
+    timing: dict[str, float] = {}
+    engines: dict[str, Any] = {}
+    hosts = {}
+    for req in requests:
+        if b == 0:
+            ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
+                     f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
+        t = time.perf_counter()
+        hosts[req.backend] = lease.host(req)
+        engines[req.backend] = hosts[req.backend].info
+        timing[f"{req.backend}_load_s"] = time.perf_counter() - t
+    vhost, hhost = hosts["vllm"], hosts["hf"]
+    n_tok = sum(map(len, seqs))
+    where = f" (batch {b + 1} of {n_batches})" if n_batches > 1 else ""
+    ex = fullvocab.Exchange(sum(len(s) - 1 for s in seqs), p.model.vocab_size, p.device)
+    scores: dict[str, list[Any]] = {}
+    try:
+        with ctx.pool.device_turn(ctx.waiter(dtype), what="scoring"):
+            ctx.emit("score", dtype, f"vllm: {n_tok:,} tokens{where}")
+            t = time.perf_counter()
+            scores["vllm"] = lease.call(vreq, lambda: vhost.score(seqs, spec.top_k, None, None, "right", ex.vllm_target))
+            ex.after_vllm(vhost)
+            timing["vllm_score_s"] = time.perf_counter() - t
+            gather = [s.topk_ids for s in scores["vllm"]]  # HF gathers its own values on vLLM's top-k ids
+            ctx.emit("score", dtype, f"hf: {n_tok:,} tokens{where}")
+            t = time.perf_counter()
+            scores["hf"] = lease.call(hreq, lambda: hhost.score(seqs, spec.top_k, gather, None, "right", ex.hf_source))
+            timing["hf_score_s"] = time.perf_counter() - t
+    finally:
+        ex.close(vhost)
+    return scores, {"engines": engines, "timing": timing}, ex.why, {ex.runner} if ex.runner else set()
+
+

@@ -1,0 +1,382 @@
+"""Beyond "here is the difference": is it more than the noise, which knob moves it, which side is
+closer to a float64 reference, and does it change a downstream answer?
+
+Everything runs on the same token ids as the comparison, on the warm engines where possible.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import replace
+from functools import partial
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from logprob_parity.analysis.compare import compare, compare_prepared
+from logprob_parity.analysis.floors import gap
+from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS
+from logprob_parity.analysis.request import Context, EventFn, prepare
+from logprob_parity.analysis.verdict import diagnosis_verdicts
+from logprob_parity.engines.host import start_words
+from logprob_parity.env import device_name, versions
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.spec import RunSpec, content_hash
+from logprob_parity.inputs.tokens import tokenize
+from logprob_parity.results.records import DiagnosticsResult, DtypeDiagnosis
+from logprob_parity.results.run import Run
+from logprob_parity.results.store import Store
+
+PARTS = ("noise", "reference", "downstream", "ablation")
+FILLER_PROMPTS = 6  # other prompts batched beside the user's, for batch-composition noise
+TRAINER_CHUNK = 64  # tokens a forward through HF's KV cache, as a trainer scoring in chunks
+INCREMENTAL_WHOLE = 512  # texts up to this long are scored one token a forward from their start
+REFERENCE_DTYPE = "float64"
+
+
+def _data_lines(name: str) -> list[str]:
+    return resources.files("logprob_parity").joinpath("data").joinpath(name).read_text(encoding="utf-8").splitlines()
+
+
+def _lp(scores: list[Any]) -> list[np.ndarray]:
+    return [s.logprob for s in scores]
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def ablation_knobs(device: str, slow: bool) -> list[tuple[str, dict[str, Any] | None, str]]:
+    """(name, change to the settings or None when skipped, note). Only what this platform can run."""
+    knobs: list[tuple[str, dict[str, Any] | None, str]] = [
+        ("vLLM prefix caching on", {"enable_prefix_caching": True}, ""),
+        ("vLLM chunked prefill, max_num_batched_tokens=32", {"enable_chunked_prefill": True, "max_num_batched_tokens": 32, "max_num_seqs": 8}, ""),
+        ("HF attn_implementation=eager", {"attn_implementation": "eager"}, ""),
+    ]
+    if device == "cuda" or slow:
+        knobs.append(("vLLM torch.compile + graphs (enforce_eager off)", {"enforce_eager": False}, ""))
+    else:
+        knobs.append(("vLLM torch.compile + graphs (enforce_eager off)", None, "skipped: compiling on CPU takes minutes (--slow-knobs runs it)"))
+    if device == "cuda":
+        for backend in ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER"):
+            knobs.append((f"vLLM attention_backend={backend}", {"attention_backend": backend}, ""))
+        knobs.append(("TF32 matmuls (both engines)", {"tf32": True}, ""))
+        knobs.append(("vLLM batch-invariant mode", {"batch_invariant": True}, ""))
+    else:
+        knobs.append(("vLLM attention backends", None, "skipped: vLLM's CPU build has one attention backend (CPU_ATTN)"))
+        knobs.append(("HF TF32 matmuls", None, "skipped: TF32 exists on NVIDIA GPUs only"))
+        knobs.append(("vLLM batch-invariant mode", None, "skipped: vLLM's batch-invariant kernels need CUDA"))
+    knobs.append(("vLLM fp32 LM head", None, f"skipped: no such option in vLLM {versions()['vllm']}"))
+    return knobs
+
+
+def diagnose(
+    spec: RunSpec,
+    ctx: Context | None = None,
+    parts: tuple[str, ...] = ("noise", "reference", "downstream"),
+    gen_tokens: int = 16,
+    slow_knobs: bool = False,
+    *,
+    store: Store | None = None,
+    on_event: EventFn | None = None,
+    model_roots: list[str] | None = None,
+) -> DiagnosticsResult:
+    """Run the chosen diagnostics for every dtype of the spec, store the result and return it.
+
+    It goes through the same request path as `compare` (ctx: the store, the allowed model roots,
+    the progress callback), so a page that offers diagnostics applies the server's model-root rules.
+    """
+    ctx = ctx or Context.of(store=store, on_event=on_event, model_roots=model_roots)
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise UserError(f"unknown diagnostic(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    p = prepare(spec, ctx)  # refuses a model outside the allowed roots before anything runs
+    base_runs = compare_prepared(p)
+    tokenizer, seqs, bos = p.tokenizer, p.seqs, p.spec.bos
+    filler = [list(tokenize(tokenizer, t, bos).token_ids) for t in _data_lines("sentences.txt")[:FILLER_PROMPTS]]
+    mcq = _mcq_items(tokenizer, bos) if "downstream" in parts else []
+    # the comparison's own max_model_len, so the warm engines of the comparison serve the diagnostics
+    mml = p.max_model_len
+    ctx_seqs = seqs + [f for f in filler if len(f) < mml]
+    mcq = [m for m in mcq if len(m["ids"]) < mml]
+    gen = min(gen_tokens, mml - len(seqs[0]) - 1)
+    emit = ctx.emit
+
+    dtypes: dict[str, DtypeDiagnosis] = {}
+    picks: dict[str, dict[str, list[int]]] = {}
+    for run in base_runs:
+        d = run.dtype
+        out: dict[str, Any] = {"run_id": run.run_id, "gap": {"mean": run.summary["mean_abs_delta"], "max": run.summary["max_abs_delta"],
+                                                              "argmax_agreement": run.summary.get("argmax_agreement")}}
+        hf_r, v_r = p.load("hf", d), p.load("vllm", d)
+        other = "eager" if (p.spec.settings.attn_implementation or "sdpa") != "eager" else "sdpa"
+        other_r = p.load("hf", d, replace(p.spec.settings, attn_implementation=other))
+        ref_r = p.load("hf", REFERENCE_DTYPE, device="cpu")
+        needed = [hf_r, v_r] + ([other_r] if "noise" in parts else []) + ([ref_r] if "reference" in parts else [])
+        emit("load", d, f"{len(needed)} engines for diagnostics (a cold one: {start_words('vllm', p.device)})")
+        base_hf = [s.hf.logprob for s in run.sequences]
+        base_v = [s.vllm.logprob for s in run.sequences]
+        n = len(seqs)
+        turn = partial(ctx.pool.device_turn, ctx.waiter(d))
+        with ctx.pool.lease(needed, on_wait=ctx.waiter(d)) as lease:
+            hf, vl = lease.host(hf_r), lease.host(v_r)
+            if "noise" in parts:
+                emit("noise", d, "HF batched/padded, other attention; vLLM alone/batched/repeated")
+                with turn(what="the noise floor"):
+                    noise = {
+                        "hf_batched_right_padding": gap(base_hf, _lp(hf.score(ctx_seqs, 1, None, len(ctx_seqs), "right")[:n])),
+                        "hf_batched_left_padding": gap(base_hf, _lp(hf.score(ctx_seqs, 1, None, len(ctx_seqs), "left")[:n])),
+                        "vllm_alone_vs_batched": gap(_lp(vl.score(seqs, 1, None, 1)), _lp(vl.score(ctx_seqs, 1)[:n])),
+                        "vllm_repeat": gap(base_v, _lp(vl.score(seqs, 1))),
+                    }
+                    # the trainer's and the scripts' ways: through the KV cache, a chunk or one token a forward
+                    emit("noise", d, f"HF through its KV cache: {TRAINER_CHUNK} tokens a forward, and one token a forward")
+                    noise.update(_cached_scoring(hf, seqs, base_hf))
+                hf_other = lease.host(other_r)
+                with turn(what="the noise floor"):
+                    noise[f"hf_attn_{other}"] = gap(base_hf, _lp(hf_other.score(seqs, 1)))
+                hf_floor = max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("hf_"))
+                v_floor = max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("vllm_"))
+                out["noise"] = noise
+                out["floor"] = {"hf": hf_floor, "vllm": v_floor}
+                out["ratio_to_hf_noise"] = _ratio(out["gap"]["mean"], hf_floor)
+                out["ratio_to_vllm_noise"] = _ratio(out["gap"]["mean"], v_floor)
+            if "reference" in parts:
+                emit("reference", d, f"HF in {REFERENCE_DTYPE} on the CPU")
+                ref_w = lease.host(ref_r)
+                with turn(what="the float64 reference"):
+                    ref = _lp(ref_w.score(seqs, 1))
+                out["reference"] = _reference(base_v, base_hf, ref)
+            if "downstream" in parts:
+                emit("downstream", d, f"greedy {gen} tokens; {len(mcq)} multiple-choice options")
+                with turn(what="downstream checks"):
+                    g_hf = hf.generate([seqs[0]], gen)[0] if gen > 0 else []
+                    g_v = vl.generate([seqs[0]], gen)[0] if gen > 0 else []
+                    mc_hf = hf.score([m["ids"] for m in mcq], 1) if mcq else []
+                    mc_v = vl.score([m["ids"] for m in mcq], 1) if mcq else []
+                out["greedy"] = _greedy(tokenizer, g_hf, g_v)
+                picks[d] = {"hf": _mcq_picks(mcq, mc_hf), "vllm": _mcq_picks(mcq, mc_v)}
+                out["mcq"] = _mcq_summary(mcq, picks[d])
+        out["verdict"] = {}  # filled below, once the ablation's evidence is in
+        dtypes[d] = DtypeDiagnosis.from_dict(out)
+    ablation = _ablation(spec, ctx, base_runs, p.device, slow_knobs) if "ablation" in parts else []
+    identity = {"model": p.model.name, "device": device_name(p.device), "versions": {k: v for k, v in versions().items() if k != "vllm_dist"},
+                "texts": list(spec.texts), "parts": list(parts), "run_ids": {r.dtype: r.run_id for r in base_runs}}
+    now = dt.datetime.now(dt.timezone.utc)
+    result = DiagnosticsResult(
+        diagnostics_id=content_hash(identity | {"gen": gen_tokens}),
+        model=identity["model"], device=identity["device"], versions=identity["versions"], texts=tuple(spec.texts),
+        parts=tuple(parts), run_ids=identity["run_ids"], dtypes=dtypes, ablation=tuple(ablation),
+        mcq_dtype_flips=_dtype_flips(picks) if picks else None,
+        created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(),
+    )
+    # the stored verdict is the one verdict function's, over all the evidence (noise, reference, knobs)
+    verdicts = diagnosis_verdicts(result)
+    result = replace(result, dtypes={d: replace(o, verdict=verdicts[d].to_dict()) for d, o in dtypes.items()})
+    # exactly what the store gives back (JSON round trip: no numpy scalars, no NaN)
+    result = DiagnosticsResult.from_dict(json.loads(json.dumps(result.to_dict(), allow_nan=False)))
+    ctx.store.save_diagnostics(result)
+    return result
+
+
+def _cached_scoring(hf: Any, seqs: list[list[int]], base_hf: list[np.ndarray]) -> dict[str, dict[str, Any]]:
+    """HF scoring the texts as trainers and per-prefix scripts do, through its KV cache, against one
+    pass: TRAINER_CHUNK tokens a forward (at least two chunks a text), and one token a forward (the
+    last INCREMENTAL_TOKENS tokens of a longer text, after the rest in one forward)."""
+    starts = [1] * len(seqs)
+    chunk = max(1, min(TRAINER_CHUNK, min(len(x) for x in seqs) // 2))
+    chunked = hf.rollout_score(seqs, starts, chunk=chunk)
+    tail = INCREMENTAL_TOKENS if max(map(len, seqs)) > INCREMENTAL_WHOLE else None
+    inc = hf.rollout_score(seqs, starts, chunk=1, tail=tail)
+    return {"hf_chunked": gap([b[1:] for b in base_hf], [c["logprob"] for c in chunked]),
+            "hf_incremental": gap([b[int(c["first"]):] for b, c in zip(base_hf, inc)], [c["logprob"] for c in inc])}
+
+
+def _reference(v: list[np.ndarray], h: list[np.ndarray], ref: list[np.ndarray]) -> dict[str, Any]:
+    dv = np.concatenate([np.abs(a - r) for a, r in zip(v, ref)])
+    dh = np.concatenate([np.abs(a - r) for a, r in zip(h, ref)])
+    ok = np.isfinite(dv) & np.isfinite(dh)
+    dv, dh = dv[ok], dh[ok]
+    decided = dv != dh
+    frac_v = float((dv[decided] < dh[decided]).mean()) if decided.any() else None
+    mv, mh = float(dv.mean()), float(dh.mean())
+    closer = "tie" if mv == mh else ("vLLM" if mv < mh else "HF")
+    return {
+        "vllm_vs_ref": {"mean": mv, "max": float(dv.max())},
+        "hf_vs_ref": {"mean": mh, "max": float(dh.max())},
+        "frac_tokens_vllm_closer": frac_v,
+        "frac_tokens_tied": float((~decided).mean()),
+        "closer_overall": closer,
+    }
+
+
+def _greedy(tokenizer: Any, hf: list[int], vl: list[int]) -> dict[str, Any]:
+    first = next((i for i, (a, b) in enumerate(zip(hf, vl)) if a != b), None)
+    out: dict[str, Any] = {"n_tokens": len(hf), "hf_text": tokenizer.decode(hf), "vllm_text": tokenizer.decode(vl), "first_difference": first}
+    if first is not None:
+        out["hf_token"] = tokenizer.decode([hf[first]])
+        out["vllm_token"] = tokenizer.decode([vl[first]])
+    return out
+
+
+def _mcq_items(tokenizer: Any, bos: str) -> list[dict[str, Any]]:
+    """Each option as one sequence: the question, a space, the option; the continuation is scored
+    the way evaluation harnesses do it (sum of the option tokens' logprobs)."""
+    items = []
+    for qi, line in enumerate(_data_lines("mcq.jsonl")):
+        q = json.loads(line)
+        ctx = list(tokenize(tokenizer, q["question"], bos).token_ids)
+        for oi, opt in enumerate(q["options"]):
+            full = list(tokenize(tokenizer, q["question"] + " " + opt, bos).token_ids)
+            start = next((i for i, (a, b) in enumerate(zip(ctx, full)) if a != b), min(len(ctx), len(full)))
+            items.append({"q": qi, "option": oi, "answer": q["answer"], "ids": full, "start": max(start, 1)})
+    return items
+
+
+def _mcq_picks(items: list[dict[str, Any]], scores: list[Any]) -> list[int]:
+    best: dict[int, tuple[float, int]] = {}
+    for it, sc in zip(items, scores):
+        total = float(np.sum(sc.logprob[it["start"] :]))
+        if it["q"] not in best or total > best[it["q"]][0]:
+            best[it["q"]] = (total, it["option"])
+    return [best[q][1] for q in sorted(best)]
+
+
+def _mcq_summary(items: list[dict[str, Any]], picks: dict[str, list[int]]) -> dict[str, Any]:
+    answers = {it["q"]: it["answer"] for it in items}
+    truth = [answers[q] for q in sorted(answers)]
+    flips = [i for i, (a, b) in enumerate(zip(picks["hf"], picks["vllm"])) if a != b]
+    return {
+        "n_questions": len(truth),
+        "hf_accuracy": float(np.mean([p == t for p, t in zip(picks["hf"], truth)])) if truth else None,
+        "vllm_accuracy": float(np.mean([p == t for p, t in zip(picks["vllm"], truth)])) if truth else None,
+        "flips_between_engines": len(flips),
+        "flipped_questions": flips,
+    }
+
+
+def _dtype_flips(picks: dict[str, dict[str, list[int]]]) -> dict[str, Any]:
+    """Per engine: answers that change between each dtype and the most precise one run."""
+    order = [d for d in ("float32", "bfloat16", "float16") if d in picks]
+    ref = order[0]
+    return {
+        f"{engine} {d} vs {ref}": sum(a != b for a, b in zip(picks[d][engine], picks[ref][engine]))
+        for d in order[1:]
+        for engine in ("hf", "vllm")
+    }
+
+
+def _ablation(spec: RunSpec, ctx: Context, base_runs: list[Run], device: str, slow: bool) -> list[dict[str, Any]]:
+    emit = ctx.emit
+    rows = []
+    for run in base_runs:
+        base = run.summary["mean_abs_delta"]
+        rows.append({"dtype": run.dtype, "knob": "baseline", "mean_abs_delta": base, "max_abs_delta": run.summary["max_abs_delta"],
+                     "change": 0.0, "run_id": run.run_id, "note": json.dumps(spec.settings.to_dict(), sort_keys=True)})
+        for name, change, note in ablation_knobs(device, slow):
+            if change is None:
+                rows.append({"dtype": run.dtype, "knob": name, "mean_abs_delta": None, "max_abs_delta": None, "change": None, "run_id": None, "note": note})
+                continue
+            emit("ablation", run.dtype, name)
+            try:
+                (r,) = compare(replace(spec, dtypes=(run.dtype,), settings=replace(spec.settings, **change)), ctx)
+            except Exception as exc:  # noqa: BLE001 - a knob this engine refuses is a finding, not a crash
+                rows.append({"dtype": run.dtype, "knob": name, "mean_abs_delta": None, "max_abs_delta": None, "change": None,
+                             "run_id": None, "note": f"failed: {str(exc).splitlines()[0][:200]}"})
+                continue
+            m = r.summary["mean_abs_delta"]
+            rows.append({"dtype": run.dtype, "knob": name, "mean_abs_delta": m, "max_abs_delta": r.summary["max_abs_delta"],
+                         "change": m - base, "run_id": r.run_id, "note": ""})
+    return rows
+
+
+def knob_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The ablation in words, one meaning per line: per dtype, the setting that removes the most of
+    the gap (only a setting that narrows it is ever named as the remedy), then each setting that
+    widens it, with how much. A setting that changes nothing is not listed."""
+    out = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        base = next((r["mean_abs_delta"] for r in mine if r["knob"] == "baseline"), None)
+        tried = [r for r in mine if r["knob"] != "baseline" and r.get("change") is not None]
+        if not base or not tried:
+            continue
+        cuts = [r for r in tried if r["change"] < 0]
+        if cuts:
+            best = min(cuts, key=lambda r: r["change"])
+            out.append(f"{dtype}: {best['knob']} removes the most of the gap, {-best['change'] / base:.1%} "
+                       f"(mean |Δ logp| {base:.2e} → {best['mean_abs_delta']:.2e})")
+        else:
+            out.append(f"{dtype}: no single setting tried here narrows the gap")
+        for r in sorted((r for r in tried if r["change"] > 0), key=lambda r: -r["change"]):
+            out.append(f"{dtype}: {r['knob']} widens it {r['mean_abs_delta'] / base:.3g}x (mean |Δ logp| {base:.2e} → "
+                       f"{r['mean_abs_delta']:.2e})")
+    return out
+
+
+def noise_source(key: str) -> str:
+    """A noise measurement's name in words (the keys are the stored JSON's)."""
+    words = {
+        "hf_batched_right_padding": f"HF against itself: batched with {FILLER_PROMPTS} other prompts, padded on the right",
+        "hf_batched_left_padding": f"HF against itself: batched with {FILLER_PROMPTS} other prompts, padded on the left",
+        "vllm_alone_vs_batched": "vLLM against itself: alone, then batched with other prompts",
+        "vllm_repeat": "vLLM against itself: the same request again",
+        "hf_chunked": f"HF against itself: up to {TRAINER_CHUNK} tokens a forward through its KV cache, as trainers score in chunks",
+        "hf_incremental": ("HF against itself: one token a forward through its KV cache, as a per-prefix script or a decode "
+                           f"loop scores (the last {INCREMENTAL_TOKENS} tokens of a text longer than {INCREMENTAL_WHOLE})"),
+    }
+    if key.startswith("hf_attn_"):
+        return f"HF against itself: the {key[len('hf_attn_'):]} attention kernel instead"
+    return words.get(key, key.replace("_", " "))
+
+
+GAP_SOURCE = "vLLM against HF: the gap being judged"
+MEAN, MAX = "mean |Δ logp|", "largest |Δ logp|"
+
+
+def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, Any]]]:
+    """The result as flat tables (rows of dicts) in words, for the CLI, the dashboard and the report.
+    Each column holds one kind of value: gaps in `mean`/`largest` columns, shares in [0, 1] in
+    columns named 'share ...', ratios in their own table ('ratios')."""
+    noise, ratios, ref, down = [], [], [], []
+    for d, out in result.dtypes.items():
+        if out.noise is not None:
+            noise.append({"dtype": d, "what": GAP_SOURCE, MEAN: out.gap["mean"], MAX: out.gap["max"]})
+            noise.extend({"dtype": d, "what": noise_source(k), MEAN: v["mean"], MAX: v["max"]} for k, v in out.noise.items())
+            ratios.append({"dtype": d, "gap ÷ HF's own noise": out.ratio_to_hf_noise, "gap ÷ vLLM's own noise": out.ratio_to_vllm_noise})
+        if out.reference is not None:
+            r = out.reference
+            ref.append({"dtype": d, "mean |vLLM − float64|": r["vllm_vs_ref"]["mean"], "mean |HF − float64|": r["hf_vs_ref"]["mean"],
+                        "largest |vLLM − float64|": r["vllm_vs_ref"]["max"], "largest |HF − float64|": r["hf_vs_ref"]["max"],
+                        "share of tokens where vLLM is closer": r["frac_tokens_vllm_closer"], "closer overall": r["closer_overall"]})
+        if out.greedy is not None and out.mcq is not None:
+            g, m = out.greedy, out.mcq
+            first = g["first_difference"]
+            down.append({"dtype": d,
+                         "greedy text": (f"identical for all {g['n_tokens']} generated tokens" if first is None
+                                         else f"differs from generated token {first + 1}: HF {g.get('hf_token')!r}, vLLM {g.get('vllm_token')!r}"),
+                         "answers that differ (HF vs vLLM)": f"{m['flips_between_engines']} of {m['n_questions']}",
+                         "share correct, HF": m["hf_accuracy"], "share correct, vLLM": m["vllm_accuracy"]})
+    return {"noise": noise, "ratios": ratios, "reference": ref, "downstream": down, "ablation": list(result.ablation)}
+
+
+ABLATION_WORDS = {"knob": "setting changed", "mean_abs_delta": MEAN, "max_abs_delta": MAX, "change": "change in the mean gap",
+                  "removed": "share of the gap removed", "note": "note"}
+
+
+def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Knob-attribution rows in words, with the share of the baseline gap each setting removes."""
+    base = {r["dtype"]: r["mean_abs_delta"] for r in rows if r["knob"] == "baseline"}
+    out = []
+    for r in rows:
+        b = base.get(r["dtype"])
+        removed = (0.0 - r["change"] / b) if (r.get("change") is not None and b and r["knob"] != "baseline") else None
+        row = {"dtype": r["dtype"], **{ABLATION_WORDS[k]: r.get(k) for k in ("knob", "mean_abs_delta", "max_abs_delta", "change")}}
+        row[ABLATION_WORDS["removed"]] = removed
+        row["note"] = "the settings as run" if r["knob"] == "baseline" else r.get("note", "")
+        out.append(row)
+    return out

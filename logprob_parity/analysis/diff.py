@@ -1,0 +1,130 @@
+"""Two stored runs of the same model and token ids, side by side: what changed, and how the gap moved.
+
+Teams upgrading vLLM, transformers or a kernel, or trying a dtype or a setting, ask "what did this
+change do to parity?". `diff_runs(a, b)` lines up both runs' per-token gaps (the same ids, so the same
+positions), lists what differs between them from their stored records (dtype, library versions,
+device, engine settings), and says in words how the gap moved: "vLLM 0.26.0 → 0.32.0 widened the mean
+gap 3.1x; the gap grew more than 2x at 12% of tokens".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from logprob_parity.analysis.check import same_comparison
+from logprob_parity.errors import UserError
+
+FACTOR = 2.0  # a token's gap "moved" when it grew or shrank more than this many times
+TINY = 1e-12  # gaps below this count as this (an exact 0 has no ratio)
+
+
+@dataclass(frozen=True)
+class RunDiff:
+    a: str
+    b: str
+    dtypes: tuple[str, str]
+    changes: tuple[tuple[str, Any, Any], ...]  # (what, in A, in B)
+    n_tokens: int
+    mean_a: float
+    mean_b: float
+    max_a: float
+    max_b: float
+    share_wider: float  # tokens whose gap grew more than FACTOR times
+    share_narrower: float  # tokens whose gap shrank more than FACTOR times
+    headline: str
+    movers: tuple[dict[str, Any], ...]  # the tokens whose gap moved most, largest first
+
+    def to_pandas(self) -> Any:
+        """The tokens whose gap moved most, one a row."""
+        import pandas as pd
+
+        return pd.DataFrame(list(self.movers))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "dtypes": list(self.dtypes), "changes": [list(c) for c in self.changes],
+                "n_tokens": self.n_tokens, "mean_abs_delta": {"a": self.mean_a, "b": self.mean_b},
+                "max_abs_delta": {"a": self.max_a, "b": self.max_b}, "share_wider": self.share_wider,
+                "share_narrower": self.share_narrower, "factor": FACTOR, "headline": self.headline, "movers": list(self.movers)}
+
+
+def changes_between(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """What differs between two runs' records: dtype, library versions, device and engine settings."""
+    ma, mb = a.meta, b.meta
+    out: list[tuple[str, Any, Any]] = []
+    if ma.dtype != mb.dtype:
+        out.append(("dtype", ma.dtype, mb.dtype))
+    for lib in ("vllm", "transformers", "torch"):
+        va, vb = getattr(ma.env, lib), getattr(mb.env, lib)
+        if va != vb:
+            out.append((lib if lib != "vllm" else "vLLM", va, vb))
+    if ma.env.device != mb.env.device:
+        out.append(("device", ma.env.device, mb.env.device))
+    for k in sorted(set(ma.settings) | set(mb.settings)):
+        if k != "max_model_len" and ma.settings.get(k) != mb.settings.get(k):
+            out.append((k, ma.settings.get(k), mb.settings.get(k)))
+    for k in ("top_k", "bos"):
+        if getattr(ma, k) != getattr(mb, k):
+            out.append((k, getattr(ma, k), getattr(mb, k)))
+    return out
+
+
+def _words(changes: list[tuple[str, Any, Any]]) -> str:
+    if not changes:
+        return "Nothing recorded differs between the runs, yet"
+    first = "; ".join(f"{what} {x} → {y}" for what, x, y in changes[:3])
+    return first + (f" (and {len(changes) - 3} more)" if len(changes) > 3 else "")
+
+
+def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
+    """Run b against run a, token by token. Refuses runs of other models or token ids (UserError)."""
+    why = same_comparison(a, b)
+    if why:
+        raise UserError(f"runs {a.run_id} and {b.run_id} cannot be set side by side: {why}")
+    cols = ["index", "abs_delta", "scored", "token_id"]
+    fa, fb = a.column_frame(cols), b.column_frame(cols)
+    ok = fa["scored"].to_numpy() & fb["scored"].to_numpy()
+    ga, gb = fa["abs_delta"].to_numpy()[ok], fb["abs_delta"].to_numpy()[ok]
+    n = int(ok.sum())
+    if n == 0:
+        raise UserError("the two runs have no scored position in common")
+    ratio = np.maximum(gb, TINY) / np.maximum(ga, TINY)
+    wider, narrower = float((ratio > FACTOR).mean()), float((ratio < 1 / FACTOR).mean())
+    mean_a, mean_b = float(ga.mean()), float(gb.mean())
+    changes = changes_between(a, b)
+    r = max(mean_b, TINY) / max(mean_a, TINY)
+    if r >= 1.05:
+        moved = f"widened the mean gap {r:,.3g}x ({mean_a:.2e} → {mean_b:.2e}); the gap grew more than {FACTOR:g}x at {wider:.0%} of tokens"
+    elif r <= 1 / 1.05:
+        moved = (f"narrowed the mean gap {1 / r:,.3g}x ({mean_a:.2e} → {mean_b:.2e}); the gap shrank more than {FACTOR:g}x at "
+                 f"{narrower:.0%} of tokens")
+    else:
+        moved = f"left the mean gap about where it was ({mean_a:.2e} → {mean_b:.2e}); {wider:.0%} of tokens grew more than {FACTOR:g}x"
+    headline = f"{_words(changes)} {moved}."
+    seq = fa["seq"].to_numpy()[ok]
+    idx = fa["index"].to_numpy()[ok]
+    tid = fa["token_id"].to_numpy()[ok]
+    order = np.argsort(-np.abs(np.log(ratio)), kind="stable")[:top]
+    movers = []
+    for i in order:
+        s, t = int(seq[i]), int(idx[i])
+        movers.append({"prompt": s, "position": t, "token_id": int(tid[i]), "token": a.sequences[s].pieces[t],
+                       "gap_a": float(ga[i]), "gap_b": float(gb[i]), "ratio": float(ratio[i])})
+    return RunDiff(a.run_id, b.run_id, (a.dtype, b.dtype), tuple(changes), n, mean_a, mean_b, float(ga.max()), float(gb.max()),
+                   wider, narrower, headline, tuple(movers))
+
+
+def diff_text(d: RunDiff) -> str:
+    """The diff as the terminal shows it."""
+    lines = [d.headline, "", f"A: run {d.a} ({d.dtypes[0]})   B: run {d.b} ({d.dtypes[1]})   {d.n_tokens:,} tokens"]
+    if d.changes:
+        lines += ["", "what differs:"] + [f"  {what}: {x} → {y}" for what, x, y in d.changes]
+    lines += ["", f"mean |Δ logp|  A {d.mean_a:.3e}  B {d.mean_b:.3e}", f"max  |Δ logp|  A {d.max_a:.3e}  B {d.max_b:.3e}",
+              f"tokens whose gap grew more than {FACTOR:g}x: {d.share_wider:.1%}; shrank more than {FACTOR:g}x: {d.share_narrower:.1%}",
+              "", "tokens whose gap moved most:"]
+    for m in d.movers[:10]:
+        lines.append(f"  prompt {m['prompt']} position {m['position']} {m['token']!r}: {m['gap_a']:.2e} → {m['gap_b']:.2e} "
+                     f"({m['ratio']:.3g}x)")
+    return "\n".join(lines)

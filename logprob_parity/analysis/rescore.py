@@ -1,0 +1,302 @@
+"""Rescore rollouts someone else sampled: their logged logprobs against vLLM prefill and HF.
+
+An RL run already has its rollouts: prompt and completion ids with the logprobs its rollout engine
+returned (logprob_parity.inputs.rollout_logs). Here they take the decode row (`decode_raw`, and
+`decode_processed` too, the logger's values being whichever its engine returned), vLLM prefill and HF
+(the trainer's side, at each record's temperature, with the mass its top-k/top-p keep) rescore the same
+ids, in batches of sequences, and the result is a Rollout like `rollout`'s: the same pairs, RL
+mismatch metrics, floors (HF's own; there is no decoding here to re-run), verdict, store entry,
+page, report and `--json`.
+
+Memory is bounded by a batch, not the file (up to 100,000 sequences):
+- the file is read once, a line or row group at a time; each record is checked and spooled to an
+  Arrow file (logprob_parity.inputs.rollout_logs.spool_logged), and batches read their sequences back from it;
+- each finished batch is stored at once as a part holding its final rows (pieces, prompts and all),
+  so a rescore killed part way and started again on the same file computes only the batches it lacks
+  and says how many came from the store;
+- the summary is computed from the parts, read twice (logprob_parity.results.totals), and the stored file is
+  written from them a window of sequences at a time, in sequence order;
+- the Rollout returned reads its samples from that file when asked (logprob_parity.results.rollout.StoredSamples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from logprob_parity.analysis.compare import plan_batches, words_left
+from logprob_parity.analysis.request import Context, model_max_len, prepare
+from logprob_parity.analysis.rollout import (
+    CHUNK,
+    INCREMENTAL_TOKENS,
+    MICRO_BATCH,
+    with_trainer_defaults,
+)
+from logprob_parity.analysis.verdict import rollout_verdict
+from logprob_parity.engines import fullvocab
+from logprob_parity.engines.host import start_words
+from logprob_parity.engines.records import LoadRequest
+from logprob_parity.env import device_name, versions
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.rollout_logs import LoggedIndex, LoggedSequence, spool_logged
+from logprob_parity.inputs.spec import RunSpec, content_hash
+from logprob_parity.inputs.tokens import decode_tail_pieces
+from logprob_parity.results.offpolicy import floor_stats
+from logprob_parity.results.records import RunEnv
+from logprob_parity.results.rollout import (
+    COLUMNS,
+    EXACT,
+    PAIRS,
+    ROLLOUT_SCHEMA,
+    Rollout,
+    RolloutMeta,
+    Sample,
+    sample_table,
+)
+from logprob_parity.results.totals import streamed_summary
+
+PART_LAYOUT = 2  # what a stored part holds (2: the final rows of its sequences); parts of another layout are recomputed
+WINDOW_SEQUENCES = 4096  # the stored file is written a window of consecutive sequences at a time: at most this many,
+WINDOW_TOKENS = 262_144  # and about this many completion tokens (batches never cross a window)
+NOISE_SEQUENCES = 2  # logged sequences HF rescores again in micro-batches, in chunks and token by token
+PROCESSED_WORDS = ("the logged values: the rollout engine's own logprobs, raw or processed as its logger wrote them "
+                   "(vLLM's default is raw)")
+
+
+def rescore(source: bytes | Path, name: str, spec: RunSpec, ctx: Context | None = None, mapping: dict[str, str] | None = None,
+            use_cache: bool = True, noise_sequences: int = NOISE_SEQUENCES) -> list[Rollout]:
+    """One stored Rollout per dtype of `spec` for the logged rollouts in `source` (the file, or its
+    bytes: an upload), `name` its file name. Every record is checked before any engine starts; stored
+    ones come back without an engine. `spec.texts` is not used (the prompts come from the file)."""
+    ctx = ctx or Context.of()
+    spec = with_trainer_defaults(spec)
+    p = prepare(dataclasses.replace(spec, texts=(f"logged rollouts from {name}",)), ctx)
+    ctx.emit("tokenize", None, f"reading and checking the records of {name}")
+    spool = ctx.store.new_spool()
+    try:
+        logged = spool_logged(source, name, mapping or {}, p.tokenizer, p.spec.bos, p.model.vocab_size, spool)
+        longest = int((logged.prompt_len + logged.completion_len).max())
+        if p.model.max_positions is not None and longest > p.model.max_positions:
+            raise UserError(f"a logged sequence is {longest} tokens but {p.model.name} has {p.model.max_positions} positions")
+        ctx.emit("tokenize", None, f"{len(logged):,} records checked: {logged.n_tokens:,} logged completion tokens")
+        out = []
+        for dtype in p.spec.dtypes:
+            rid = content_hash({"schema": ROLLOUT_SCHEMA, "kind": "rescore", "model": p.model.identity, "dtype": dtype,
+                                "settings": p.spec.settings.run_id_part(), "bos": p.spec.bos, "logged": logged.digest,
+                                "noise": noise_sequences, "versions": {k: versions()[k] for k in ("torch", "transformers", "vllm")},
+                                "device": device_name(p.device)})
+            if use_cache and ctx.store.has_rollout(rid):
+                ctx.emit("cache", dtype, f"rescore {rid} from the store, no engine started")
+                out.append(ctx.store.load_rollout(rid))
+                continue
+            if not use_cache:
+                ctx.store.drop_partial(rid)
+            _rescore_dtype(p, logged, dtype, rid, model_max_len(longest, p.model.max_positions), noise_sequences)
+            ctx.store.drop_partial(rid)
+            ctx.emit("store", dtype, f"rescore {rid} saved")
+            out.append(ctx.store.load_rollout(rid))
+        return out
+    finally:
+        spool.unlink(missing_ok=True)
+
+
+def _windows(logged: LoggedIndex) -> list[tuple[int, int]]:
+    """Consecutive sequences [lo, hi): at most WINDOW_SEQUENCES and about WINDOW_TOKENS completion tokens."""
+    out, lo, used = [], 0, 0
+    for i, n in enumerate(logged.completion_len.tolist()):
+        if i > lo and (i - lo >= WINDOW_SEQUENCES or used + n > WINDOW_TOKENS):
+            out.append((lo, i))
+            lo, used = i, 0
+        used += n
+    out.append((lo, len(logged)))
+    return out
+
+
+def _batches(logged: LoggedIndex, vocab: int | None, device: str) -> list[tuple[int, list[int]]]:
+    """(window, sequence numbers) a batch, in window order: within a window the sequences sampled
+    alike (temperature, top-p, top-k) form groups, which HF rescores at once, cut by plan_batches."""
+    out = []
+    whole = (logged.prompt_len + logged.completion_len).tolist()
+    for w, (lo, hi) in enumerate(_windows(logged)):
+        groups: dict[tuple[float, float, int], list[int]] = {}
+        for i in range(lo, hi):
+            groups.setdefault((float(logged.temperature[i]), float(logged.top_p[i]), int(logged.top_k[i])), []).append(i)
+        for g in groups.values():
+            out.extend((w, g[a:b]) for a, b in plan_batches([whole[i] for i in g], vocab, device))
+    return out
+
+
+def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, noise: int) -> None:
+    """Score every batch (or find it stored), then the floors, the summary and the stored file."""
+    ctx = p.ctx
+    t_all = time.perf_counter()
+    vreq = LoadRequest("vllm", p.model.path, dtype, p.device, p.spec.settings, mml)
+    hreq = LoadRequest("hf", p.model.path, dtype, p.device, p.spec.settings, mml)
+    timing = {"prefill_s": 0.0, "hf_s": 0.0}
+    kl_why: set[str] = set()
+    total, done, computed, reused, t_compute = logged.n_tokens, 0, 0, 0, 0.0
+    store = ctx.store
+    batches = _batches(logged, p.model.vocab_size, p.device)
+    n_first = min(len(logged), max(noise, MICRO_BATCH)) if noise else 0  # the sequences the floors rescore
+    first_hf: dict[int, np.ndarray] = {}  # and their HF logprobs in the rescore
+    with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
+        for req in (vreq, hreq):
+            ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
+                     f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
+        vllm, hf = lease.host(vreq), lease.host(hreq)
+        for b, (_, idx) in enumerate(batches):
+            seqs = logged.read(idx)
+            batch = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
+            n_tok = int(logged.completion_len[idx].sum())
+            digest = content_hash([batch, [s.logprobs for s in seqs]], 16)
+            old = store.part_info(rid, b)
+            if old is not None and (old.get("idx"), old.get("ids"), old.get("layout")) == (idx, digest, PART_LAYOUT):
+                table = None  # read below only if it holds a sequence the floors rescore
+                if old.get("kl_why"):
+                    kl_why.add(old["kl_why"])
+                reused += 1
+            else:
+                t_b = time.perf_counter()
+                s0 = seqs[0]
+                starts = [len(s.prompt_token_ids) for s in seqs]
+                with ctx.pool.device_turn(ctx.waiter(dtype), what="rescoring"):
+                    ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device)
+                    try:
+                        t = time.perf_counter()
+                        pre = lease.call(vreq, lambda: vllm.score(batch, 1, None, None, "right", ex.vllm_target))
+                        ex.after_vllm(vllm)
+                        timing["prefill_s"] += time.perf_counter() - t
+                        t = time.perf_counter()
+                        got = lease.call(hreq, lambda: hf.rollout_score(batch, starts, s0.temperature, s0.top_k, s0.top_p, None,
+                                                                         ex.hf_source))
+                        timing["hf_s"] += time.perf_counter() - t
+                    finally:
+                        ex.close(vllm)
+                if ex.why:
+                    kl_why.add(ex.why)
+                table = sample_table(_samples(p.tokenizer, seqs, idx, pre, got), idx)
+                store.save_part(rid, b, table, {"idx": idx, "ids": digest, "kl_why": ex.why, "layout": PART_LAYOUT})
+                computed += n_tok
+                t_compute += time.perf_counter() - t_b
+            done += n_tok
+            wanted = [i for i in idx if i < n_first]
+            if wanted:
+                table = table if table is not None else store.part_table(rid, b, ["sample", "hf"])
+                hf_col, seq_col = table.column("hf").to_numpy(), table.column("sample").to_numpy()
+                first_hf.update({i: hf_col[seq_col == i] for i in wanted})
+            ctx.on_progress(dtype, done, total)
+            rate = computed / t_compute if t_compute else 0.0
+            left = f", {words_left((total - done) / rate)}" if rate and done < total else ""
+            ctx.emit("batch", dtype, f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} logged tokens rescored, "
+                     f"{rate:,.0f} tokens/s{left}" + (f" ({reused} batch(es) were already in the store)" if reused else ""))
+        if reused:
+            ctx.emit("cache", dtype, f"{reused} of {len(batches)} batches came from the store (an earlier rescore of this file "
+                     f"stopped before it finished); {len(batches) - reused} computed now")
+        firsts = logged.read(range(n_first))
+        full = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in firsts]
+        floors = _floors(ctx, dtype, lease, hreq, hf, full, [len(s.prompt_token_ids) for s in firsts],
+                         [first_hf[i] for i in range(n_first)], min(noise, len(logged)), timing)
+    timing.update(batches=len(batches), batches_from_store=reused)
+    kl_words = "exact, every completion token of prefill_vs_hf" if not kl_why else "not computed: " + "; ".join(sorted(kl_why))
+    engines = {"hf": hf.info or {}, "vllm": {**(vllm.info or {}), "kl_full": kl_words}}
+    finish(p, logged, batches, dtype, rid, mml, floors, timing, engines, t_all)
+
+
+def _samples(tokenizer: Any, seqs: list[LoggedSequence], idx: list[int], pre: list[Any], got: list[dict[str, np.ndarray]]) -> list[Sample]:
+    """One batch's scorings as Samples beside the logged values (checked: both engines scored exactly
+    the logged completion ids)."""
+    out = []
+    for i, s, a, h in zip(idx, seqs, pre, got):
+        n0, n = len(s.prompt_token_ids), len(s.completion_token_ids)
+        if [int(x) for x in a.token_ids[n0:]] != list(s.completion_token_ids) or len(h["logprob"]) != n:
+            raise AssertionError(f"record {s.record}: the scorings did not score the logged completion ids")
+        logged_lp = np.asarray(s.logprobs, dtype=np.float64)
+        lp = {"decode_raw": logged_lp, "decode_processed": logged_lp.copy(), "prefill": np.asarray(a.logprob[n0:], dtype=np.float64),
+              "hf": np.asarray(h["logprob"], dtype=np.float64), "hf_tempered": np.asarray(h["tempered"], dtype=np.float64),
+              "log_kept_mass": np.asarray(h["log_kept_mass"], dtype=np.float64)}
+        exact = {"kl_full": np.asarray(h.get("kl_full", np.full(n, np.nan)), dtype=np.float64),
+                 "same_top": (np.asarray(a.topk_ids[n0:, 0]) == np.asarray(h["top_id"])).astype(np.float64)}
+        full = [*s.prompt_token_ids, *s.completion_token_ids]
+        out.append(Sample(prompt_index=i, seed=-1, prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
+                          pieces=tuple(decode_tail_pieces(tokenizer, full, n0)),
+                          finish_reason=f"logged record {s.record}" + (f", id {s.id}" if s.id else "") +
+                                        (f", step {s.step}" if s.step is not None else ""),
+                          logprob=lp, exact=exact, prompt_text=tokenizer.decode(list(s.prompt_token_ids))))
+    return out
+
+
+def finish(p: Any, logged: LoggedIndex, batches: list[tuple[int, list[int]]], dtype: str, rid: str, mml: int,
+           floors: dict[str, Any], timing: dict[str, Any], engines: dict[str, dict[str, Any]], t_all: float) -> None:
+    """The stored rescore from its parts: the summary (two passes over the parts' columns), the
+    verdict, and the file, written a window at a time in sequence order. Apart from the engines, so
+    its cost can be measured alone (benchmarks/rescore_profile.py)."""
+    import pyarrow as pa
+
+    store = p.ctx.store
+    t = time.perf_counter()
+
+    def parts() -> Any:
+        for b, (_, idx) in enumerate(batches):
+            table = store.part_table(rid, b, [*COLUMNS, *EXACT])
+            yield {**{c: table.column(c).to_numpy() for c in (*COLUMNS, *EXACT)}, "lengths": logged.completion_len[idx]}
+
+    summary = streamed_summary(parts, PAIRS, "prefill_vs_hf")
+    timing["summary_s"] = time.perf_counter() - t
+    temps, top_ps, top_ks = (sorted(set(a.tolist())) for a in (logged.temperature, logged.top_p, logged.top_k))
+    sampling = {"source": "logged", "file": logged.source, "records": len(logged), "samples": 1, "temperature": temps[0],
+                "top_p": top_ps[0], "top_k": top_ks[0], "max_tokens": int(logged.completion_len.max()),
+                "seed": None, "varies": len(temps) * len(top_ps) * len(top_ks) > 1, "digest": logged.digest}
+    now = dt.datetime.now(dt.timezone.utc)
+    v = versions()
+    meta = RolloutMeta(
+        rollout_id=rid, created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(), model=p.model.name,
+        model_path=p.model.path, revision=p.model.revision, model_identity=p.model.identity, dtype=dtype, device=p.device,
+        bos=p.spec.bos, settings={**p.spec.settings.to_dict(), "max_model_len": mml}, sampling=sampling,
+        prompts=(), processed=PROCESSED_WORDS,
+        env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
+                   vllm_dist=v["vllm_dist"], hf_engine=engines["hf"], vllm_engine=engines["vllm"]),
+        timing={k: round(x, 3) for k, x in {**timing, "total_s": time.perf_counter() - t_all}.items()}, summary=summary,
+        floors=floors)
+    meta = dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict())
+
+    def tables() -> Any:
+        by_window: dict[int, list[int]] = {}
+        for b, (w, _) in enumerate(batches):
+            by_window.setdefault(w, []).append(b)
+        for w in sorted(by_window):
+            table = pa.concat_tables([store.part_table(rid, b) for b in by_window[w]])
+            yield table.take(np.argsort(table.column("sample").to_numpy(), kind="stable"))
+
+    store.write_rollout(meta, tables(), len(logged))
+
+
+def _floors(ctx: Any, dtype: str, lease: Any, hreq: LoadRequest, hf: Any, full: list[list[int]], starts: list[int],
+            one: list[np.ndarray], k: int, timing: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """HF's own noise on the first k logged sequences (`full`: the first few, `one`: HF's logprobs of
+    the first k in the rescore): padded micro-batches, chunks through the KV cache, one token a
+    forward (the trainer's ways of scoring). No decode floor: nothing is decoded here."""
+    if k == 0:
+        return {}
+    t = time.perf_counter()
+    ctx.emit("noise", dtype, f"HF scores {k} logged sequence(s) in padded micro-batches, in chunks of {CHUNK} tokens, and token by token")
+    with ctx.pool.device_turn(ctx.waiter(dtype), what="the noise floor"):
+        mb = lease.call(hreq, lambda: hf.score(full[:MICRO_BATCH], 1, None, MICRO_BATCH))
+        chunk = max(2, min(CHUNK, min(len(f) for f in full[:k]) // 2))
+        chunked = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
+        inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1, tail=INCREMENTAL_TOKENS))
+    floors = {
+        "hf_micro_batch": {**floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one[: len(mb)]), "side": "hf",
+                           "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass"},
+        "hf_chunked": {**floor_stats([c["logprob"] for c in chunked], one[:k]), "side": "hf", "chunk": chunk,
+                       "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass"},
+        "hf_incremental": {**floor_stats([c["logprob"] for c in inc], [o[int(c["first"]) - s:] for c, o, s in zip(inc, one[:k], starts[:k])]),
+                           "side": "hf", "tokens": INCREMENTAL_TOKENS,
+                           "what": f"HF: one token a forward through the KV cache vs one pass, the last {INCREMENTAL_TOKENS} tokens"},
+    }
+    timing["noise_s"] = time.perf_counter() - t
+    return floors

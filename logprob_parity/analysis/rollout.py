@@ -1,0 +1,261 @@
+"""Rollout mode: vLLM's decode path (what an RL rollout samples with) against the trainer's scoring.
+
+For each dtype:
+1. vLLM samples every (prompt, seed) request in one generate call, recording each sampled token's
+   decode-time logprob raw and, when temperature or top-k/top-p change it, processed (a second pass
+   with the same seeds; the tokens must come out the same).
+2. vLLM prefill (prompt_logprobs) rescores prompt+completion ids; HF rescores them teacher-forced
+   (the trainer), also at the sampling temperature, with the mass top-k/top-p keep.
+3. Three pairs per token and per sequence (logprob_parity.results.rollout.PAIRS) and the RL mismatch
+   metrics (logprob_parity.results.offpolicy).
+4. Noise floors: the same seeded samples decoded alone (decode batch size); HF in padded
+   micro-batches, in chunks through the KV cache, and one token at a time, each against one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import time
+from typing import Any
+
+import numpy as np
+
+from logprob_parity.results.offpolicy import floor_stats, mismatch_metrics
+from logprob_parity.analysis.request import Context, Prepared, model_max_len, prepare
+from logprob_parity.analysis.verdict import rollout_verdict
+from logprob_parity.engines import fullvocab
+from logprob_parity.engines.host import start_words
+from logprob_parity.engines.records import LoadRequest
+from logprob_parity.env import device_name, resolve_device, versions
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.spec import RunSpec, content_hash
+from logprob_parity.inputs.tokens import decode_tail_pieces
+from logprob_parity.results.records import RunEnv
+from logprob_parity.results.rollout import COLUMNS, MAIN_PAIR, PAIRS, ROLLOUT_SCHEMA, Rollout, RolloutMeta, Sample, Sampling, exact_stats, hf_floor
+
+RAW, PROCESSED = "raw_logprobs", "processed_logprobs"
+NOISE_SAMPLES = 2  # seeded samples re-decoded alone and rescored in chunks / token by token
+# The floors' costs, kept below the rollout's own (a per-token loop over every token of a long
+# completion took ten times the rollout): the re-decoded samples stop after this many tokens (the
+# same seed gives the same first tokens alone as in the batch), and the one-token-a-forward loop
+# scores the last this many tokens of each sample, after their prefix in one forward.
+NOISE_DECODE_TOKENS = 128
+INCREMENTAL_TOKENS = 64
+CHUNK = 64  # tokens per HF forward in the chunked-scoring floor
+MICRO_BATCH = 8  # sequences per padded HF forward in the micro-batch floor
+STEPS_PER_DTYPE = 8  # progress steps: load, sample, (processed), prefill, hf, floors x3
+
+
+def _identity(p: Prepared, sampling: Sampling, dtype: str, noise: int) -> dict[str, Any]:
+    v = versions()
+    return {
+        "schema": ROLLOUT_SCHEMA, "kind": "rollout", "model": p.model.identity, "dtype": dtype,
+        "settings": p.spec.settings.run_id_part(), "bos": p.spec.bos, "sampling": sampling.to_dict(), "noise": noise,
+        "versions": {k: v[k] for k in ("torch", "transformers", "vllm")}, "device": device_name(p.device),
+        "texts": list(p.spec.texts), "truncate": p.spec.truncate,
+    }
+
+
+def rollout_id_for(p: Prepared, sampling: Sampling, dtype: str, noise: int) -> str:
+    """Content address of a rollout request: the model, dtype, engine settings, prompts, versions
+    and every sampling setting, the seed included (a seeded rollout is reproducible)."""
+    return content_hash(_identity(p, sampling, dtype, noise))
+
+
+def rollout(spec: RunSpec, sampling: Sampling, ctx: Context | None = None, use_cache: bool = True,
+            noise_samples: int = NOISE_SAMPLES) -> list[Rollout]:
+    """One stored Rollout per dtype of `spec`, in order; stored ones come back without an engine."""
+    ctx = ctx or Context.of()
+    sampling.validate()
+    spec = with_rollout_defaults(spec)
+    p = prepare(spec, ctx)
+    out = []
+    for dtype in p.spec.dtypes:
+        rid = rollout_id_for(p, sampling, dtype, noise_samples)
+        if use_cache and ctx.store.has_rollout(rid):
+            ctx.emit("cache", dtype, f"rollout {rid} from the store, no engine started")
+            out.append(ctx.store.load_rollout(rid))
+            continue
+        r = _rollout_dtype(p, sampling, dtype, rid, noise_samples)
+        ctx.store.save_rollout(r)
+        ctx.emit("store", dtype, f"rollout {rid} saved")
+        out.append(r)
+    return out
+
+
+def with_rollout_defaults(spec: RunSpec) -> RunSpec:
+    """The settings a rollout leaves unset, resolved for the device in use; the resolved values are
+    what the run id and the record hold. enforce_eager: a rollout engine decodes with CUDA graphs,
+    as RL rollouts do, so unset becomes False on a GPU; on a CPU there are no CUDA graphs and
+    compiling costs minutes, so True. The trainer side's as in `with_trainer_defaults`."""
+    spec = with_trainer_defaults(spec)
+    if spec.settings.enforce_eager is not None:
+        return spec
+    eager = resolve_device(spec.device) == "cpu"
+    return dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, enforce_eager=eager))
+
+
+def with_trainer_defaults(spec: RunSpec) -> RunSpec:
+    """hf_cudnn_attention left unset becomes False on a GPU, for the trainer side of a rollout or a
+    rescore. That side scores padded batches whose widths are new in every rollout, and cuDNN
+    attention plans each new shape: on the H200 that planning took 1.9 s of a 64 x 512 rollout's
+    HF side, against 0.3 s for the whole side without it (benchmarks/results/rollout_h200.md).
+    Set it to True to keep torch's choice."""
+    if spec.settings.hf_cudnn_attention is not None or resolve_device(spec.device) == "cpu":
+        return spec
+    return dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, hf_cudnn_attention=False))
+
+
+def _engines(p: Prepared, dtype: str, sampling: Sampling) -> tuple[LoadRequest, LoadRequest]:
+    toks = p.toks
+    longest = max(len(t.token_ids) for t in toks) + sampling.max_tokens
+    limit = p.model.max_positions
+    if limit is not None and longest > limit:
+        raise UserError(f"a prompt plus {sampling.max_tokens} new tokens is {longest} tokens, but {p.model.name} has {limit} "
+                        "positions; lower max tokens or shorten the prompt")
+    mml = model_max_len(longest, limit)
+    return (LoadRequest("vllm", p.model.path, dtype, p.device, p.spec.settings, mml),
+            LoadRequest("hf", p.model.path, dtype, p.device, p.spec.settings, mml))
+
+
+def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise: int) -> Rollout:
+    ctx = p.ctx
+    t_all = time.perf_counter()
+    ctx.emit("tokenize", None, f"{len(p.spec.texts)} prompt(s)")
+    prompts = p.seqs
+    vreq, hreq = _engines(p, dtype, sampling)
+    seeds = sampling.seeds(len(prompts))
+    req_prompts = [prompts[k // sampling.samples] for k in range(len(seeds))]
+    processes = sampling.processes(p.model.vocab_size)
+    modes = (RAW, PROCESSED) if processes else (RAW,)
+    sdict = sampling.to_dict()
+    timing: dict[str, float] = {}
+    with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
+        for req in (vreq, hreq):
+            ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
+                     f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
+        t = time.perf_counter()
+        vllm, hf = lease.host(vreq), lease.host(hreq)
+        timing["load_s"] = time.perf_counter() - t
+        with ctx.pool.device_turn(ctx.waiter(dtype), what="rollout"):
+            ctx.emit("sample", dtype, f"vLLM samples {len(seeds)} completion(s) of up to {sampling.max_tokens} tokens, "
+                     f"all submitted together{' (raw, then processed with the same seeds)' if processes else ''}")
+            t = time.perf_counter()
+            samples = lease.call(vreq, lambda: vllm.sample(req_prompts, seeds, sdict, modes))
+            timing["sample_s"] = time.perf_counter() - t
+            for k, s in enumerate(samples):
+                if processes and s["tokens_by_mode"][PROCESSED] != s["tokens_by_mode"][RAW]:
+                    raise UserError(f"sample {k + 1} (seed {seeds[k]}) came out different in vLLM's second pass with the same seed: "
+                                    "its sampling is not reproducible here, so raw and processed logprobs cannot be paired")
+            full = [list(pr) + s["completion_ids"] for pr, s in zip(req_prompts, samples)]
+            starts = [len(pr) for pr in req_prompts]
+            ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
+            # vLLM prefill leaves its full logprobs for the exact KL of prefill_vs_hf (logprob_parity.engines.fullvocab)
+            ex = fullvocab.Exchange(sum(len(f) - 1 for f in full), p.model.vocab_size, p.device)
+            try:
+                t = time.perf_counter()
+                prefill = lease.call(vreq, lambda: vllm.score(full, 1, None, None, "right", ex.vllm_target))
+                ex.after_vllm(vllm)
+                timing["prefill_s"] = time.perf_counter() - t
+                kl_why = ex.why
+                ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
+                t = time.perf_counter()
+                hf_scores = lease.call(hreq, lambda: hf.rollout_score(full, starts, sampling.temperature, sampling.top_k,
+                                                                          sampling.top_p, None, ex.hf_source))
+                timing["hf_s"] = time.perf_counter() - t
+            finally:
+                ex.close(vllm)
+            floors = _noise_floors(p, dtype, lease, vreq, hreq, req_prompts, seeds, samples, full, starts, hf_scores, sdict,
+                                   noise, timing)
+    timing["total_s"] = time.perf_counter() - t_all
+    tokenizer = p.tokenizer
+    recs = []
+    for k, (s, pre, h) in enumerate(zip(samples, prefill, hf_scores)):
+        ids = s["completion_ids"]
+        n0 = starts[k]
+        pre_ids = [int(x) for x in pre.token_ids[n0:]]
+        if pre_ids != ids or len(h["logprob"]) != len(ids):
+            raise AssertionError(f"sample {k}: the three scorings did not score the same completion ids")
+        raw = np.asarray(s["logprobs"][RAW], dtype=np.float64)
+        lp = {
+            "decode_raw": raw,
+            "decode_processed": np.asarray(s["logprobs"][PROCESSED], dtype=np.float64) if processes else raw.copy(),
+            "prefill": np.asarray(pre.logprob[n0:], dtype=np.float64),
+            "hf": np.asarray(h["logprob"], dtype=np.float64),
+            "hf_tempered": np.asarray(h["tempered"], dtype=np.float64),
+            "log_kept_mass": np.asarray(h["log_kept_mass"], dtype=np.float64),
+        }
+        pieces = decode_tail_pieces(tokenizer, list(req_prompts[k]) + ids, n0)
+        exact = {"kl_full": np.asarray(h.get("kl_full", np.full(len(ids), np.nan)), dtype=np.float64),
+                 "same_top": (pre.topk_ids[n0:, 0] == h["top_id"]).astype(np.float64)}
+        recs.append(Sample(prompt_index=k // sampling.samples, seed=seeds[k], prompt_token_ids=tuple(req_prompts[k]),
+                           completion_token_ids=tuple(ids), pieces=tuple(pieces), finish_reason=s.get("finish_reason"),
+                           logprob=lp, exact=exact))
+    summary = {pair: mismatch_metrics([r.logprob[a] for r in recs], [r.logprob[b] for r in recs]) for pair, (a, b, _) in PAIRS.items()}
+    summary["prefill_vs_hf"].update(exact_stats(recs))
+    now = dt.datetime.now(dt.timezone.utc)
+    v = versions()
+    meta = RolloutMeta(
+        rollout_id=rid, created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(), model=p.model.name,
+        model_path=p.model.path, revision=p.model.revision, model_identity=p.model.identity, dtype=dtype, device=p.device,
+        bos=p.spec.bos, settings={**p.spec.settings.to_dict(), "max_model_len": vreq.max_model_len}, sampling=sdict,
+        prompts=tuple(p.spec.texts),
+        processed=("vLLM's own pass in processed_logprobs mode, same seeds, same tokens" if processes else
+                   "equal to raw: at temperature 1 with no top-k/top-p, processing changes nothing (checked in the tests)"),
+        env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
+                   vllm_dist=v["vllm_dist"], hf_engine=hf.info or {},
+                   vllm_engine={**(vllm.info or {}), "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None
+                                else f"not computed: {kl_why}"}),
+        timing={k: round(x, 3) for k, x in timing.items()}, summary=summary, floors=floors,
+        samples=tuple(r.info() for r in recs),
+    )
+    return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
+
+
+def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: LoadRequest, req_prompts: list[list[int]],
+                  seeds: list[int], samples: list[dict], full: list[list[int]], starts: list[int], hf_scores: list[dict],
+                  sdict: dict[str, Any], noise: int, timing: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """How much each side moves when only the batch or the way of scoring changes."""
+    ctx = p.ctx
+    floors: dict[str, dict[str, Any]] = {}
+    k = min(noise, len(samples))
+    if k == 0:
+        return floors
+    vllm, hf = lease.host(vreq), lease.host(hreq)
+    t = time.perf_counter()
+    n_dec = min(sdict["max_tokens"], NOISE_DECODE_TOKENS)
+    short = {**sdict, "max_tokens": n_dec}
+    ctx.emit("noise", dtype, f"vLLM decodes {k} seeded sample(s) again, each alone (batch of 1 instead of {len(samples)}), "
+             f"their first {n_dec} tokens")
+    alone_raw, batch_raw, same = [], [], 0
+    for i in range(k):
+        alone = lease.call(vreq, lambda i=i: vllm.sample([req_prompts[i]], [seeds[i]], short, (RAW,)))[0]
+        if alone["completion_ids"] == samples[i]["completion_ids"][:n_dec]:
+            same += 1
+            alone_raw.append(alone["logprobs"][RAW])
+            batch_raw.append(samples[i]["logprobs"][RAW][: len(alone["completion_ids"])])
+    floors["decode_batch"] = {**floor_stats(alone_raw, batch_raw), "same_tokens": same, "of": k, "side": "vllm",
+                              "what": f"vLLM decode: each sample alone vs in the batch of {len(samples)} "
+                                      f"(the first {n_dec} tokens)"}
+    ctx.emit("noise", dtype, f"HF scores in padded micro-batches of {MICRO_BATCH}, in chunks of {CHUNK} tokens, and token by token")
+    mb = lease.call(hreq, lambda: hf.score(full, 1, None, MICRO_BATCH))
+    one = [h["logprob"] for h in hf_scores]
+    floors["hf_micro_batch"] = {**floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one), "side": "hf",
+                                "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass"}
+    # at least two chunks a sequence, so the KV cache carries something between them
+    chunk = max(2, min(CHUNK, min(len(f) for f in full[:k]) // 2))
+    chunked = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
+    floors["hf_chunked"] = {**floor_stats([c["logprob"] for c in chunked], one[:k]), "side": "hf", "chunk": chunk,
+                            "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass"}
+    inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1, tail=INCREMENTAL_TOKENS))
+    floors["hf_incremental"] = {**floor_stats([c["logprob"] for c in inc],
+                                              [o[int(c["first"]) - s:] for c, o, s in zip(inc, one[:k], starts[:k])]),
+                                "side": "hf", "tokens": INCREMENTAL_TOKENS,
+                                "what": f"HF: one token a forward through the KV cache (a per-prefix loop) vs one pass, "
+                                        f"the last {INCREMENTAL_TOKENS} tokens of each sample"}
+    timing["noise_s"] = time.perf_counter() - t
+    return floors
+
+
+__all__ = ["COLUMNS", "MAIN_PAIR", "PAIRS", "Sampling", "rollout", "hf_floor"]

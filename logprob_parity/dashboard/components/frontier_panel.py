@@ -1,0 +1,122 @@
+"""The Frontier page's parts: its form and the display of a stored frontier."""
+
+from __future__ import annotations
+
+import json
+
+import streamlit as st
+
+from logprob_parity.analysis.frontier import Config, default_grid, frontier, frontier_table, parse_configs
+from logprob_parity.engines.host import start_words
+from logprob_parity.env import resolve_device
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.prompts import SEED_TEXT
+from logprob_parity.inputs.spec import RunSpec
+from logprob_parity.present.frontier_view import frontier_report_html, scatter
+from logprob_parity.dashboard.components.runner import run_job
+from logprob_parity.dashboard.components.spec_form import PRESETS
+from logprob_parity.dashboard.state import engines_available, get_store
+
+KEY = "frontier"
+
+
+def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
+    blocked = engines_available()
+    try:
+        device = resolve_device("auto")
+    except UserError:
+        device = "cpu"
+    grid = default_grid(device)
+    runnable = [c.name for c in grid if not c.skip]
+    with st.form(f"{KEY}-form"):
+        c1, c2 = st.columns([3, 2])
+        preset = c1.selectbox("Model", list(PRESETS), key=f"{KEY}-preset")
+        custom = c1.text_input("Hub id or local folder", key=f"{KEY}-custom", placeholder="org/name or /path/to/model")
+        tol = c2.number_input("Tolerance: largest mean |Δ logp| to float64 (0: twice HF's own float32 gap, measured)",
+                              0.0, 10.0, 0.0, format="%.2e", key=f"{KEY}-tol")
+        text = st.text_area("Text", SEED_TEXT, key=f"{KEY}-text", height=80)
+        chosen = st.multiselect(f"Configurations (each starts its own vLLM engine: {start_words('vllm', device)})", runnable,
+                                default=runnable[:4], key=f"{KEY}-configs")
+        extra = st.text_input("More configurations: a dtype and setting=value pairs, ';' between them",
+                              key=f"{KEY}-extra", placeholder="float32 attention_backend=FLEX_ATTENTION; bfloat16 checkpoint=/path/to/its-gptq-checkpoint")
+        submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
+    skipped = [c for c in grid if c.skip]
+    if skipped:
+        st.caption("Not measured here: " + "; ".join(f"{c.name} ({c.skip})" for c in skipped))
+    if blocked:
+        st.info(blocked)
+    if not submitted:
+        return None, None, None
+    model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
+    try:
+        if PRESETS[preset] is None and not custom.strip():
+            raise UserError("Enter a Hub id or a local folder for 'Other'.")
+        configs = [c for c in grid if c.name in chosen] + (parse_configs(extra) if extra.strip() else [])
+        if not configs:
+            raise UserError("Choose at least one configuration.")
+        spec = RunSpec(texts=(text,), model=model)
+        spec.validate()
+    except UserError as exc:
+        st.error(str(exc), icon=":material/error:")
+        return None, None, None
+    return spec, configs, (tol or None)
+
+
+def run_frontier(spec: RunSpec, configs: list[Config], tolerance: float | None):
+    return run_job(lambda ctx: frontier(spec, configs, ctx, tolerance), "Measuring each configuration",
+                   2 + len(configs), clear="frontier")
+
+
+@st.cache_resource(max_entries=16)
+def load_frontier(frontier_id: str):
+    return get_store().load_frontier(frontier_id)
+
+
+def frontier_from_query():
+    fid = st.query_params.get("frontier")
+    if not fid:
+        return None
+    try:
+        return load_frontier(get_store().resolve_frontier_id(fid))
+    except UserError as exc:
+        st.warning(str(exc), icon=":material/warning:")
+        return None
+
+
+def show_frontier(result) -> None:
+    rec = result.recommendation
+    if rec.get("name"):
+        st.success(f"**Recommended: {rec['name']}.** It is {rec['why']}.", icon=":material/recommend:")
+    else:
+        st.warning(f"**No recommendation.** {rec['why']}.", icon=":material/warning:")
+    skipped = [c for c in result.configs if c["skipped"]]
+    if skipped:  # one box, each with its reason: a long grid's failures must not push the result off screen
+        st.warning(f"**{len(skipped)} of {len(result.configs)} configurations did not run:**\n"
+                   + "\n".join(f"- **{c['name']}**: {c['skipped']}" for c in skipped), icon=":material/block:")
+    for c in result.configs:
+        if (c["ref_gap"] or {}).get("kl_why"):
+            st.info(f"**{c['name']}** has no exact KL: {c['ref_gap']['kl_why']}", icon=":material/info:")
+    st.caption(f"{result.model} · {result.device} · " + " · ".join(f"{k} {v}" for k, v in result.versions.items() if v)
+               + f" · {result.n_tokens} tokens · frontier `{result.frontier_id}`")
+    if any(not c["skipped"] for c in result.configs):
+        st.altair_chart(scatter(result), width="stretch")
+    table = [r for r in frontier_table(result) if not r["skipped"]]  # those that did not run are listed above, with why
+    st.dataframe(table, hide_index=True, width="stretch",
+                 column_config={**{k: st.column_config.NumberColumn(format="%.3e") for k in
+                                   ("mean |Δ logp| to float64", "max", "exact KL to float64", "HF in that dtype: mean |Δ|")},
+                                **{k: st.column_config.NumberColumn(format="localized", step=1) for k in
+                                   ("prefill tokens/s", "generate tokens/s", "KV bytes/token")},
+                                "weights GiB": st.column_config.NumberColumn(format="%.2f"),
+                                "engine start s": st.column_config.NumberColumn(format="%.1f")})
+    sp = result.speed or {}
+    how = (f"Speed: each configuration's vLLM engine, warm, on {sp['load']} of this model, timed {sp['repeats']} times: the "
+           "median, and the spread from the slowest to the fastest repeat; a configuration counts as faster only by more than "
+           "that spread. " if sp else "Speed: measured on the text above (stored before speeds were measured on a load). ")
+    st.caption("Every configuration scored the same token ids; the reference is HF in float64. The exact KL sums over the "
+               "whole vocabulary. " + how + "Prefill: scoring every token; generate: greedy tokens a second. Weights and KV "
+               "bytes a token: what the engine holds on the device (FP8 halves them).")
+    c1, c2, _ = st.columns([1, 1, 4])
+    c1.download_button("HTML report", lambda: frontier_report_html(result), f"frontier-{result.frontier_id}.html", "text/html",
+                       icon=":material/download:", key="frontier-html")
+    c2.download_button("JSON", lambda: json.dumps(result.to_dict(), indent=1, allow_nan=False), f"frontier-{result.frontier_id}.json",
+                       "application/json", icon=":material/download:", key="frontier-json")

@@ -1,0 +1,129 @@
+"""Run a job (a comparison, a diagnosis) with progress in words; errors become visible messages.
+
+The job runs in a worker thread while the page's script thread redraws the status once a second,
+so a long step still shows what it waits for and for how long ("starting engines, 34 s"), and a
+job queued behind another says its place in line. The worker never calls Streamlit: it only puts
+events on a queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import streamlit as st
+
+from logprob_parity.analysis.compare import compare
+from logprob_parity.errors import EngineError, UserError
+from logprob_parity.results.run import Run
+from logprob_parity.dashboard.state import request_context, set_query
+
+T = TypeVar("T")
+
+# What each stage means, for someone who has never seen the code.
+STAGE_WORDS = {
+    "resolve": "Finding the model (the embedded demo model is unpacked on first use, about 20 s)",
+    "tokenize": "Splitting the text into tokens",
+    "load": "Engines",
+    "queue": "Waiting for another job",
+    "score": "Scoring every token",
+    "sample": "Sampling completions with vLLM's generation path",
+    "compare": "Computing the differences",
+    "store": "Saving the result",
+    "cache": "Found in the store: no engine needed",
+    "batch": "Scoring the prompts a batch at a time",
+    "noise": "Measuring the noise floor",
+    "reference": "Computing the float64 reference",
+    "downstream": "Checking generated text and multiple-choice answers",
+    "ablation": "Trying one setting at a time",
+}
+
+
+def describe(stage: str, dtype: str | None, detail: str) -> str:
+    words = STAGE_WORDS.get(stage, stage)
+    return f"{words}{f' [{dtype}]' if dtype else ''}: {detail}"
+
+
+PROGRESS = "__progress__"  # an on_progress call on the events queue
+
+
+def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool = False, clear: str = "runs",
+            dtypes: int = 1) -> T | None:
+    """Run job(ctx) with a live status; on failure show the message at once (outside the collapsed box)
+    and clear the query key `clear`, so an older result does not stay on screen as if it were this one."""
+    events: queue.Queue = queue.Queue()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = job(request_context(lambda stage, d, detail: events.put((stage, d, detail)),
+                                                lambda d, n, total: events.put((PROGRESS, d, (n, total)))))
+        except BaseException as exc:  # noqa: BLE001 - handed to the page's thread, which shows it
+            box["error"] = exc
+        finally:
+            events.put(None)  # done: the page stops waiting at once, not at its next tick
+
+    worker = threading.Thread(target=work, name="lpp-job", daemon=True)
+    t0 = time.monotonic()
+    done = 0
+    tokens: dict[str | None, tuple[int, int]] = {}  # dtype -> (tokens scored, tokens in all), from batches
+    last = "starting"
+    bar = st.progress(0.0, text="starting") if progress_bar else None
+    with st.status(f"{title}…", expanded=True) as status:
+        worker.start()
+        while True:
+            try:
+                event = events.get(timeout=1.0)
+            except queue.Empty:
+                event = ()
+            if event is None:
+                break
+            if event and event[0] == PROGRESS:
+                tokens[event[1]] = event[2]
+            elif event:
+                stage, d, detail = event
+                done += 6 if stage == "cache" else (0 if stage in ("queue", "batch") else 1)
+                last = describe(stage, d, detail)
+                status.write(last)
+            elapsed = time.monotonic() - t0
+            if tokens:  # a long set: the share of its tokens scored, in every dtype asked for
+                n_done = sum(n for n, _ in tokens.values())
+                n_all = max(tokens.values(), key=lambda x: x[1])[1] * max(1, dtypes)
+                frac = n_done / n_all if n_all else 0.0
+                label = f"{n_done:,} of {n_all:,} tokens scored · {last} · {elapsed:.0f} s"
+            else:
+                frac = done / steps
+                label = f"Step {min(done, steps)} of about {steps} · {last} · {elapsed:.0f} s"
+            status.update(label=label)
+            if bar is not None:
+                bar.progress(min(frac, 1.0), text=label)
+        worker.join()
+        failed = box.get("error")
+        if failed is None:
+            status.update(label=f"Done in {time.monotonic() - t0:.1f} s", state="complete", expanded=False)
+        else:
+            status.update(label="Could not run" if isinstance(failed, UserError) else "An engine failed", state="error", expanded=False)
+    if failed is None:
+        if bar is not None:
+            bar.progress(1.0, text="done")
+        return box.get("result")
+    set_query(**{clear: None})
+    if isinstance(failed, UserError):
+        st.error(str(failed), icon=":material/error:")
+        return None
+    if isinstance(failed, EngineError):
+        first, _, rest = str(failed).partition("\n")
+        st.error(f"{first} The next run starts a fresh engine.", icon=":material/error:")
+        if rest:
+            with st.expander("engine log"):
+                st.code(rest)
+        return None
+    raise failed
+
+
+def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
+    """A comparison with live progress (2 steps to prepare, then 6 per dtype)."""
+    return run_job(lambda ctx: compare(spec, ctx), "Comparing", 2 + 6 * max(1, len(spec.dtypes)), progress_bar,
+                   dtypes=len(spec.dtypes))

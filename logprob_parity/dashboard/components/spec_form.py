@@ -1,0 +1,114 @@
+"""The run form shared by the Compare and Prompt-set pages: model, dtypes, BOS, top-k, engine knobs."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from logprob_parity.inputs.prompts import SEED_TEXT
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.settings import EngineSettings
+from logprob_parity.inputs.spec import BOS_POLICIES, DTYPES, MAX_TOP_K, RunSpec
+from logprob_parity.dashboard.components.settings_form import settings_inputs, widget_state
+from logprob_parity.dashboard.state import dtype_reasons, engines_available
+
+SHOWN_KEY = "{key}-form-shows"  # the run ids the form was last filled from
+
+PRESETS = {
+    "demo: SmolLM2-135M-Instruct (embedded, offline)": "demo",
+    "facebook/opt-125m (Hub)": "facebook/opt-125m",
+    "Other (Hub id or local folder)": None,
+}
+
+
+def follow_view(key: str, runs: list, with_text: bool) -> None:
+    """Make the form show what the view shows: when the runs on screen are not the ones the form was
+    last filled from (a share link, a run opened from the Runs page), fill text, model, dtypes, BOS,
+    top-k, truncation and engine settings from them, so pressing Run recomputes what is on screen.
+    Call before `spec_form` draws its widgets."""
+    ids = ",".join(r.run_id for r in runs)
+    marker = SHOWN_KEY.format(key=key)
+    if not runs or st.session_state.get(marker) == ids:
+        return
+    st.session_state[marker] = ids
+    m = runs[0].meta
+    labels = {v: k for k, v in PRESETS.items() if v is not None}
+    other = next(k for k, v in PRESETS.items() if v is None)
+    asked = "demo" if m.model.split(":")[0] == "demo" else m.model  # the demo model is named "demo:<name>" in runs
+    state = {f"{key}-preset": labels.get(asked, other), f"{key}-custom": "" if asked in labels else asked,
+             f"{key}-revision": m.revision if asked not in labels and m.revision and not asked.startswith("/") else "",
+             f"{key}-bos": m.bos, f"{key}-topk": int(m.top_k),
+             f"{key}-truncate": any(s.cut_from for s in m.sequences),
+             f"{key}-noise": m.summary.get("hf_noise_mean") is not None}
+    if with_text and m.sequences:
+        state[f"{key}-text"] = m.sequences[0].text
+    shown = {r.dtype for r in runs}
+    state.update({f"{key}-dt-{d}": d in shown for d in DTYPES})
+    settings = {k: v for k, v in m.settings.items() if k != "max_model_len"}
+    state.update(widget_state(key, settings))
+    for k, v in state.items():
+        st.session_state[k] = v
+
+
+def mark_shown(key: str, runs: list) -> None:
+    """The form already shows these runs (they were just computed from it): nothing to fill."""
+    st.session_state[SHOWN_KEY.format(key=key)] = ",".join(r.run_id for r in runs)
+
+
+def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
+    """Render the form; return (spec, submitted). Texts are filled by the caller when with_text is False."""
+    blocked = engines_available()
+    reasons = dtype_reasons()
+    with st.form(f"{key}-form"):
+        c1, c2, c3 = st.columns([3, 2, 1])
+        preset = c1.selectbox("Model", list(PRESETS), key=f"{key}-preset")
+        custom = c1.text_input("Hub id or local folder", key=f"{key}-custom", placeholder="org/name or /path/to/model",
+                               help="Used when the model above is 'Other'.")
+        revision = c2.text_input("Revision (Hub only)", key=f"{key}-revision", placeholder="main")
+        bos = c3.radio("BOS", BOS_POLICIES, key=f"{key}-bos", help="auto: prepend the tokenizer's BOS when it has one")
+        text = st.text_area("Text", SEED_TEXT, key=f"{key}-text", height=110) if with_text else ""
+        st.markdown("**Dtypes**")
+        dcols = st.columns(len(DTYPES) + 1)
+        chosen = []
+        for col, d in zip(dcols, DTYPES):
+            why = reasons.get(d)
+            default = d in ("bfloat16", "float32") and why is None
+            if col.checkbox(d, value=default, key=f"{key}-dt-{d}", disabled=why is not None, help=why or f"compare in {d}"):
+                chosen.append(d)
+        top_k = dcols[-1].number_input("top-k", 1, MAX_TOP_K, 5, key=f"{key}-topk")
+        c4, c5 = st.columns(2)
+        truncate = c4.checkbox("Truncate prompts longer than the model's positions", False, key=f"{key}-truncate")
+        noise = c5.checkbox("Measure each engine's own noise too (about a tenth more time)", True, key=f"{key}-noise",
+                            help="HF against itself (batched and padded) and vLLM against itself (alone and batched), on the "
+                                 "first texts: the verdict then says whether the gap is more than noise.")
+        st.caption("Backends: HF transformers and vLLM, on the same token ids.")
+        with st.expander("Engine settings (recorded in the run id)"):
+            values = settings_inputs(key)
+        submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
+    if blocked:
+        st.info(blocked)
+    if values["trust_remote_code"]:
+        st.warning("trust_remote_code is ON: the model's own Python code will run on this server.")
+    if not submitted:
+        return None, False
+    model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
+    if PRESETS[preset] is None and not custom.strip():
+        st.error("Enter a Hub id or a local folder for 'Other'.")
+        return None, False
+    try:
+        settings = EngineSettings(**values)
+        settings.validate()
+    except UserError as exc:
+        st.error(str(exc))
+        return None, False
+    spec = RunSpec(
+        texts=(text,) if with_text else (),
+        model=model,
+        revision=revision.strip() or None,
+        dtypes=tuple(chosen),
+        top_k=int(top_k),
+        bos=bos,
+        settings=settings,
+        truncate=truncate,
+        noise_floor=noise,
+    )
+    return spec, True

@@ -1,0 +1,133 @@
+"""Diagnostics page: is the gap more than the noise, which setting moves it, who is closer to float64,
+and does it change an answer?"""
+
+import json
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from logprob_parity.analysis.diagnostics import MEAN, PARTS, ablation_table, diagnose, diagnostics_tables, knob_lines
+from logprob_parity.analysis.verdict import diagnosis_verdicts
+from logprob_parity.errors import UserError
+from logprob_parity.present.palette import dtype_color_encoding
+from logprob_parity.dashboard.components.run_view import GLOSSARY, verdict_cards
+from logprob_parity.dashboard.components.runner import run_job
+from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
+from logprob_parity.dashboard.state import get_store, load_run, set_query
+
+PART_WORDS = {
+    "noise": "noise floor: HF and vLLM each against themselves",
+    "reference": "float64 reference: which engine is closer to the exact answer",
+    "downstream": "downstream: generated text and multiple-choice answers",
+    "ablation": "setting by setting: which engine setting moves the gap (slow: one engine per setting)",
+}
+SHARE_COLUMNS = ("share of tokens where vLLM is closer", "share correct, HF", "share correct, vLLM", "share of the gap removed")
+
+
+def columns(df: pd.DataFrame) -> dict:
+    """Gaps in e-notation (4.000e-06, not 0.000004); shares as percentages; ratios as 345×."""
+    cfg = {}
+    for c in df.select_dtypes("number").columns:
+        if c in SHARE_COLUMNS:
+            cfg[c] = st.column_config.NumberColumn(c, format="percent")
+        elif "÷" in c:
+            cfg[c] = st.column_config.NumberColumn(c, format="%.3g×")
+        else:
+            cfg[c] = st.column_config.NumberColumn(c, format="%.3e")
+    return cfg
+
+
+def log_bars(df: pd.DataFrame, value: str, label: str, title: str) -> alt.Chart:
+    """Horizontal bars on a log axis: each bar starts at a floor below the smallest value (a log axis
+    has no zero, so bars from 0 are not drawn at all); exact zeros sit on that floor."""
+    positive = df[value][df[value] > 0]
+    floor = float(positive.min()) / 10 if len(positive) else 1e-10
+    plot = df.assign(shown=df[value].clip(lower=floor), base=floor)
+    return alt.Chart(plot).mark_bar().encode(
+        x=alt.X("shown:Q", scale=alt.Scale(type="log"), title=title, axis=alt.Axis(format=".0e")), x2="base:Q",
+        y=alt.Y(f"{label}:N", title=None, sort=None, axis=alt.Axis(labelLimit=420)),
+        color=dtype_color_encoding(plot["dtype"]), yOffset="dtype:N",
+        tooltip=["dtype", label, alt.Tooltip(f"{value}:Q", format=".3e")],
+    )
+
+
+st.title("Diagnostics")
+st.caption(
+    "Is the gap real? Each check runs on the same tokens as the comparison: how much each engine disagrees "
+    "with itself (the noise floor), which engine is closer to an exact float64 answer, whether generated text or "
+    "multiple-choice answers change, and which engine setting moves the gap."
+)
+diag_id = st.query_params.get("diag")
+result = None
+if diag_id:
+    try:
+        result = get_store().load_diagnostics(diag_id)
+    except UserError as exc:
+        st.warning(str(exc), icon=":material/warning:")
+if result is not None:  # the form shows what the page shows
+    try:
+        follow_view("diag", [load_run(r) for r in result.run_ids.values()], with_text=True)
+    except UserError:
+        pass  # its runs were deleted; the diagnosis itself still shows
+parts = st.multiselect("Checks to run", PARTS, default=["noise", "reference", "downstream"], key="diag-parts",
+                       format_func=PART_WORDS.get, help="The setting-by-setting check starts one vLLM engine per setting "
+                                                        "and dtype (about 40 s each on a CPU).")
+spec, submitted = spec_form("diag", with_text=True)
+if submitted and spec is not None:
+    steps = (3 + 4 * len(parts)) * max(1, len(spec.dtypes))
+    done = run_job(lambda ctx: diagnose(spec, ctx, parts=tuple(parts)), "Diagnosing", steps, clear="diag")
+    if done is not None:
+        set_query(diag=done.diagnostics_id)
+        mark_shown("diag", [load_run(r) for r in done.run_ids.values()])
+        result = done
+    else:
+        result = None  # the error above is the answer; an older diagnosis must not stay below it
+
+if result:
+    st.subheader(f"Result: {result.model} · {result.device}")
+    verdict_cards(list(diagnosis_verdicts(result).values()))
+    with st.expander("What do these words mean?", icon=":material/help:"):
+        st.markdown(GLOSSARY)
+    tables = diagnostics_tables(result)
+    if tables["noise"]:
+        st.markdown("**Noise floor**: the gap between vLLM and HF beside each engine's disagreement with itself. "
+                    "A gap far above HF's own noise is systematic: it has a cause.")
+        cols = st.columns(len(tables["ratios"]))
+        for col, row in zip(cols, tables["ratios"]):
+            r = row["gap ÷ HF's own noise"]
+            col.metric(f"{row['dtype']}: the gap is", "–" if r is None else f"{r:.3g}× HF's own noise",
+                       help="The mean gap between the engines divided by the largest mean gap HF shows against itself "
+                            "(batched, padded, or with another attention kernel).")
+        df = pd.DataFrame(tables["noise"])
+        st.dataframe(df, hide_index=True, width="stretch", column_config=columns(df))
+        st.altair_chart(log_bars(df, MEAN, "what", "mean |Δ logp| (log scale)"), width="stretch")
+    if tables["reference"]:
+        st.markdown("**High-precision reference** (HF in float64 on the CPU): which engine is closer to the exact answer")
+        ref = pd.DataFrame(tables["reference"])
+        st.dataframe(ref, hide_index=True, width="stretch", column_config=columns(ref))
+    if tables["downstream"]:
+        st.markdown("**Downstream**: do the engines generate the same text, and pick the same multiple-choice answers "
+                    "(scored as the sum of each option's logprobs)?")
+        down = pd.DataFrame(tables["downstream"])
+        st.dataframe(down, hide_index=True, width="stretch", column_config=columns(down))
+        if result.mcq_dtype_flips:
+            st.caption("Answers that change between dtypes: " + ", ".join(f"{k}: {v}" for k, v in result.mcq_dtype_flips.items()))
+        for d, out in result.dtypes.items():
+            g = out.greedy
+            if g:
+                with st.expander(f"Generated text, {d}"):
+                    st.text(f"HF:   {g['hf_text']!r}\nvLLM: {g['vllm_text']!r}")
+    if tables["ablation"]:
+        st.markdown("**Setting by setting**: the gap (mean |Δ logp|) with one engine setting changed")
+        st.markdown("\n".join(f"- {line}" for line in knob_lines(list(result.ablation))))
+        ab = pd.DataFrame(ablation_table(tables["ablation"]))
+        st.dataframe(ab, hide_index=True, width="stretch", column_config=columns(ab))
+        tried = ab.dropna(subset=[MEAN])
+        if not tried.empty:
+            st.altair_chart(log_bars(tried, MEAN, "setting changed", "mean |Δ logp| with the setting changed (log scale)"),
+                            width="stretch")
+    st.download_button("Diagnostics JSON", json.dumps(result.to_dict(), indent=1, allow_nan=False), f"diagnostics-{result.diagnostics_id}.json",
+                       "application/json", icon=":material/download:")
+elif not submitted:
+    st.info("Choose the checks and press Run, or open stored diagnostics from the Runs page.", icon=":material/info:")

@@ -1,0 +1,80 @@
+"""A fake backend for fast tests of the plumbing around engines (pool, leases, queueing, pages).
+
+It loads no model: its "model" is a seeded random table, so its numbers mean nothing, and the real
+HF and vLLM backends are what every numeric test uses. It is registered like them
+(BACKEND_REGISTRY["fake"]) and stands in for both when LPP_FAKE_ENGINES=1 is set in the engine
+host's environment. LPP_FAKE_LOAD_S and LPP_FAKE_SCORE_S make loading and scoring take that long,
+so a test can hold an engine busy. The "vllm" role adds dtype-sized noise to the "hf" role's values,
+so a comparison shows a small non-zero gap, as real engines do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from logprob_parity.engines.backends.base import Backend
+from logprob_parity.engines.scores import TokenScores
+
+NOISE = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 3e-3, "float64": 0.0}
+
+
+class FakeBackend(Backend):
+    name = "fake"
+
+    def __init__(self, model_path: str, dtype: str, device: str, settings: Any, max_model_len: int, role: str = "hf") -> None:
+        super().__init__(model_path, dtype, device, settings, max_model_len)
+        self.role = role
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        self.vocab = int((cfg.get("text_config") or cfg)["vocab_size"])
+        time.sleep(float(os.environ.get("LPP_FAKE_LOAD_S", "0")))
+
+    def _logprobs(self, context: list[int]) -> np.ndarray:
+        """log_softmax of logits seeded by the last two context ids: a fixed, reproducible 'model'."""
+        seed = (context[-1] * 1_000_003 + (context[-2] if len(context) > 1 else 7)) % (2**32)
+        logits = np.random.default_rng(seed).normal(0.0, 2.0, self.vocab)
+        if self.role == "vllm" and NOISE.get(self.dtype, 0.0):
+            logits = logits + np.random.default_rng(seed + 1).normal(0.0, NOISE[self.dtype], self.vocab)
+        z = logits - logits.max()
+        return z - np.log(np.exp(z).sum())
+
+    def score(self, sequences: list[list[int]], top_k: int, gather_ids: list[Any] | None = None,
+              batch_size: int | None = None, padding_side: str = "right", full: Any = None) -> list[TokenScores]:
+        time.sleep(float(os.environ.get("LPP_FAKE_SCORE_S", "0")))
+        out = []
+        for i, ids in enumerate(sequences):
+            sc = TokenScores.empty(ids, top_k)
+            gathered = np.full((len(ids), top_k), np.nan) if gather_ids is not None else None
+            for t in range(1, len(ids)):
+                lp = self._logprobs(ids[:t])
+                top = np.argsort(-lp, kind="stable")[:top_k]
+                sc.logprob[t] = lp[ids[t]]
+                sc.rank[t] = int((lp >= lp[ids[t]]).sum())
+                sc.topk_ids[t] = top
+                sc.topk_logprobs[t] = lp[top]
+                if gathered is not None:
+                    g = np.asarray(gather_ids[i][t])
+                    gathered[t] = np.where(g >= 0, lp[np.clip(g, 0, None)], np.nan)
+            if gathered is not None:
+                sc = TokenScores(sc.token_ids, sc.logprob, sc.rank, sc.topk_ids, sc.topk_logprobs, gathered)
+            out.append(sc)
+        return out
+
+    def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        out = []
+        for ids in sequences:
+            ctx, new = list(ids), []
+            for _ in range(max_new_tokens):
+                nxt = int(np.argmax(self._logprobs(ctx)))
+                ctx.append(nxt)
+                new.append(nxt)
+            out.append(new)
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": "fake", "role": self.role, "device": self.device, "dtype": self.dtype}

@@ -1,0 +1,233 @@
+"""vLLM: prompt_logprobs over the exact token ids (TokensPrompt), raw logprobs, ranks from vLLM itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import vllm
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from logprob_parity.engines.backends.base import Backend, apply_tf32
+from logprob_parity.engines.memory import engine_share, kv_cache_bytes
+from logprob_parity.engines.scores import TokenScores
+from logprob_parity.inputs.spec import MAX_TOP_K, EngineSettings
+
+
+class VLLMBackend(Backend):
+    name = "vllm"
+
+    def __init__(self, model_path: str, dtype: str, device: str, settings: EngineSettings, max_model_len: int):
+        super().__init__(model_path, dtype, device, settings, max_model_len)
+        apply_tf32(settings)
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "tokenizer": model_path,
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "max_logprobs": MAX_TOP_K,
+            "logprobs_mode": "raw_logprobs",
+            # every registered vLLM setting that is set, under its own name (logprob_parity.inputs.settings)
+            **settings.passthrough("vllm"),
+        }
+        if settings.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        else:
+            # Sized from the model, not from free memory: engines that start side by side cannot
+            # misread each other's allocations, and the size does not depend on what else runs.
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, dtype, max_model_len, device, settings.trust_remote_code)
+            if device != "cpu":  # vLLM still checks that this share of the card is free at start
+                kwargs["gpu_memory_utilization"] = engine_share(model_path, dtype, max_model_len, settings)
+        self.engine_kwargs = kwargs
+        self.llm = LLM(**kwargs)
+
+    def score(
+        self,
+        sequences: list[list[int]],
+        top_k: int,
+        gather_ids: list[np.ndarray] | None = None,
+        batch_size: int | None = None,
+        padding_side: str = "right",
+        full: str | None = None,
+    ) -> list[TokenScores]:
+        """Default: every sequence in one generate call (vLLM batches them); batch_size=1 scores
+        each alone, which the noise-floor diagnostics compare against. full: a folder where the
+        same pass leaves each sequence's full-vocabulary logprobs (logprob_parity.engines.fullvocab): a
+        folder, or {"tensors": token} to keep them on the device for `share_rows`."""
+        params = SamplingParams(prompt_logprobs=top_k, max_tokens=1, temperature=0.0, detokenize=False, flat_logprobs=True)
+        bs = batch_size or max(1, len(sequences))
+        if full is not None:
+            from logprob_parity.engines import fullvocab
+
+            self.llm.collective_rpc(fullvocab.install)
+            fullvocab.begin(full)
+        results: list[TokenScores] = []
+        try:
+            for start in range(0, len(sequences), bs):
+                chunk = sequences[start : start + bs]
+                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in chunk], params, use_tqdm=False)
+                results.extend(self._parse(list(ids), out, top_k) for ids, out in zip(chunk, outputs))
+        finally:
+            if full is not None:
+                fullvocab.end(full, [list(s) for s in sequences])
+        return results
+
+    def bare_prefill(self, sequences: list[list[int]], top_k: int, flat: bool = True) -> float:
+        """Seconds one plain `LLM.generate(prompt_logprobs=top_k)` of these ids takes on this engine,
+        results unread: the yardstick the benchmarks hold our scoring against (same engine, same
+        settings, no host round trip, no parsing)."""
+        import time
+
+        params = SamplingParams(prompt_logprobs=top_k, max_tokens=1, temperature=0.0, detokenize=False, flat_logprobs=flat)
+        t = time.perf_counter()
+        self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    def share_rows(self, token: str) -> dict[str, Any]:
+        """Handles to the full rows a `score(..., full={"tensors": token})` kept (fullvocab.share)."""
+        from logprob_parity.engines import fullvocab
+
+        return fullvocab.share(token)
+
+    def release_rows(self, token: str) -> None:
+        from logprob_parity.engines import fullvocab
+
+        fullvocab.release(token)
+
+    def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, min_tokens=max_new_tokens, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def sample(self, prompts: list[list[int]], seeds: list[int], sampling: dict[str, Any],
+               modes: tuple[str, ...] = ("raw_logprobs",)) -> list[dict[str, Any]]:
+        """Rollout: one request per (prompt, seed), all submitted in one generate call as a rollout
+        engine submits them (so they decode in one batch), each with logprobs=0: the sampled token's
+        decode-time logprob. Each mode in `modes` ("raw_logprobs", "processed_logprobs") is one pass
+        with the same seeds; the caller checks the passes sampled the same tokens.
+
+        Why passes and not one: vLLM's logprobs_mode is an engine setting read by its sampler; we
+        switch it on our own (in-process) worker between passes and switch it back after."""
+        out: list[dict[str, Any]] = [{"completion_ids": None, "logprobs": {}} for _ in prompts]
+        try:
+            for mode in modes:
+                self._logprobs_mode(mode)
+                params = [self._sampling_params(sampling, seed) for seed in seeds]
+                results = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts], params, use_tqdm=False)
+                for slot, ids, res in zip(out, prompts, results):
+                    if list(res.prompt_token_ids) != list(ids):
+                        raise AssertionError("vLLM sampled from other prompt ids than it was given")
+                    comp = res.outputs[0]
+                    ids_out = [int(t) for t in comp.token_ids]
+                    flat = comp.logprobs
+                    # FlatLogprobs: one entry per position with logprobs=0, the sampled token's own
+                    lp = [float(x) for x in flat.logprobs]
+                    tid = [int(x) for x in flat.token_ids]
+                    if tid != ids_out or len(lp) != len(ids_out):
+                        raise AssertionError("vLLM's sample logprobs are not for the tokens it sampled")
+                    if slot["completion_ids"] is None:
+                        slot["completion_ids"] = ids_out
+                    slot["logprobs"][mode] = lp
+                    slot.setdefault("tokens_by_mode", {})[mode] = ids_out
+                    slot["finish_reason"] = comp.finish_reason
+        finally:
+            self._logprobs_mode(self.engine_kwargs["logprobs_mode"])
+        return out
+
+    @staticmethod
+    def _sampling_params(s: dict[str, Any], seed: int) -> SamplingParams:
+        return SamplingParams(
+            n=1, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"] if s["top_k"] > 0 else 0,
+            max_tokens=s["max_tokens"], seed=seed, logprobs=0, ignore_eos=s.get("ignore_eos", False),
+            detokenize=False, flat_logprobs=True,
+        )
+
+    def _logprobs_mode(self, mode: str) -> None:
+        """Set the sampler's logprobs mode on our worker (the engine core runs in this process)."""
+
+        def apply(worker: Any, mode: str = mode) -> str:
+            # the sampler reads its mode when it runs (vLLM 0.26's GPU model runner and 0.32's CPU
+            # one alike); the older sampler also keeps a copy in its top-k/top-p part
+            sampler = worker.model_runner.sampler
+            sampler.logprobs_mode = mode
+            inner = getattr(sampler, "topk_topp_sampler", None)
+            if inner is not None:
+                inner.logprobs_mode = mode
+            return type(sampler).__module__
+
+        if mode != getattr(self, "_mode", self.engine_kwargs["logprobs_mode"]):
+            self.llm.collective_rpc(apply)
+            self._mode = mode
+
+    @staticmethod
+    def _parse(ids: list[int], out: Any, k: int) -> TokenScores:
+        """FlatLogprobs: per position, the target first (with vLLM's own rank), then the top-k in rank order."""
+        if list(out.prompt_token_ids) != ids:
+            raise AssertionError(f"vLLM scored other ids than it was given: {list(out.prompt_token_ids)} != {ids}")
+        flat = out.prompt_logprobs
+        res = TokenScores.empty(ids, k)
+        n = len(ids) - 1
+        if n == 0:
+            return res
+        width = k + 1
+        if len(flat.logprobs) != n * width:
+            raise AssertionError(f"vLLM returned {len(flat.logprobs)} prompt logprobs for {n} positions x {width}")
+        tid = np.asarray(flat.token_ids, dtype=np.int64).reshape(n, width)
+        if not np.array_equal(tid[:, 0], ids[1:]):
+            raise AssertionError("vLLM's prompt logprobs are not for the ids it was given")
+        lp = np.asarray(flat.logprobs, dtype=np.float64).reshape(n, width)
+        res.logprob[1:] = lp[:, 0]
+        res.rank[1:] = np.asarray(flat.ranks, dtype=np.int64).reshape(n, width)[:, 0]
+        res.topk_ids[1:] = tid[:, 1:]
+        res.topk_logprobs[1:] = lp[:, 1:]
+        return res
+
+    def info(self) -> dict[str, Any]:
+        from vllm.platforms import current_platform
+
+        device = "cpu"
+        if torch.cuda.is_available() and not current_platform.is_cpu():
+            device = torch.cuda.get_device_name(0)
+        cfg = self.llm.llm_engine.vllm_config
+        return {
+            "backend": "vllm",
+            "device": device,
+            "torch": torch.__version__,
+            "vllm": vllm.__version__,
+            "platform": type(current_platform).__name__,
+            "dtype": str(cfg.model_config.dtype).replace("torch.", ""),
+            "max_model_len": cfg.model_config.max_model_len,
+            "enforce_eager": cfg.model_config.enforce_eager,
+            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+            "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+            "engine_kwargs": {k: v for k, v in self.engine_kwargs.items() if k not in ("model", "tokenizer")},
+            **self._memory(cfg),
+        }
+
+    def _memory(self, cfg: Any) -> dict[str, Any]:
+        """What this engine holds: its weights' bytes (as loaded: FP8 weights are 1 byte a value) and
+        its KV cache's bytes per token (FP8 keys and values: 1 byte each) and in all."""
+
+        def weights(worker: Any) -> int:
+            model = worker.model_runner.model
+            return sum(t.numel() * t.element_size() for t in model.parameters())
+
+        try:
+            w = int(self.llm.collective_rpc(weights)[0])
+        except Exception:  # noqa: BLE001 - a runner without .model: left out, not a failed start
+            w = None
+        kv_dtype = str(cfg.cache_config.cache_dtype)
+        m = cfg.model_config
+        try:
+            per_elem = 1 if kv_dtype.startswith("fp8") else torch.empty(0, dtype=m.dtype).element_size()
+            heads = m.get_num_kv_heads(cfg.parallel_config)
+            per_token = 2 * m.get_num_layers(cfg.parallel_config) * heads * m.get_head_size() * per_elem
+        except Exception:  # noqa: BLE001
+            per_token = None
+        return {"weights_bytes": w, "kv_cache_dtype": kv_dtype, "kv_bytes_per_token": per_token,
+                "kv_cache_bytes": self.engine_kwargs.get("kv_cache_memory_bytes")}
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()

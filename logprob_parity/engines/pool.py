@@ -1,0 +1,318 @@
+"""The engine pool: warm engine hosts, one per LoadRequest key, leased out to requests.
+
+Why counted leases: a host is stopped only when no request holds it or was promised it. A request
+that queues behind another user's job keeps its engines however long it waits (the old 30 s
+"recently used" guard did not). Requests take every engine of one step in a single lease, so two
+requests never wait for each other's engines.
+
+Hosts stay warm between requests. Idle ones (no lease) stop when unused longer than
+LPP_ENGINE_IDLE_TIMEOUT seconds (default 1800; 0 keeps them), when more than LPP_MAX_WARM_ENGINES
+(default 8) would be running, or when a new engine would not fit in the device's free memory: the
+least recently used go first. When the room can only come from engines other requests hold, the
+new request waits (and says so) until they are released. Stopping happens outside the pool's lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from logprob_parity.engines import memory
+from logprob_parity.engines.host import HostClient
+from logprob_parity.engines.records import LoadRequest
+
+MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
+IDLE_TIMEOUT_ENV = "LPP_ENGINE_IDLE_TIMEOUT"
+REAP_EVERY_S = 30.0
+WaitFn = Callable[[str], None]
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def engine_bytes(request: LoadRequest) -> int:
+    """What this engine will take on its device (per GPU), from the model's files."""
+    return memory.engine_bytes(request.backend, request.model_path, request.dtype, request.device,
+                               request.max_model_len, request.settings)
+
+
+class Lease:
+    """Engines held for one request. `host(r)` waits until r's engine has loaded; leaving the
+    `with` block (or `release()`) gives them back, warm."""
+
+    def __init__(self, pool: "EnginePool", hosts: dict[str, tuple[HostClient, bool]], owner: int) -> None:
+        self._pool = pool
+        self._hosts = hosts
+        self._owner = owner
+        self._released = False
+
+    def warm(self, request: LoadRequest) -> bool:
+        """Whether the engine was already loaded when the lease was granted."""
+        return self._hosts[request.key()][1]
+
+    def host(self, request: LoadRequest) -> HostClient:
+        host = self._hosts[request.key()][0]
+        if host.info is None:
+            try:
+                host.wait_loaded()
+            except BaseException:
+                self._pool.discard(host)
+                raise
+        return host
+
+    def discard(self, request: LoadRequest) -> None:
+        """Stop this engine: it failed mid-request and is not trusted again."""
+        self._pool.discard(self._hosts[request.key()][0])
+
+    def call(self, request: LoadRequest, work: Callable[[], Any]) -> Any:
+        """work() on this request's engine; if it fails, the engine is stopped: a host that failed
+        mid-run is not trusted again."""
+        try:
+            return work()
+        except BaseException:
+            self.discard(request)
+            raise
+
+    def discard_unloaded(self) -> None:
+        """Stop engines started for this lease that never finished loading: not worth keeping."""
+        for host, _ in self._hosts.values():
+            if host.info is None:
+                self._pool.discard(host)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._pool._release([h for h, _ in self._hosts.values()], self._owner)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None:
+            self.discard_unloaded()
+        self.release()
+
+
+class EnginePool:
+    def __init__(self, host_factory: Callable[..., HostClient] = HostClient) -> None:
+        self._cond = threading.Condition()
+        self._hosts: dict[str, HostClient] = {}
+        self._host_factory = host_factory
+        self._reaper: threading.Thread | None = None
+        self._device = threading.Lock()
+        self._line = 0  # jobs waiting for the device
+
+    # -- leases ----------------------------------------------------------------------------------
+    def lease(self, requests: list[LoadRequest], on_wait: WaitFn | None = None) -> Lease:
+        """Hosts for every request, started now if cold (they load side by side in the background).
+        Waits while the room they need is held by other requests' leases."""
+        on_wait = on_wait or _quiet
+        owner = threading.get_ident()
+        unique = list({r.key(): r for r in requests}.values())
+        victims: list[HostClient] = []
+        said, said_at = None, 0.0
+        t0 = time.monotonic()
+        with self._cond:
+            while True:
+                victims += self._drop_dead_locked()
+                cold = [r for r in unique if r.key() not in self._hosts]
+                room = self._room_locked(cold)
+                if room is not None:
+                    break
+                held = self._held_by_others_locked(owner)
+                if not held:  # nothing will be released: go over the limits rather than wait forever
+                    room = self._idle_locked()
+                    break
+                message = (f"queued: waiting for {held} engine(s) held by other jobs to free room "
+                           f"(limit {self._cap()} warm engines and the device's free memory)")
+                now = time.monotonic()
+                if message != said or now - said_at >= 5:
+                    on_wait(f"{message}, {now - t0:.0f} s so far")
+                    said, said_at = message, now
+                self._cond.wait(1.0)
+            for v in room:
+                self._forget_locked(v)
+            victims += room
+            hosts: dict[str, tuple[HostClient, bool]] = {}
+            for r in unique:
+                key = r.key()
+                host = self._hosts.get(key)
+                if host is None:
+                    host = self._host_factory(r.label, extra_env=r.host_env(), device=r.device, need_bytes=engine_bytes(r)).start()
+                    host.begin_load(r)
+                    self._hosts[key] = host
+                host.leases += 1
+                host.owners[owner] = host.owners.get(owner, 0) + 1
+                host.last_used = time.monotonic()
+                hosts[key] = (host, host.info is not None)
+            self._start_reaper_locked()
+        _stop_all(victims, grace=10.0)
+        return Lease(self, hosts, owner)
+
+    def _release(self, hosts: list[HostClient], owner: int) -> None:
+        with self._cond:
+            for h in hosts:
+                h.leases = max(0, h.leases - 1)
+                left = h.owners.get(owner, 0) - 1
+                if left > 0:
+                    h.owners[owner] = left
+                else:
+                    h.owners.pop(owner, None)
+                h.last_used = time.monotonic()
+            self._cond.notify_all()
+
+    def _held_by_others_locked(self, owner: int) -> int:
+        return sum(1 for h in self._hosts.values() if any(o != owner for o in h.owners))
+
+    @staticmethod
+    def _cap() -> int:
+        return int(os.environ.get(MAX_WARM_ENV, "8"))
+
+    def _idle_locked(self, device: str | None = None, longer_than: float = 0.0) -> list[HostClient]:
+        """Hosts no request holds, unused for `longer_than` seconds, least recently used first."""
+        now = time.monotonic()
+        return sorted(
+            (h for h in self._hosts.values()
+             if h.leases == 0 and now - h.last_used >= longer_than and (device is None or h.device == device)),
+            key=lambda h: h.last_used,
+        )
+
+    def _room_locked(self, cold: list[LoadRequest]) -> list[HostClient] | None:
+        """The idle hosts to stop so that `cold` fits under the count cap and in free memory;
+        None when stopping every idle host would not be enough."""
+        if not cold:
+            return []
+        idle = self._idle_locked()
+        victims: list[HostClient] = []
+        over = len(self._hosts) + len(cold) - self._cap()
+        while over > 0:
+            if not idle:
+                return None
+            victims.append(idle.pop(0))
+            over -= 1
+        for device in {r.device for r in cold}:
+            need = sum(engine_bytes(r) for r in cold if r.device == device)
+            loading = sum(h.need_bytes for h in self._hosts.values() if h.info is None and h.device == device)
+            room = memory.free_bytes(device) - loading + sum(v.need_bytes for v in victims if v.device == device)
+            candidates = [h for h in idle if h.device == device]
+            while room < need:
+                if not candidates:
+                    return None
+                v = candidates.pop(0)
+                idle.remove(v)
+                victims.append(v)
+                room += v.need_bytes
+        return victims
+
+    def _drop_dead_locked(self) -> list[HostClient]:
+        dead = [h for h in self._hosts.values() if not h.alive()]
+        for h in dead:
+            self._forget_locked(h)
+        return dead
+
+    def _forget_locked(self, host: HostClient) -> None:
+        for key, h in list(self._hosts.items()):
+            if h is host:
+                self._hosts.pop(key)
+        self._cond.notify_all()
+
+    # -- the device: one scoring job at a time --------------------------------------------------
+    @contextmanager
+    def device_turn(self, on_wait: WaitFn | None = None, what: str = "") -> Iterator[None]:
+        """Engines share the GPU (or the CPU cores): one job scores at a time; the others wait in
+        line and are told their place."""
+        if not self._device.acquire(blocking=False):
+            with self._cond:
+                self._line += 1
+                place = self._line
+            t0 = time.monotonic()
+            (on_wait or _quiet)(f"waiting for another job on the device ({place} in line){f' before {what}' if what else ''}")
+            self._device.acquire()
+            with self._cond:
+                self._line -= 1
+            (on_wait or _quiet)(f"the device is free after {time.monotonic() - t0:.0f} s in line")
+        try:
+            yield
+        finally:
+            self._device.release()
+
+    # -- housekeeping ---------------------------------------------------------------------------
+    def fits_together(self, requests: list[LoadRequest]) -> bool:
+        """Whether these engines fit in the device's free memory at once, counting idle hosts that
+        could be stopped for them, and under the count cap."""
+        with self._cond:
+            cold = [r for r in {r.key(): r for r in requests}.values() if r.key() not in self._hosts or not self._hosts[r.key()].alive()]
+            if not cold:
+                return True
+            if len(cold) > self._cap():
+                return False
+            device = cold[0].device
+            reclaimable = sum(h.need_bytes for h in self._idle_locked(device))
+        return sum(engine_bytes(r) for r in cold) <= memory.free_bytes(device) + reclaimable
+
+    def discard(self, host: HostClient) -> None:
+        """Stop a host and forget it; the next request for its key starts a fresh one."""
+        with self._cond:
+            self._forget_locked(host)
+        host.stop(grace=2.0)
+
+    def running(self) -> list[HostClient]:
+        with self._cond:
+            return [h for h in self._hosts.values() if h.alive()]
+
+    def reap_idle(self) -> int:
+        """Stop hosts idle longer than LPP_ENGINE_IDLE_TIMEOUT seconds; returns how many stopped."""
+        timeout = float(os.environ.get(IDLE_TIMEOUT_ENV, "1800"))
+        if timeout <= 0:
+            return 0
+        with self._cond:
+            old = [h for h in self._idle_locked(longer_than=timeout) if h.info is not None or not h.alive()]
+            for h in old:
+                self._forget_locked(h)
+        _stop_all(old, grace=10.0)
+        return len(old)
+
+    def _reap_forever(self) -> None:
+        while True:
+            time.sleep(min(REAP_EVERY_S, max(float(os.environ.get(IDLE_TIMEOUT_ENV, "1800")), 1.0)))
+            self.reap_idle()
+
+    def _start_reaper_locked(self) -> None:
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap_forever, name="lpp-engine-reaper", daemon=True)
+            self._reaper.start()
+
+    def shutdown(self, grace: float = 5.0) -> None:
+        """Stop every host at once (a dashboard that stops leaves no engine behind)."""
+        with self._cond:
+            hosts = list(self._hosts.values())
+            self._hosts.clear()
+            self._cond.notify_all()
+        _stop_all(hosts, grace=grace)
+
+
+def _stop_all(hosts: list[HostClient], grace: float) -> None:
+    """Stop hosts side by side: each waits up to `grace` seconds for a clean exit, then is killed."""
+    threads = [threading.Thread(target=h.stop, kwargs={"grace": grace}, daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(grace + 10.0)
+
+
+POOL = EnginePool()
+# The process-wide pool's verbs, for callers that do not pass their own.
+lease = POOL.lease
+device_turn = POOL.device_turn
+fits_together = POOL.fits_together
+discard = POOL.discard
+running = POOL.running
+reap_idle = POOL.reap_idle
+shutdown_all = POOL.shutdown
+atexit.register(POOL.shutdown)

