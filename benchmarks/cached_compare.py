@@ -30,8 +30,17 @@ def main() -> None:
     (store_root() / "models").mkdir(parents=True, exist_ok=True)
     (home / "models").symlink_to(store_root() / "models")
     env = dict(os.environ, LOGPROB_PARITY_HOME=str(home))
-    cmd = [sys.executable, "-m", "logprob_parity.cli", "compare", "--prompts", str(REPO / "logprob_parity/data/sentences.txt"),
-           "--dtype", "float32,bfloat16", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "logprob_parity.cli",
+        "compare",
+        "--prompts",
+        str(REPO / "logprob_parity/data/sentences.txt"),
+        "--dtype",
+        "float32,bfloat16",
+        "--quiet",
+    ]
     try:
         t = time.perf_counter()
         first = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -45,7 +54,8 @@ def main() -> None:
     finally:
         shutil.rmtree(home, ignore_errors=True)
     lines = [
-        "| what | seconds |", "|---|---|",
+        "| what | seconds |",
+        "|---|---|",
         f"| first compare (2 dtypes, engines start) | {cold:.1f} |",
         f"| repeated compare from the store, median of {a.repeats} (whole process) | {statistics.median(times):.2f} |",
         f"| repeated compare, max | {max(times):.2f} |",

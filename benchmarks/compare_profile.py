@@ -40,7 +40,9 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--hf-cudnn-attention", choices=("default", "on", "off"), default="default")
     ap.add_argument("--top", type=int, default=45, help="functions listed")
-    ap.add_argument("--exact-kl", action="store_true", help="compare with the exact KL (LPP_HF_TIMING=1 prints the HF host's phases)")
+    ap.add_argument(
+        "--exact-kl", action="store_true", help="compare with the exact KL (LPP_HF_TIMING=1 prints the HF host's phases)"
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-profile-"))
@@ -74,8 +76,11 @@ def main() -> None:
 
     def run(t: tuple[str, ...]):
         start = time.perf_counter()
-        (r,) = compare(RunSpec(texts=t, model=model.path, dtypes=(a.dtype,), device=device, settings=settings, noise_floor=False),
-                       store=store, use_cache=False)
+        (r,) = compare(
+            RunSpec(texts=t, model=model.path, dtypes=(a.dtype,), device=device, settings=settings, noise_floor=False),
+            store=store,
+            use_cache=False,
+        )
         return r, time.perf_counter() - start
 
     run(texts[:2])
@@ -91,10 +96,12 @@ def main() -> None:
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(a.top)
     buf.write("\nBy own time (what this process computes, not what it waits for):\n")
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    head = (f"compare_profile: {model.name}, {a.prompts} x {a.tokens} tokens, {a.dtype}, {device}, hf_batch_size {a.hf_batch}, hf_cudnn_attention {a.hf_cudnn_attention}, "
-            f"exact KL {'on: ' + r.meta.env.vllm_engine['kl_full'] if a.exact_kl else 'off'}; "
-            f"first timed compare {warm:.3f} s, profiled {took:.3f} s (under cProfile): vLLM {tm['vllm_score_s']:.3f} s, "
-            f"HF {tm['hf_score_s']:.3f} s, the rest in this process {rest:.3f} s")
+    head = (
+        f"compare_profile: {model.name}, {a.prompts} x {a.tokens} tokens, {a.dtype}, {device}, hf_batch_size {a.hf_batch}, hf_cudnn_attention {a.hf_cudnn_attention}, "
+        f"exact KL {'on: ' + r.meta.env.vllm_engine['kl_full'] if a.exact_kl else 'off'}; "
+        f"first timed compare {warm:.3f} s, profiled {took:.3f} s (under cProfile): vLLM {tm['vllm_score_s']:.3f} s, "
+        f"HF {tm['hf_score_s']:.3f} s, the rest in this process {rest:.3f} s"
+    )
     text = head + "\n\n" + buf.getvalue()
     if a.out:
         Path(a.out).write_text(text)

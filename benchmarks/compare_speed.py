@@ -33,10 +33,24 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B).
-LLAMA8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-               "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 128256,
-               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}}
+LLAMA8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "vocab_size": 128256,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
 TARGETS = {"ratio": 1.5, "kl_ratio": 1.25, "kl_rate_1b": 20000.0}
 
 
@@ -68,7 +82,9 @@ def peak_rss_gb() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tinyllama", help="tinyllama (random 1.1B), llama8b (random 8B, 128k vocabulary), demo, or a folder")
+    ap.add_argument(
+        "--model", default="tinyllama", help="tinyllama (random 1.1B), llama8b (random 8B, 128k vocabulary), demo, or a folder"
+    )
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder for the random models (default: the demo model's)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=512)
@@ -117,9 +133,12 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model.path)
     v = versions()
     out = Path(a.out) if a.out else REPO / "benchmarks" / "results" / f"compare_speed_{a.model}_{device}.md"
-    table = Table(out, f"Device {device_name(device)} · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
-                       f"model {model.name} ({model.vocab_size:,}-entry vocabulary) · {a.dtype} · hf_batch_size {a.hf_batch} · "
-                       f"{os.cpu_count()} CPU cores · `python benchmarks/compare_speed.py {' '.join(sys.argv[1:])}`")
+    table = Table(
+        out,
+        f"Device {device_name(device)} · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
+        f"model {model.name} ({model.vocab_size:,}-entry vocabulary) · {a.dtype} · hf_batch_size {a.hf_batch} · "
+        f"{os.cpu_count()} CPU cores · `python benchmarks/compare_speed.py {' '.join(sys.argv[1:])}`",
+    )
     table.add("model built (random weights, saved) or found", f"{built:.1f} s")
     settings = dataclasses.replace(EngineSettings(), hf_batch_size=a.hf_batch)
     store = Store(work / "home")
@@ -132,8 +151,11 @@ def main() -> None:
         fullvocab.ENABLED = kl
         try:
             t = time.perf_counter()
-            (r,) = compare(RunSpec(texts=texts, model=model.path, dtypes=(a.dtype,), device=device, settings=settings,
-                                   noise_floor=floor), store=store, use_cache=False)
+            (r,) = compare(
+                RunSpec(texts=texts, model=model.path, dtypes=(a.dtype,), device=device, settings=settings, noise_floor=floor),
+                store=store,
+                use_cache=False,
+            )
             return r, time.perf_counter() - t
         finally:
             fullvocab.ENABLED = True
@@ -168,35 +190,54 @@ def main() -> None:
         t_plain, t_kl, t_bare = med(plain_t), med(kl_t), med(bare_t)
         spread = lambda xs: f"{min(xs):.3f}-{max(xs):.3f} s"  # noqa: E731
         table.add("speed: positions compared", f"{n:,} ({a.prompts} x {a.tokens} tokens)")
-        table.add("speed: bare vLLM prefill (prompt_logprobs=5, in our host, faster of flat/list logprobs)",
-                  f"{med(bare_v):.3f} s (of {a.repeats}: {spread(bare_v)})")
-        table.add(f"speed: bare HF forward (batch {a.hf_batch}, float32 log_softmax, target, top 5, in our host)",
-                  f"{med(bare_h):.3f} s (of {a.repeats}: {spread(bare_h)})")
-        table.add("**speed: compare without the exact KL and without the noise floor**",
-                  f"**{t_bare:.3f} s = {n / t_bare:,.0f} tokens/s = {t_bare / bare:.2f}x bare** (target <= {TARGETS['ratio']}x: "
-                  f"{'met' if t_bare / bare <= TARGETS['ratio'] else 'NOT met'}; of {a.repeats}: {spread(bare_t)})")
+        table.add(
+            "speed: bare vLLM prefill (prompt_logprobs=5, in our host, faster of flat/list logprobs)",
+            f"{med(bare_v):.3f} s (of {a.repeats}: {spread(bare_v)})",
+        )
+        table.add(
+            f"speed: bare HF forward (batch {a.hf_batch}, float32 log_softmax, target, top 5, in our host)",
+            f"{med(bare_h):.3f} s (of {a.repeats}: {spread(bare_h)})",
+        )
+        table.add(
+            "**speed: compare without the exact KL and without the noise floor**",
+            f"**{t_bare:.3f} s = {n / t_bare:,.0f} tokens/s = {t_bare / bare:.2f}x bare** (target <= {TARGETS['ratio']}x: "
+            f"{'met' if t_bare / bare <= TARGETS['ratio'] else 'NOT met'}; of {a.repeats}: {spread(bare_t)})",
+        )
         tm = barest.meta.timing
-        table.add("  of it vLLM / HF scoring (host round trips included) / the rest in this process",
-                  f"{tm['vllm_score_s']:.3f} s / {tm['hf_score_s']:.3f} s / {bare_t[-1] - tm['vllm_score_s'] - tm['hf_score_s']:.3f} s "
-                  f"(the last repeat, {bare_t[-1]:.3f} s)")
-        table.add("**speed: the same with its noise floor (the default)**",
-                  f"**{t_plain:.3f} s = {t_plain / t_bare:.2f}x without it** (target <= 1.3x: {'met' if t_plain / t_bare <= 1.3 else 'NOT met'}; "
-                  f"the floor's engine time {plain.meta.timing.get('noise_s', 0):.3f} s, beside the table; of {a.repeats}: {spread(plain_t)})")
-        table.add("**speed: compare with the exact KL at every position**",
-                  f"**{t_kl:.3f} s = {n / t_kl:,.0f} tokens/s = {t_kl / t_plain:.2f}x the same without it** (target <= {TARGETS['kl_ratio']}x: "
-                  f"{'met' if t_kl / t_plain <= TARGETS['kl_ratio'] else 'NOT met'}; of {a.repeats}: {spread(kl_t)}; "
-                  f"{with_kl.meta.env.vllm_engine['kl_full']}, {with_kl.meta.env.vllm_engine.get('kl_transport')})")
+        table.add(
+            "  of it vLLM / HF scoring (host round trips included) / the rest in this process",
+            f"{tm['vllm_score_s']:.3f} s / {tm['hf_score_s']:.3f} s / {bare_t[-1] - tm['vllm_score_s'] - tm['hf_score_s']:.3f} s "
+            f"(the last repeat, {bare_t[-1]:.3f} s)",
+        )
+        table.add(
+            "**speed: the same with its noise floor (the default)**",
+            f"**{t_plain:.3f} s = {t_plain / t_bare:.2f}x without it** (target <= 1.3x: {'met' if t_plain / t_bare <= 1.3 else 'NOT met'}; "
+            f"the floor's engine time {plain.meta.timing.get('noise_s', 0):.3f} s, beside the table; of {a.repeats}: {spread(plain_t)})",
+        )
+        table.add(
+            "**speed: compare with the exact KL at every position**",
+            f"**{t_kl:.3f} s = {n / t_kl:,.0f} tokens/s = {t_kl / t_plain:.2f}x the same without it** (target <= {TARGETS['kl_ratio']}x: "
+            f"{'met' if t_kl / t_plain <= TARGETS['kl_ratio'] else 'NOT met'}; of {a.repeats}: {spread(kl_t)}; "
+            f"{with_kl.meta.env.vllm_engine['kl_full']}, {with_kl.meta.env.vllm_engine.get('kl_transport')})",
+        )
         tk = with_kl.meta.timing
-        table.add("  of it vLLM / HF scoring (host round trips included) / the rest in this process",
-                  f"{tk['vllm_score_s']:.3f} s / {tk['hf_score_s']:.3f} s / {kl_t[-1] - tk['vllm_score_s'] - tk['hf_score_s']:.3f} s "
-                  f"(the last repeat, {kl_t[-1]:.3f} s; its floor's engine time {tk.get('noise_s', 0):.3f} s was beside the table)")
+        table.add(
+            "  of it vLLM / HF scoring (host round trips included) / the rest in this process",
+            f"{tk['vllm_score_s']:.3f} s / {tk['hf_score_s']:.3f} s / {kl_t[-1] - tk['vllm_score_s'] - tk['hf_score_s']:.3f} s "
+            f"(the last repeat, {kl_t[-1]:.3f} s; its floor's engine time {tk.get('noise_s', 0):.3f} s was beside the table)",
+        )
         if a.model == "tinyllama":
             rate = n / t_kl
-            table.add("speed: exact-KL rate against the 1.1B target", f"{rate:,.0f} tokens/s (target >= {TARGETS['kl_rate_1b']:,.0f}: "
-                                                                      f"{'met' if rate >= TARGETS['kl_rate_1b'] else 'NOT met'})")
+            table.add(
+                "speed: exact-KL rate against the 1.1B target",
+                f"{rate:,.0f} tokens/s (target >= {TARGETS['kl_rate_1b']:,.0f}: "
+                f"{'met' if rate >= TARGETS['kl_rate_1b'] else 'NOT met'})",
+            )
         s = with_kl.summary
-        table.add("speed: exact KL mean ± err, max; same top token", f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, "
-                                                                     f"{s['kl_full_max']:.4e}; {s['same_top_p']:.4f}")
+        table.add(
+            "speed: exact KL mean ± err, max; same top token",
+            f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, {s['kl_full_max']:.4e}; {s['same_top_p']:.4f}",
+        )
     if "long" in parts or "set" in parts:
         # one engine pair for both parts: the longest text's max_model_len for every request here
         longest = max(a.long_tokens if "long" in parts else 0, int(a.set.split("x")[1]) if "set" in parts else 0)
@@ -212,18 +253,22 @@ def main() -> None:
         import numpy as np
 
         kl = r.sequences[0].metrics.kl_full[1:]
-        table.add(f"**long: one {n + 1:,}-token text with the exact KL**",
-                  f"**{took:.1f} s = {n / took:,.0f} tokens/s; exact KL at {int(np.isfinite(kl).sum()):,} of {n:,} positions** "
-                  f"({r.meta.env.vllm_engine['kl_full']}); {n * model.vocab_size * 4 / 1e9:.1f} GB of float32 rows; "
-                  f"mean |Δ logp| {r.summary['mean_abs_delta']:.3e}, KL mean {r.summary['kl_full_mean']}")
+        table.add(
+            f"**long: one {n + 1:,}-token text with the exact KL**",
+            f"**{took:.1f} s = {n / took:,.0f} tokens/s; exact KL at {int(np.isfinite(kl).sum()):,} of {n:,} positions** "
+            f"({r.meta.env.vllm_engine['kl_full']}); {n * model.vocab_size * 4 / 1e9:.1f} GB of float32 rows; "
+            f"mean |Δ logp| {r.summary['mean_abs_delta']:.3e}, KL mean {r.summary['kl_full_mean']}",
+        )
         from logprob_parity.present.render import token_view_html, windows
 
         back = store.load(r.run_id)
         t = time.perf_counter()
         parts_w = windows([back], 0, 512)
         html = token_view_html([back], 0, window=parts_w[0][:2])
-        table.add("long: reopen and draw its worst 512-token window (the page's token view)",
-                  f"{time.perf_counter() - t:.2f} s ({len(parts_w)} windows, {len(html) / 1e6:.1f} MB of HTML)")
+        table.add(
+            "long: reopen and draw its worst 512-token window (the page's token view)",
+            f"{time.perf_counter() - t:.2f} s ({len(parts_w)} windows, {len(html) / 1e6:.1f} MB of HTML)",
+        )
     if "set" in parts:
         n_set, l_set = (int(x) for x in a.set.split("x"))
         texts = texts_of(n_set, l_set)
@@ -232,14 +277,18 @@ def main() -> None:
         table.add("set: engines ready", f"{time.perf_counter() - t:.1f} s")
         r, took = run(texts, True)
         n = r.summary["n_tokens"]
-        table.add(f"**set: {n_set:,} x {l_set:,} tokens with the exact KL**",
-                  f"**{took:.1f} s = {n / took:,.0f} tokens/s; {r.meta.timing['batches']} batches; exact KL "
-                  f"{'at every position' if r.summary['kl_full_mean'] is not None else 'MISSING: ' + r.meta.env.vllm_engine['kl_full']}**; "
-                  f"{n * model.vocab_size * 4 / 1e12:.2f} TB of float32 rows in all; peak memory of this process {peak_rss_gb():.2f} GB")
+        table.add(
+            f"**set: {n_set:,} x {l_set:,} tokens with the exact KL**",
+            f"**{took:.1f} s = {n / took:,.0f} tokens/s; {r.meta.timing['batches']} batches; exact KL "
+            f"{'at every position' if r.summary['kl_full_mean'] is not None else 'MISSING: ' + r.meta.env.vllm_engine['kl_full']}**; "
+            f"{n * model.vocab_size * 4 / 1e12:.2f} TB of float32 rows in all; peak memory of this process {peak_rss_gb():.2f} GB",
+        )
         s = r.summary
         if s["kl_full_mean"] is not None:
-            table.add("set: exact KL mean ± err, p99, max", f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, "
-                                                            f"{s['kl_full_p99']:.4e}, {s['kl_full_max']:.4e}")
+            table.add(
+                "set: exact KL mean ± err, p99, max",
+                f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, {s['kl_full_p99']:.4e}, {s['kl_full_max']:.4e}",
+            )
     pool.shutdown_all()
     print("\n" + table.text())
 

@@ -44,8 +44,14 @@ def _server(home: Path, prewarm: bool) -> tuple[subprocess.Popen, str, float]:
     port = _free_port()
     env = dict(os.environ, LOGPROB_PARITY_HOME=str(home), LPP_PREWARM="1" if prewarm else "0")
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "logprob_parity.cli", "dashboard", "--headless", "--address", "127.0.0.1", "--port", str(port)],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "logprob_parity.cli", "dashboard", "--headless", "--address", "127.0.0.1", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -72,8 +78,9 @@ def _run_and_wait(page, n_rows: int) -> float:
     before = page.evaluate("window.location.search")
     t = time.perf_counter()
     page.get_by_role("button", name="Run", exact=True).click()
-    page.wait_for_function("old => window.location.search.includes('runs=') && window.location.search !== old",
-                           arg=before, timeout=900_000)
+    page.wait_for_function(
+        "old => window.location.search.includes('runs=') && window.location.search !== old", arg=before, timeout=900_000
+    )
     page.locator(".lpp-row").nth(n_rows - 1).locator(".lpp-tok").nth(2).wait_for(timeout=120_000)
     return time.perf_counter() - t
 
@@ -104,7 +111,8 @@ def one_start(browser, prewarm: bool, want: set[str], wait_s: float, shot: str |
         if prewarm:
             # a text other than the form's default (the first Run's), or the store answers and nothing changes
             page.get_by_role("textbox", name="Text").fill(
-                "The committee will meet on Thursday to review the budget, and then it will vote on the new plan for the park.")
+                "The committee will meet on Thursday to review the budget, and then it will vote on the new plan for the park."
+            )
             rows.append(("warm server: second Run, new text", _run_and_wait(page, len(want))))
             if shot:  # Streamlit scrolls inside its own container: grow the window to the page first
                 _settled(page)
@@ -151,10 +159,12 @@ def main() -> None:
     v = versions()
     table = ["| step | seconds |", "|---|---|"] + [f"| {k} | {s:.2f} |" for k, s in rows]
     first_warm = next(s for k, s in rows if k.startswith("warm start") and "first Run pressed" in k)
-    head = (f"Time to first result, demo model (SmolLM2-135M), dtypes {a.dtypes}, {device}: "
-            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {v['torch']}, vLLM {v['vllm']}\n\n"
-            f"Goal: a Run pressed {a.wait:.0f} s or more after the server started shows coloured tokens in under {goal:g} s "
-            f"({'met' if first_warm < goal else 'NOT met'}: {first_warm:.2f} s).\n\n")
+    head = (
+        f"Time to first result, demo model (SmolLM2-135M), dtypes {a.dtypes}, {device}: "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {v['torch']}, vLLM {v['vllm']}\n\n"
+        f"Goal: a Run pressed {a.wait:.0f} s or more after the server started shows coloured tokens in under {goal:g} s "
+        f"({'met' if first_warm < goal else 'NOT met'}: {first_warm:.2f} s).\n\n"
+    )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(head + "\n".join(table) + "\n")

@@ -28,8 +28,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # TinyLlama-1.1B's shape; the vocabulary is the tokenizer's.
-TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
-                 "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+TINYLLAMA = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
 
 
 def build_tinyllama(out: Path, tokenizer_path: str, device: str) -> str:
@@ -38,8 +46,9 @@ def build_tinyllama(out: Path, tokenizer_path: str, device: str) -> str:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      tie_word_embeddings=False, **TINYLLAMA)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **TINYLLAMA
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -106,10 +115,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--hf-batch", type=int, default=16, help="hf_batch_size for the batched HF measurement")
-    ap.add_argument("--parts", default="hf,vllm,forum,set",
-                    help="hf (a, c), vllm (b), forum (d, three dtypes of one sentence), set (d, e: P x L x 3 dtypes)")
-    ap.add_argument("--loop-tokens", type=int, default=None,
-                    help="targets the per-prefix loop scores (default: the whole prompt on a GPU, 32 on the CPU)")
+    ap.add_argument(
+        "--parts",
+        default="hf,vllm,forum,set",
+        help="hf (a, c), vllm (b), forum (d, three dtypes of one sentence), set (d, e: P x L x 3 dtypes)",
+    )
+    ap.add_argument(
+        "--loop-tokens",
+        type=int,
+        default=None,
+        help="targets the per-prefix loop scores (default: the whole prompt on a GPU, 32 on the CPU)",
+    )
     a = ap.parse_args()
     parts = set(a.parts.split(","))
 
@@ -178,20 +194,28 @@ def main() -> None:
         table.add("a. per-prefix loop (forum script)", f"{loop:,.1f} tokens/s ({n_loop} targets of one {len(ids)}-token prompt)")
         table.add("a. our HF path, hf_batch_size=1", f"{rates[1]:,.0f} tokens/s")
         table.add(f"a. our HF path, hf_batch_size={a.hf_batch}", f"{rates[a.hf_batch]:,.0f} tokens/s")
-        table.add("a. ratio ours / loop", f"{rates[1] / loop:,.0f}x (batch 1), {rates[a.hf_batch] / loop:,.0f}x (batch {a.hf_batch})")
+        table.add(
+            "a. ratio ours / loop", f"{rates[1] / loop:,.0f}x (batch 1), {rates[a.hf_batch] / loop:,.0f}x (batch {a.hf_batch})"
+        )
         tflops = matmul_tflops(torch, device, tdtype)
         floor = tflops * 1e12 / (2 * params)
         table.add("c. matmul rate measured", f"{tflops:.1f} TFLOP/s ({a.dtype}, square matmul)")
         table.add("c. FLOP floor 2·params·tokens", f"{floor:,.0f} tokens/s ({params / 1e6:,.0f}M params)")
-        table.add("c. our HF scoring / floor", f"{rates[1] / floor:.1%} (batch 1), {rates[a.hf_batch] / floor:.1%} (batch {a.hf_batch})")
-        table.add("c. HF forward pass alone / floor", f"{n_tok / fwd / floor:.1%} (batch {a.hf_batch}: {n_tok / fwd:,.0f} tokens/s)")
+        table.add(
+            "c. our HF scoring / floor", f"{rates[1] / floor:.1%} (batch 1), {rates[a.hf_batch] / floor:.1%} (batch {a.hf_batch})"
+        )
+        table.add(
+            "c. HF forward pass alone / floor", f"{n_tok / fwd / floor:.1%} (batch {a.hf_batch}: {n_tok / fwd:,.0f} tokens/s)"
+        )
         del hf
         # the same with hf_compile: inductor-fused forward and logprob blocks, compiled on the first call
         hfc = HFBackend(model.path, a.dtype, device, EngineSettings(hf_compile=True), mml)
         compile_s, rate_c = scoring(hfc, a.hf_batch)
         _, fwd_c = timed(forward_only, hfc)
-        table.add(f"c. our HF scoring, hf_compile, batch {a.hf_batch} / floor",
-                  f"{rate_c / floor:.1%} ({rate_c:,.0f} tokens/s; first call with compiling {compile_s:.1f} s)")
+        table.add(
+            f"c. our HF scoring, hf_compile, batch {a.hf_batch} / floor",
+            f"{rate_c / floor:.1%} ({rate_c:,.0f} tokens/s; first call with compiling {compile_s:.1f} s)",
+        )
         table.add("c. HF compiled forward pass alone / floor", f"{n_tok / fwd_c / floor:.1%} ({n_tok / fwd_c:,.0f} tokens/s)")
         del hfc
         if device == "cuda":
@@ -199,7 +223,9 @@ def main() -> None:
 
     # b: one cold vLLM engine (the yardstick for d), our path on it, then a bare LLM.generate in this process
     if parts & {"vllm", "forum"}:
-        load = LoadRequest("vllm", model.path, a.dtype, device, EngineSettings(tensor_parallel_size=1, pipeline_parallel_size=1), mml)
+        load = LoadRequest(
+            "vllm", model.path, a.dtype, device, EngineSettings(tensor_parallel_size=1, pipeline_parallel_size=1), mml
+        )
 
         def start_one():
             with pool.lease([load]) as lease:
@@ -236,8 +262,10 @@ def main() -> None:
         for run in runs1:
             for b in ("vllm", "hf"):
                 t = getattr(run.meta.env, f"{b}_engine")["load_timing"]
-                table.add(f"d. ... {b} {run.dtype} engine", f"imports {t['import_s']} s, load {t['init_s']} s, "
-                          f"waited {run.meta.timing[f'{b}_load_s']} s")
+                table.add(
+                    f"d. ... {b} {run.dtype} engine",
+                    f"imports {t['import_s']} s, load {t['init_s']} s, waited {run.meta.timing[f'{b}_load_s']} s",
+                )
         _, warm1 = timed(compare, forum, store=store, use_cache=False)
         table.add("d. the same again, warm engines, recomputed", f"{warm1:.3f} s")
         pool.shutdown_all()

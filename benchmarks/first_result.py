@@ -20,8 +20,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-TEXTS = ("The committee will meet on Thursday to review the budget.",
-         "Dave lives in Palm Coast, FL and is a lawyer. His personal interests include playing guitar.")
+TEXTS = (
+    "The committee will meet on Thursday to review the budget.",
+    "Dave lives in Palm Coast, FL and is a lawyer. His personal interests include playing guitar.",
+)
 
 
 def main() -> None:
@@ -49,17 +51,27 @@ def main() -> None:
     for i, text in enumerate(TEXTS):
         t = time.perf_counter()
         compare(RunSpec(texts=(text,), model=a.model, dtypes=dtypes), ctx, use_cache=False)
-        rows.append((f"{'first' if i == 0 else 'second'} Run of a new text on the warm engines (compare, no page)", time.perf_counter() - t))
+        rows.append(
+            (
+                f"{'first' if i == 0 else 'second'} Run of a new text on the warm engines (compare, no page)",
+                time.perf_counter() - t,
+            )
+        )
     pool.shutdown()
     cold = EnginePool()
     t = time.perf_counter()
-    compare(RunSpec(texts=("A cold start: no engine is loaded yet.",), model=a.model, dtypes=dtypes), Context.of(store=Store(), pool=cold),
-            use_cache=False)
+    compare(
+        RunSpec(texts=("A cold start: no engine is loaded yet.",), model=a.model, dtypes=dtypes),
+        Context.of(store=Store(), pool=cold),
+        use_cache=False,
+    )
     rows.append(("first Run on cold engines (LPP_PREWARM=0)", time.perf_counter() - t))
     cold.shutdown()
     v = versions()
-    head = (f"Engine side of time to first result: {a.model or 'demo model (SmolLM2-135M)'}, dtypes {','.join(dtypes)}, "
-            f"{device_name(device)}; torch {v['torch']}, transformers {v['transformers']}, vLLM {v['vllm']}\n\n")
+    head = (
+        f"Engine side of time to first result: {a.model or 'demo model (SmolLM2-135M)'}, dtypes {','.join(dtypes)}, "
+        f"{device_name(device)}; torch {v['torch']}, transformers {v['transformers']}, vLLM {v['vllm']}\n\n"
+    )
     table = "\n".join(["| step | seconds |", "|---|---|"] + [f"| {k} | {s:.2f} |" for k, s in rows])
     print(head + table)
     if a.out:

@@ -67,9 +67,12 @@ def main() -> None:
     texts = tuple(tok.decode(s[1:] if s and s[0] == tok.bos_token_id else s) for s in seqs)
     v = versions()
     out = Path(a.out) if a.out else REPO / "benchmarks" / "results" / f"fullvocab_kl_{device}.md"
-    table = Table(out, f"Device {device_name(device)} · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
-                       f"model {model.name} ({model.vocab_size:,}-entry vocabulary) · {a.prompts} prompts x {a.tokens} tokens · "
-                       f"{a.dtype} · {os.cpu_count()} CPU cores · `python benchmarks/fullvocab_kl.py {' '.join(sys.argv[1:])}`")
+    table = Table(
+        out,
+        f"Device {device_name(device)} · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
+        f"model {model.name} ({model.vocab_size:,}-entry vocabulary) · {a.prompts} prompts x {a.tokens} tokens · "
+        f"{a.dtype} · {os.cpu_count()} CPU cores · `python benchmarks/fullvocab_kl.py {' '.join(sys.argv[1:])}`",
+    )
     if built is not None:
         table.add("model built (random weights, saved)", f"{built:.1f} s")
     store = Store(work / "home")
@@ -84,27 +87,38 @@ def main() -> None:
     n = run.summary["n_tokens"]
     assert run.meta.env.vllm_engine["kl_full"].startswith("exact"), run.meta.env.vllm_engine["kl_full"]
     rate = n / took
-    table.add("positions with the exact KL", f"{n:,} ({run.meta.env.vllm_engine['kl_full']}); "
-                                             f"{n * model.vocab_size * 4 / 1e9:.1f} GB of float32 full rows")
-    table.add("**compare with the exact KL, end to end**",
-              f"**{took:.2f} s = {rate:,.0f} tokens/s** (target {TARGET:,.0f}: {'met' if rate >= TARGET else 'NOT met'}; "
-              f"{rate / API_RATE:,.0f}x the 1.1 tokens/s through vLLM's public API)")
+    table.add(
+        "positions with the exact KL",
+        f"{n:,} ({run.meta.env.vllm_engine['kl_full']}); {n * model.vocab_size * 4 / 1e9:.1f} GB of float32 full rows",
+    )
+    table.add(
+        "**compare with the exact KL, end to end**",
+        f"**{took:.2f} s = {rate:,.0f} tokens/s** (target {TARGET:,.0f}: {'met' if rate >= TARGET else 'NOT met'}; "
+        f"{rate / API_RATE:,.0f}x the 1.1 tokens/s through vLLM's public API)",
+    )
     table.add("... of it vLLM scoring (prefill, full rows written)", f"{run.meta.timing['vllm_score_s']:.2f} s")
     table.add("... of it HF scoring (reading the rows, KL in float64)", f"{run.meta.timing['hf_score_s']:.2f} s")
     s = run.summary
-    table.add("exact KL: mean ± err, median, 99.9th pct, max",
-              f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, {s['kl_full_p50']:.4e}, {s['kl_full_p99_9']:.4e}, "
-              f"{s['kl_full_max']:.4e}")
-    table.add("same top token, PPL(vLLM)/PPL(HF), Δp RMS",
-              f"{s['same_top_p']:.4f} ± {s['same_top_p_err']:.4f}, {s['ppl_ratio']:.6f}, {s['dp_rms']:.3e}")
+    table.add(
+        "exact KL: mean ± err, median, 99.9th pct, max",
+        f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, {s['kl_full_p50']:.4e}, {s['kl_full_p99_9']:.4e}, "
+        f"{s['kl_full_max']:.4e}",
+    )
+    table.add(
+        "same top token, PPL(vLLM)/PPL(HF), Δp RMS",
+        f"{s['same_top_p']:.4f} ± {s['same_top_p_err']:.4f}, {s['ppl_ratio']:.6f}, {s['dp_rms']:.3e}",
+    )
 
     fullvocab.MAX_BYTES = 0  # the same comparison without the exact KL: the KL's own cost is the difference
     t = time.perf_counter()
     (plain,) = compare(spec, store=store, use_cache=False)
     took0 = time.perf_counter() - t
     assert plain.summary["kl_full_mean"] is None
-    table.add("the same compare without the exact KL", f"{took0:.2f} s = {n / took0:,.0f} tokens/s; the exact KL costs "
-                                                       f"{took - took0:.2f} s ({(took - took0) / took:.0%} of the run)")
+    table.add(
+        "the same compare without the exact KL",
+        f"{took0:.2f} s = {n / took0:,.0f} tokens/s; the exact KL costs "
+        f"{took - took0:.2f} s ({(took - took0) / took:.0%} of the run)",
+    )
     pool.shutdown_all()
     print("\n" + table.text())
 

@@ -140,8 +140,12 @@ def math_ab(vocab: int, device: str, repeats: int) -> list[str]:
         out[name] = (statistics.median(ts), v)
     diff = float((out["kl_rows (now)"][1] - out["fewer_passes"][1]).abs().max())
     mean = float(out["kl_rows (now)"][1].mean())
-    return ["", f"One block of {rows:,} rows x {vocab:,}: " + "; ".join(f"{k} {t * 1000:.1f} ms" for k, (t, _) in out.items())
-            + f"; largest difference {diff:.2e} (KL mean {mean:.4e})"]
+    return [
+        "",
+        f"One block of {rows:,} rows x {vocab:,}: "
+        + "; ".join(f"{k} {t * 1000:.1f} ms" for k, (t, _) in out.items())
+        + f"; largest difference {diff:.2e} (KL mean {mean:.4e})",
+    ]
 
 
 def main() -> None:
@@ -179,15 +183,21 @@ def main() -> None:
     c.join()
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     gib = a.sequences * (a.tokens - 1) * a.vocab * 4 / 2**30
-    lines = [f"# The exact KL's transport, without the engines ({name}, torch {torch.__version__})", "",
-             f"`python benchmarks/kl_transport.py {' '.join(sys.argv[1:])}`: {a.sequences} sequences x {a.tokens - 1} rows x "
-             f"{a.vocab:,} float32 ({gib:.1f} GiB), median of {a.repeats} (the first repeat included)", "",
-             "| layout | keep | share + pipe + open + sum (round trip) | of it: open | of it: sum | release | KL mean |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# The exact KL's transport, without the engines ({name}, torch {torch.__version__})",
+        "",
+        f"`python benchmarks/kl_transport.py {' '.join(sys.argv[1:])}`: {a.sequences} sequences x {a.tokens - 1} rows x "
+        f"{a.vocab:,} float32 ({gib:.1f} GiB), median of {a.repeats} (the first repeat included)",
+        "",
+        "| layout | keep | share + pipe + open + sum (round trip) | of it: open | of it: sum | release | KL mean |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for layout, rs in results.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("keep", "round trip", "open", "sum", "release")}
-        lines.append(f"| {layout} | {med['keep']:.3f} s | {med['round trip']:.3f} s | {med['open']:.3f} s | {med['sum']:.3f} s | "
-                     f"{med['release']:.3f} s | {rs[-1]['kl_mean']:.6e} |")
+        lines.append(
+            f"| {layout} | {med['keep']:.3f} s | {med['round trip']:.3f} s | {med['open']:.3f} s | {med['sum']:.3f} s | "
+            f"{med['release']:.3f} s | {rs[-1]['kl_mean']:.6e} |"
+        )
     firsts = [rs[-1]["kl_first"] for rs in results.values()]
     lines += ["", f"The two layouts give the same KL values: {'yes' if all(f == firsts[0] for f in firsts) else 'NO'}"]
     lines += math_ab(a.vocab, device, a.repeats)

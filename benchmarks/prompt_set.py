@@ -51,12 +51,30 @@ def main() -> None:
         a.model = str(build_tiny_llama("tiny-llama-bos", adds_bos=True))
     lines = (REPO / "logprob_parity" / "data" / "sentences.txt").read_text().splitlines()
     words = " ".join(lines).split()
-    prompts = [" ".join(words[(i * 7) % (len(words) - 40):][: 4 + i % 12]) + f" ({i})" for i in range(a.prompts)]
+    prompts = [" ".join(words[(i * 7) % (len(words) - 40) :][: 4 + i % 12]) + f" ({i})" for i in range(a.prompts)]
     pfile = home / "set.txt"
     pfile.write_text("\n".join(prompts) + "\n")
-    env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "logprob_parity.cli", "compare", "--model", a.model, "--prompts", str(pfile), "--dtype", a.dtype,
-           "--device", "cpu", "--json", str(home / "out.json")]
+    env = dict(
+        os.environ,
+        LOGPROB_PARITY_HOME=str(home / "store"),
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "logprob_parity.cli",
+        "compare",
+        "--model",
+        a.model,
+        "--prompts",
+        str(pfile),
+        "--dtype",
+        a.dtype,
+        "--device",
+        "cpu",
+        "--json",
+        str(home / "out.json"),
+    ]
     rows: list[tuple[str, str]] = []
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -75,10 +93,24 @@ def main() -> None:
     if proc.returncode != 0:
         raise SystemExit(f"compare failed ({proc.returncode}):\n{err[-3000:]}")
     batches = [ln for ln in err.splitlines() if "batch " in ln and " done: " in ln]
-    rows.append((f"compare --prompts ({a.prompts:,} prompts, {a.dtype}, the exact KL, its noise floor), whole process",
-                 f"{took:.0f} s, engines' start included"))
-    rows.append(("peak memory of the CLI process (its engine hosts are processes of their own)", f"{peak[0] / 2**30:.2f} GB (target <= 2 GB)"))
-    rows.append(("progress lines it printed (one a batch, with tokens/s and time left)", f"{len(batches)}; the last: {batches[-1].strip() if batches else '-'}"))
+    rows.append(
+        (
+            f"compare --prompts ({a.prompts:,} prompts, {a.dtype}, the exact KL, its noise floor), whole process",
+            f"{took:.0f} s, engines' start included",
+        )
+    )
+    rows.append(
+        (
+            "peak memory of the CLI process (its engine hosts are processes of their own)",
+            f"{peak[0] / 2**30:.2f} GB (target <= 2 GB)",
+        )
+    )
+    rows.append(
+        (
+            "progress lines it printed (one a batch, with tokens/s and time left)",
+            f"{len(batches)}; the last: {batches[-1].strip() if batches else '-'}",
+        )
+    )
     rows.append(("--json written a sequence at a time", f"{(home / 'out.json').stat().st_size / 2**20:.0f} MiB"))
 
     os.environ["LOGPROB_PARITY_HOME"] = str(home / "store")
@@ -90,8 +122,12 @@ def main() -> None:
     run_id = store.list_runs()["run_id"].iloc[0]
     t = time.perf_counter()
     run = store.load(run_id)
-    rows.append(("open the stored run (checksum, metadata)", f"{time.perf_counter() - t:.2f} s; {len(run.meta.sequences):,} prompts, "
-                                                          f"{run.summary['n_tokens']:,} tokens"))
+    rows.append(
+        (
+            "open the stored run (checksum, metadata)",
+            f"{time.perf_counter() - t:.2f} s; {len(run.meta.sequences):,} prompts, {run.summary['n_tokens']:,} tokens",
+        )
+    )
     t = time.perf_counter()
     table = [(i, s.text[:120], s.summary["n_tokens"], s.summary["max_abs_delta"]) for i, s in enumerate(run.meta.sequences)]
     table.sort(key=lambda r: -(r[3] or 0))
@@ -99,8 +135,12 @@ def main() -> None:
     t = time.perf_counter()
     seq = run.sequences[table[0][0]]
     html = token_view_html([run], table[0][0])
-    rows.append(("open one prompt: its positions and token view", f"{time.perf_counter() - t:.2f} s ({len(seq.token_ids)} tokens, "
-                                                                   f"{len(html) / 1e3:.0f} kB of HTML; target < 2 s)"))
+    rows.append(
+        (
+            "open one prompt: its positions and token view",
+            f"{time.perf_counter() - t:.2f} s ({len(seq.token_ids)} tokens, {len(html) / 1e3:.0f} kB of HTML; target < 2 s)",
+        )
+    )
     t = time.perf_counter()
     worst_tokens([run], 20)
     rows.append(("the worst 20 tokens over every prompt", f"{time.perf_counter() - t:.2f} s"))
@@ -113,10 +153,21 @@ def report(title: str, model: str, rows: list[tuple[str, str]], out: str | None)
     from logprob_parity.env import versions
 
     v = versions()
-    text = "\n".join([f"# {title}", "",
-                      f"{os.cpu_count()} CPU cores · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
-                      f"model {Path(model).name} · `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`", "",
-                      "| measurement | result |", "|---|---|", *[f"| {k} | {x} |" for k, x in rows]]) + "\n"
+    text = (
+        "\n".join(
+            [
+                f"# {title}",
+                "",
+                f"{os.cpu_count()} CPU cores · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
+                f"model {Path(model).name} · `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`",
+                "",
+                "| measurement | result |",
+                "|---|---|",
+                *[f"| {k} | {x} |" for k, x in rows],
+            ]
+        )
+        + "\n"
+    )
     print(text)
     if out:
         Path(out).write_text(text)

@@ -81,8 +81,10 @@ def main() -> None:
     src = home / "logged.jsonl"
     src.write_bytes(data)
     del data
-    logged = phase("read, check and spool the records", lambda: spool_logged(src, src.name, {}, p.tokenizer, p.spec.bos, vocab,
-                                                                               home / "spool.arrow"))
+    logged = phase(
+        "read, check and spool the records",
+        lambda: spool_logged(src, src.name, {}, p.tokenizer, p.spec.bos, vocab, home / "spool.arrow"),
+    )
     batches = _batches(logged, vocab, "cpu")
 
     def scorings(seqs):  # type: ignore[no-untyped-def]
@@ -90,9 +92,18 @@ def main() -> None:
         for s in seqs:
             n0, n = len(s.prompt_token_ids), len(s.completion_token_ids)
             ids = np.asarray([*s.prompt_token_ids, *s.completion_token_ids])
-            pre.append(SimpleNamespace(token_ids=ids, logprob=-rng.random(n0 + n) * 4, topk_ids=rng.integers(0, vocab, (n0 + n, 1))))
-            got.append({"logprob": -rng.random(n) * 4, "tempered": -rng.random(n) * 4, "log_kept_mass": np.zeros(n),
-                        "top_id": rng.integers(0, vocab, n), "kl_full": rng.random(n) * 1e-3})
+            pre.append(
+                SimpleNamespace(token_ids=ids, logprob=-rng.random(n0 + n) * 4, topk_ids=rng.integers(0, vocab, (n0 + n, 1)))
+            )
+            got.append(
+                {
+                    "logprob": -rng.random(n) * 4,
+                    "tempered": -rng.random(n) * 4,
+                    "log_kept_mass": np.zeros(n),
+                    "top_id": rng.integers(0, vocab, n),
+                    "kl_full": rng.random(n) * 1e-3,
+                }
+            )
         return pre, got
 
     def parts() -> None:
@@ -101,8 +112,10 @@ def main() -> None:
             store.save_part(RID, b, sample_table(_samples(p.tokenizer, seqs, idx, *scorings(seqs)), idx), {"idx": idx})
 
     phase(f"each batch's part built and stored (pieces, prompts; {len(batches)} batches)", parts)
-    phase("finish: the summary from the parts (two passes), the verdict, the stored file", lambda: finish(
-        p, logged, batches, "float32", RID, 256, {}, {}, {"hf": {}, "vllm": {}}, time.perf_counter()))
+    phase(
+        "finish: the summary from the parts (two passes), the verdict, the stored file",
+        lambda: finish(p, logged, batches, "float32", RID, 256, {}, {}, {"hf": {}, "vllm": {}}, time.perf_counter()),
+    )
     ro = phase("read it back from the store (its samples stay in the file)", lambda: store.load_rollout(RID))
     with open(home / "out.json", "w") as f:
         phase("--json, written a chunk of samples at a time", lambda: ro.write_json(f))
@@ -116,8 +129,9 @@ def main() -> None:
         if at.exception:
             raise SystemExit(f"the page failed: {at.exception[0].value}")
         phase("the Rollout page again (another sample's view)", lambda: (at.query_params.update({"sample": "7"}), at.run()))
-        sent = {kind: sum(e.proto.ByteSize() for e in at.get(kind)) for kind in ("vega_lite_chart", "html", "selectbox",
-                                                                                   "dataframe")}
+        sent = {
+            kind: sum(e.proto.ByteSize() for e in at.get(kind)) for kind in ("vega_lite_chart", "html", "selectbox", "dataframe")
+        }
     tokens = a.sequences * a.completion
     rows = [(f"{name} ({a.sequences:,} sequences, {tokens:,} completion tokens)", f"{took:.1f} s") for name, took in phases]
     rows.append(("--json", f"{(home / 'out.json').stat().st_size / 2**20:.0f} MiB"))

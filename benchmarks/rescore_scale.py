@@ -34,8 +34,9 @@ from benchmarks.prompt_set import report, rss_peak  # noqa: E402 - importable on
 from logprob_parity.env import device_name  # noqa: E402
 
 
-def _run(cmd: list[str], env: dict[str, str], kill_after_parts: int | None = None,
-         partial: Path | None = None) -> tuple[int, str, float, int]:
+def _run(
+    cmd: list[str], env: dict[str, str], kill_after_parts: int | None = None, partial: Path | None = None
+) -> tuple[int, str, float, int]:
     """(exit code, stderr, seconds, peak RSS bytes); with kill_after_parts, SIGKILL once that many parts exist."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -75,9 +76,17 @@ def logged_lines(a: argparse.Namespace) -> Iterator[str]:
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
     for i in range(a.sequences):
-        yield json.dumps({"prompt_token_ids": [0, *rng.integers(40, vocab, a.prompt - 1).tolist()],
-                          "completion_token_ids": rng.integers(40, vocab, a.completion).tolist(),
-                          "logprobs": np.round(-rng.random(a.completion) * 4, 6).tolist(), "id": f"r{i}"}) + "\n"
+        yield (
+            json.dumps(
+                {
+                    "prompt_token_ids": [0, *rng.integers(40, vocab, a.prompt - 1).tolist()],
+                    "completion_token_ids": rng.integers(40, vocab, a.completion).tolist(),
+                    "logprobs": np.round(-rng.random(a.completion) * 4, 6).tolist(),
+                    "id": f"r{i}",
+                }
+            )
+            + "\n"
+        )
 
 
 def main() -> None:
@@ -92,9 +101,26 @@ def main() -> None:
     path = home / "logged.jsonl"
     with path.open("w") as f:
         f.writelines(logged_lines(a))
-    env = dict(os.environ, LOGPROB_PARITY_HOME=str(home / "store"), PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "logprob_parity.cli", "rescore", "--rollouts", str(path), "--model", a.model, "--dtype", a.dtype,
-           "--device", a.device, *([] if a.no_json else ["--json", str(home / "out.json")])]
+    env = dict(
+        os.environ,
+        LOGPROB_PARITY_HOME=str(home / "store"),
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "logprob_parity.cli",
+        "rescore",
+        "--rollouts",
+        str(path),
+        "--model",
+        a.model,
+        "--dtype",
+        a.dtype,
+        "--device",
+        a.device,
+        *([] if a.no_json else ["--json", str(home / "out.json")]),
+    ]
     where = "this CPU" if a.device == "cpu" else f"{device_name(a.device)} ({a.dtype})"
     rows: list[tuple[str, str]] = []
     tokens = a.sequences * a.completion
@@ -103,8 +129,13 @@ def main() -> None:
         raise SystemExit(f"rescore failed ({rc}):\n{err[-3000:]}")
     lines = [ln for ln in err.splitlines() if " done: " in ln]
     n_batches = int(re.search(r"of (\d+) done", lines[-1]).group(1)) if lines else 1  # type: ignore[union-attr]
-    rows.append((f"rescore {a.sequences:,} logged sequences ({a.prompt} + {a.completion} tokens, {tokens:,} completion tokens), "
-                 "whole process", f"{took:.0f} s, engines' start included; {n_batches} batches"))
+    rows.append(
+        (
+            f"rescore {a.sequences:,} logged sequences ({a.prompt} + {a.completion} tokens, {tokens:,} completion tokens), "
+            "whole process",
+            f"{took:.0f} s, engines' start included; {n_batches} batches",
+        )
+    )
     rows.append(("peak memory of the CLI process (its engine hosts are processes of their own)", f"{peak / 2**30:.2f} GB"))
     rows.append(("the last progress line", lines[-1].strip() if lines else "-"))
     if not a.no_json:
@@ -117,11 +148,14 @@ def main() -> None:
     third = max(1, n_batches // 3)
     rc, err, took, _ = _run(cmd, env2, kill_after_parts=third, partial=partial)
     stored = len(list(partial.glob("*/part-*.arrow")))
-    rows.append(("the same in an empty store, killed with SIGKILL", f"after {took:.0f} s, {stored} of {n_batches} batches stored"))
+    rows.append(
+        ("the same in an empty store, killed with SIGKILL", f"after {took:.0f} s, {stored} of {n_batches} batches stored")
+    )
     rc, err, took, _ = _run(cmd, env2)
     said = next((ln.strip() for ln in err.splitlines() if "came from the store" in ln), "-")
     rows.append(("the same command again", f"{took:.0f} s (exit {rc}); it said: {said}"))
     report(f"{a.sequences:,} logged rollouts rescored on {where}", a.model, rows, a.out)
+
 
 if __name__ == "__main__":
     main()

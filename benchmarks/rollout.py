@@ -28,8 +28,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--hf-batch-size", default="1,16",
-                    help="our HF side's hf_batch_size setting(s), comma-separated: 1 = one sequence a pass (the default)")
+    ap.add_argument(
+        "--hf-batch-size",
+        default="1,16",
+        help="our HF side's hf_batch_size setting(s), comma-separated: 1 = one sequence a pass (the default)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-rollout-bench-"))
@@ -59,18 +62,31 @@ def main() -> None:
         spec = RunSpec(texts=prompts, model=model, dtypes=(a.dtype,), device=device, settings=settings)
         # warm: the same engines (the same max_model_len) start and run once before timing
         t = time.perf_counter()
-        rollout(dataclasses.replace(spec, texts=prompts[:2]), dataclasses.replace(sampling, seed=99), ctx, use_cache=False,
-                noise_samples=0)
-        rows.append((f"ours, hf_batch_size {bs}: engines start (if not warm) + a first rollout of 2 prompts, not in the ratio",
-                     time.perf_counter() - t))
+        rollout(
+            dataclasses.replace(spec, texts=prompts[:2]),
+            dataclasses.replace(sampling, seed=99),
+            ctx,
+            use_cache=False,
+            noise_samples=0,
+        )
+        rows.append(
+            (
+                f"ours, hf_batch_size {bs}: engines start (if not warm) + a first rollout of 2 prompts, not in the ratio",
+                time.perf_counter() - t,
+            )
+        )
         t = time.perf_counter()
         (ro,) = rollout(spec, sampling, ctx, use_cache=False, noise_samples=0)
         ours = time.perf_counter() - t
         tm = ro.meta.timing
         parts = tm["sample_s"] + tm["prefill_s"] + tm["hf_s"]
-        rows += [(f"**ours, hf_batch_size {bs}: rollout with the three scorings**", ours), ("  of which vLLM decode", tm["sample_s"]),
-                 ("  of which vLLM prefill", tm["prefill_s"]), ("  of which HF", tm["hf_s"]),
-                 ("  of which the rest (pieces, metrics, store)", ours - parts)]
+        rows += [
+            (f"**ours, hf_batch_size {bs}: rollout with the three scorings**", ours),
+            ("  of which vLLM decode", tm["sample_s"]),
+            ("  of which vLLM prefill", tm["prefill_s"]),
+            ("  of which HF", tm["hf_s"]),
+            ("  of which the rest (pieces, metrics, store)", ours - parts),
+        ]
         results[bs] = (ours, ro)
     t = time.perf_counter()
     (noisy,) = rollout(spec, dataclasses.replace(sampling, seed=1), ctx, use_cache=False, noise_samples=2)
@@ -88,8 +104,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, dtype=a.dtype, enforce_eager=device == "cpu", max_model_len=ro.meta.settings["max_model_len"],
-              gpu_memory_utilization=0.3, **({} if device != "cpu" else {"kv_cache_memory_bytes": 2 << 30}))
+    llm = LLM(
+        model=model,
+        dtype=a.dtype,
+        enforce_eager=device == "cpu",
+        max_model_len=ro.meta.settings["max_model_len"],
+        gpu_memory_utilization=0.3,
+        **({} if device != "cpu" else {"kv_cache_memory_bytes": 2 << 30}),
+    )
     reqs = [TokensPrompt(prompt_token_ids=list(s.prompt_token_ids)) for s in ro.samples]
     params = [SamplingParams(temperature=1.0, max_tokens=a.tokens, ignore_eos=True, logprobs=1, seed=k) for k in range(len(reqs))]
     llm.generate(reqs[:2], params[:2], use_tqdm=False)  # warm
@@ -130,8 +152,9 @@ def main() -> None:
     # where HF's side goes: our HF backend's rollout_score in this process (no host, no socket), warm
     from logprob_parity.engines.backends.hf import HFBackend
 
-    ours_hf = HFBackend(model, a.dtype, device, dataclasses.replace(EngineSettings(), hf_batch_size=16),
-                        ro.meta.settings["max_model_len"])
+    ours_hf = HFBackend(
+        model, a.dtype, device, dataclasses.replace(EngineSettings(), hf_batch_size=16), ro.meta.settings["max_model_len"]
+    )
     starts = [len(s.prompt_token_ids) for s in ro.samples]
     ours_hf.rollout_score(full[:4], starts[:4])
     t = time.perf_counter()
@@ -139,16 +162,28 @@ def main() -> None:
     if device != "cpu":
         torch.cuda.synchronize()
     rows.append(("diagnosis: our HF rollout_score in this process (batch 16, no host), warm", time.perf_counter() - t))
-    rows += [("bare: LLM.generate with logprobs=1", bare_gen), ("bare: HF batched forward + log_softmax", bare_hf),
-             ("bare: sum", bare)]
+    rows += [
+        ("bare: LLM.generate with logprobs=1", bare_gen),
+        ("bare: HF batched forward + log_softmax", bare_hf),
+        ("bare: sum", bare),
+    ]
     v = versions()
-    out = [f"# Rollout benchmark: {a.prompts} prompts x {a.tokens} sampled tokens, {a.dtype}", "",
-           f"device {device_name(device)} · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
-           f"model {Path(model).name} · CUDA graphs {'off (CPU)' if device == 'cpu' else 'on'}",
-           "", "| step | seconds |", "|---|---|", *[f"| {k} | {s:.2f} |" for k, s in rows], ""]
+    out = [
+        f"# Rollout benchmark: {a.prompts} prompts x {a.tokens} sampled tokens, {a.dtype}",
+        "",
+        f"device {device_name(device)} · torch {v['torch']} · transformers {v['transformers']} · vLLM {v['vllm']} · "
+        f"model {Path(model).name} · CUDA graphs {'off (CPU)' if device == 'cpu' else 'on'}",
+        "",
+        "| step | seconds |",
+        "|---|---|",
+        *[f"| {k} | {s:.2f} |" for k, s in rows],
+        "",
+    ]
     for bs, (ours, _) in results.items():
-        out.append(f"- **hf_batch_size {bs}: ratio ours / bare = {ours / bare:.3f}** (target <= 1.3) · {n_tok} completion tokens · "
-                   f"ours {n_tok / ours:,.0f} tokens/s · bare {n_tok / bare:,.0f} tokens/s")
+        out.append(
+            f"- **hf_batch_size {bs}: ratio ours / bare = {ours / bare:.3f}** (target <= 1.3) · {n_tok} completion tokens · "
+            f"ours {n_tok / ours:,.0f} tokens/s · bare {n_tok / bare:,.0f} tokens/s"
+        )
     out.append(f"- **noise floors / the rollout they belong to = {floors_ratio:.2f}** (target <= 2)")
     text = "\n".join(out)
     print(text)

@@ -93,13 +93,17 @@ def main() -> None:
         for k in range(2):
             t = time.perf_counter()
             h.rollout_score(shorter, starts)
-            say(f"host rollout_score on new widths (5 tokens shorter), no vLLM call before ({k + 1}): {time.perf_counter() - t:.3f} s")
+            say(
+                f"host rollout_score on new widths (5 tokens shorter), no vLLM call before ({k + 1}): {time.perf_counter() - t:.3f} s"
+            )
         say("host log, timing lines:")
         out.extend(ln for ln in h.log_tail(200_000).splitlines() if "[lpp-timing]" in ln)
         print("\n".join(ln for ln in out if "[lpp-timing]" in ln))
     t = time.perf_counter()
     (ro,) = rollout(spec, sampling, ctx, use_cache=False, noise_samples=0)
-    say(f"the same rollout again (same widths, hf_cudnn_attention {spec.settings.hf_cudnn_attention}): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}")
+    say(
+        f"the same rollout again (same widths, hf_cudnn_attention {spec.settings.hf_cudnn_attention}): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}"
+    )
     if device != "cpu" or os.environ.get("LPP_PROBE_ALL"):  # HF's attention without cuDNN: a new HF engine, the same vLLM one
         off = dataclasses.replace(spec, settings=dataclasses.replace(settings, hf_cudnn_attention=False))
         rollout(dataclasses.replace(off, texts=prompts[:2]), sampling, ctx, use_cache=False, noise_samples=0)
@@ -110,11 +114,15 @@ def main() -> None:
         more = tuple(f"{x} Once more, and longer: {x}" for x in prompts)  # other prompts: new widths
         t = time.perf_counter()
         (ro,) = rollout(dataclasses.replace(off, texts=more), sampling, ctx, use_cache=False, noise_samples=0)
-        say(f"rollout with hf_cudnn_attention off, new prompts (new widths): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}")
+        say(
+            f"rollout with hf_cudnn_attention off, new prompts (new widths): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}"
+        )
         t = time.perf_counter()
         on = dataclasses.replace(spec, texts=more, settings=dataclasses.replace(spec.settings, hf_cudnn_attention=True))
         (ro,) = rollout(on, sampling, ctx, use_cache=False, noise_samples=0)
-        say(f"rollout with cuDNN attention (torch's choice), new prompts (new widths): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}")
+        say(
+            f"rollout with cuDNN attention (torch's choice), new prompts (new widths): {time.perf_counter() - t:.2f} s; timing {ro.meta.timing}"
+        )
     ctx.pool.shutdown()
     if a.out:
         Path(a.out).write_text("\n".join(out) + "\n")

@@ -25,18 +25,26 @@ from typing import Any
 # and the engines load in their own host processes.
 __version__ = "0.1.0"
 
-__all__ = ["compare", "rollout", "rescore", "check", "diff", "load"]
+__all__ = ["check", "compare", "diff", "load", "rescore", "rollout"]
 
 
-def _spec(texts: str | Sequence[str], model: str | None, dtypes: str | Sequence[str], device: str, bos: str,
-          settings: dict[str, Any] | None, **extra: Any) -> Any:
+def _spec(
+    texts: str | Sequence[str],
+    model: str | None,
+    dtypes: str | Sequence[str],
+    device: str,
+    bos: str,
+    settings: dict[str, Any] | None,
+    **extra: Any,
+) -> Any:
     from logprob_parity.inputs.settings import EngineSettings
     from logprob_parity.inputs.spec import RunSpec
 
     texts = (texts,) if isinstance(texts, str) else tuple(texts)
     dtypes = tuple(d.strip() for d in dtypes.split(",")) if isinstance(dtypes, str) else tuple(dtypes)
-    spec = RunSpec(texts=texts, model=model, dtypes=dtypes, device=device, bos=bos,
-                   settings=EngineSettings(**(settings or {})), **extra)
+    spec = RunSpec(
+        texts=texts, model=model, dtypes=dtypes, device=device, bos=bos, settings=EngineSettings(**(settings or {})), **extra
+    )
     spec.validate()
     return spec
 
@@ -49,14 +57,26 @@ def _ctx(home: str | None, progress: bool) -> Any:
     def say(stage: str, dtype: str | None, detail: str) -> None:
         print(f"{stage}{f' [{dtype}]' if dtype else ''}: {detail}", flush=True)
 
-    return Context.of(store=Store(home) if home else Store(), on_event=say if progress else None,
-                      model_roots=model_roots_from_env())
+    return Context.of(
+        store=Store(home) if home else Store(), on_event=say if progress else None, model_roots=model_roots_from_env()
+    )
 
 
-def compare(texts: str | Sequence[str], model: str | None = None, dtypes: str | Sequence[str] = ("float32",), *,
-            device: str = "auto", top_k: int = 5, bos: str = "auto", settings: dict[str, Any] | None = None,
-            noise_floor: bool = True, truncate: bool = False, use_cache: bool = True, home: str | None = None,
-            progress: bool = False) -> list[Any]:
+def compare(
+    texts: str | Sequence[str],
+    model: str | None = None,
+    dtypes: str | Sequence[str] = ("float32",),
+    *,
+    device: str = "auto",
+    top_k: int = 5,
+    bos: str = "auto",
+    settings: dict[str, Any] | None = None,
+    noise_floor: bool = True,
+    truncate: bool = False,
+    use_cache: bool = True,
+    home: str | None = None,
+    progress: bool = False,
+) -> list[Any]:
     """Score `texts` with HF and vLLM on the same token ids: one stored Run per dtype. `settings`:
     engine settings by name (logprob_parity.inputs.settings), e.g. {"attention_backend": "FLEX_ATTENTION"}."""
     from logprob_parity.analysis.compare import compare as _compare
@@ -65,25 +85,57 @@ def compare(texts: str | Sequence[str], model: str | None = None, dtypes: str | 
     return _compare(spec, _ctx(home, progress), use_cache=use_cache)
 
 
-def rollout(prompts: str | Sequence[str], model: str | None = None, dtypes: str | Sequence[str] = ("float32",), *,
-            samples: int = 1, max_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-            seed: int = 0, ignore_eos: bool = False, device: str = "auto", bos: str = "auto",
-            settings: dict[str, Any] | None = None, noise_samples: int = 2, use_cache: bool = True, home: str | None = None,
-            progress: bool = False) -> list[Any]:
+def rollout(
+    prompts: str | Sequence[str],
+    model: str | None = None,
+    dtypes: str | Sequence[str] = ("float32",),
+    *,
+    samples: int = 1,
+    max_tokens: int = 32,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    device: str = "auto",
+    bos: str = "auto",
+    settings: dict[str, Any] | None = None,
+    noise_samples: int = 2,
+    use_cache: bool = True,
+    home: str | None = None,
+    progress: bool = False,
+) -> list[Any]:
     """Sample with vLLM's decode path and rescore with vLLM prefill and HF: one stored Rollout per dtype."""
     from logprob_parity.analysis.rollout import rollout as _rollout
     from logprob_parity.results.rollout import Sampling
 
     spec = _spec(prompts, model, dtypes, device, bos, settings)
-    sampling = Sampling(samples=samples, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
-                        ignore_eos=ignore_eos)
+    sampling = Sampling(
+        samples=samples,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
     return _rollout(spec, sampling, _ctx(home, progress), use_cache=use_cache, noise_samples=noise_samples)
 
 
-def rescore(rollouts: str | Path | bytes, model: str | None = None, dtypes: str | Sequence[str] = ("float32",), *,
-            map: str | dict[str, str] | None = None, name: str | None = None, device: str = "auto", bos: str = "auto",  # noqa: A002
-            settings: dict[str, Any] | None = None, use_cache: bool = True, home: str | None = None,
-            progress: bool = False) -> list[Any]:
+def rescore(
+    rollouts: str | Path | bytes,
+    model: str | None = None,
+    dtypes: str | Sequence[str] = ("float32",),
+    *,
+    map: str | dict[str, str] | None = None,
+    name: str | None = None,
+    device: str = "auto",
+    bos: str = "auto",
+    settings: dict[str, Any] | None = None,
+    use_cache: bool = True,
+    home: str | None = None,
+    progress: bool = False,
+) -> list[Any]:
     """Rescore logged rollouts (a JSONL/Parquet file, or its bytes with `name`) with vLLM prefill and
     HF; `map` renames fields ("logprobs=rollout_log_probs,..." or a dict). One stored Rollout per dtype."""
     from logprob_parity.analysis.rescore import rescore as _rescore
@@ -101,9 +153,17 @@ def rescore(rollouts: str | Path | bytes, model: str | None = None, dtypes: str 
     return _rescore(data, name, spec, _ctx(home, progress), mapping=mapping, use_cache=use_cache)
 
 
-def check(runs: Any, *, max_mean_abs_delta: float | None = None, max_abs_delta: float | None = None,
-          max_kl_mean: float | None = None, min_argmax_agreement: float | None = None, baseline: Any = None,
-          max_worsening: float = 1.5, home: str | None = None) -> Any:
+def check(
+    runs: Any,
+    *,
+    max_mean_abs_delta: float | None = None,
+    max_abs_delta: float | None = None,
+    max_kl_mean: float | None = None,
+    min_argmax_agreement: float | None = None,
+    baseline: Any = None,
+    max_worsening: float = 1.5,
+    home: str | None = None,
+) -> Any:
     """The parity gate: a CheckResult (`.passed`, `.lines()`, `.exit_code`, `.to_pandas()`). `runs`
     and `baseline` are Runs or stored run ids."""
     from logprob_parity.analysis.check import Bounds

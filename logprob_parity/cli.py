@@ -68,8 +68,12 @@ def _settings(args: argparse.Namespace, registry: tuple[Setting, ...] = SETTINGS
     return cls(**{s.name: getattr(args, s.name, s.default) for s in registry})
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS,
-                      skip: tuple[str, ...] = (), defaults: dict[str, Any] | None = None) -> None:
+def add_setting_flags(
+    parser: argparse.ArgumentParser,
+    registry: tuple[Setting, ...] = SETTINGS,
+    skip: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
+) -> None:
     """One flag per registered engine setting: booleans as --name/--no-name, numbers and strings typed.
     skip: settings a command's own flags replace (a rollout's --seed is the sampling seed)."""
     group = parser.add_argument_group("engine settings (recorded in the run id)")
@@ -131,8 +135,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # the bar counts tokens scored, over every dtype: its rate and time left are tokens/s and the rest
     # a bar where a person watches a terminal; piped output (CI, logs) gets the event lines alone
-    bar = tqdm(total=None, desc="compare", unit="tok", unit_scale=True, file=sys.stderr, smoothing=0.1,
-               disable=args.quiet or not sys.stderr.isatty())
+    bar = tqdm(
+        total=None,
+        desc="compare",
+        unit="tok",
+        unit_scale=True,
+        file=sys.stderr,
+        smoothing=0.1,
+        disable=args.quiet or not sys.stderr.isatty(),
+    )
     done: dict[str, int] = {}
 
     def on_event(stage: str, dtype: str | None, detail: str) -> None:
@@ -178,8 +189,12 @@ def add_check_flags(c: argparse.ArgumentParser) -> None:
     g.add_argument("--max-abs-delta", type=float, default=None, help="largest |Δ logp| of any token allowed")
     g.add_argument("--max-kl-mean", type=float, default=None, help="largest mean exact KL allowed")
     g.add_argument("--min-argmax-agreement", type=float, default=None, help="least share of positions whose top token agrees")
-    g.add_argument("--baseline", default=None, metavar="RUN_ID", help="an earlier run of the same model and texts to hold these to")
-    g.add_argument("--max-worsening", type=float, default=1.5, help="how many times the baseline's gap a run may have (default 1.5)")
+    g.add_argument(
+        "--baseline", default=None, metavar="RUN_ID", help="an earlier run of the same model and texts to hold these to"
+    )
+    g.add_argument(
+        "--max-worsening", type=float, default=1.5, help="how many times the baseline's gap a run may have (default 1.5)"
+    )
     g.add_argument("--junit", default=None, metavar="FILE", help="write JUnit XML (one test case a bound)")
     g.add_argument("--markdown", default=None, metavar="FILE", help="write a Markdown summary a CI can post")
 
@@ -243,12 +258,29 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 ROLLOUT_ROWS = (
-    ("n_tokens", "d"), ("mean_abs_delta", "e"), ("max_abs_delta", "e"), ("p99_abs_delta", "e"), ("mean_delta", "e"),
-    ("kl", "e"), ("k2_kl", "e"), ("k3_kl", "e"), ("chi2_token", "e"), ("chi2_seq", "e"),
-    ("rollout_is_mean", "f"), ("rollout_is_min", "f"), ("rollout_is_max", "f"), ("rollout_is_eff_sample_size", "f"),
-    ("frac_ratio_outside_0.8_1.25", "f"), ("frac_ratio_outside_0.5_2", "f"), ("seq_log_ratio_mean", "e"),
-    ("seq_log_ratio_min", "e"), ("seq_log_ratio_max", "e"), ("ppl_ratio", "f"), ("token_mult_prob_error", "f"),
-    ("tis_clip_fraction", "f"), ("mis_mask_fraction", "f"),
+    ("n_tokens", "d"),
+    ("mean_abs_delta", "e"),
+    ("max_abs_delta", "e"),
+    ("p99_abs_delta", "e"),
+    ("mean_delta", "e"),
+    ("kl", "e"),
+    ("k2_kl", "e"),
+    ("k3_kl", "e"),
+    ("chi2_token", "e"),
+    ("chi2_seq", "e"),
+    ("rollout_is_mean", "f"),
+    ("rollout_is_min", "f"),
+    ("rollout_is_max", "f"),
+    ("rollout_is_eff_sample_size", "f"),
+    ("frac_ratio_outside_0.8_1.25", "f"),
+    ("frac_ratio_outside_0.5_2", "f"),
+    ("seq_log_ratio_mean", "e"),
+    ("seq_log_ratio_min", "e"),
+    ("seq_log_ratio_max", "e"),
+    ("ppl_ratio", "f"),
+    ("token_mult_prob_error", "f"),
+    ("tis_clip_fraction", "f"),
+    ("mis_mask_fraction", "f"),
 )
 
 
@@ -265,11 +297,19 @@ def rollout_text(ro: Any) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     table.insert(1, "  ".join("-" * w for w in widths))
-    lines += ["", f"{m.dtype}: rollout {m.rollout_id} ({'from the store' if ro.from_store else 'computed'}); "
-              f"{len(ro.samples)} samples; decode_processed: {m.processed}", *table, "", "noise floors (|Δ logp| when only this changes):"]
+    lines += [
+        "",
+        f"{m.dtype}: rollout {m.rollout_id} ({'from the store' if ro.from_store else 'computed'}); "
+        f"{len(ro.samples)} samples; decode_processed: {m.processed}",
+        *table,
+        "",
+        "noise floors (|Δ logp| when only this changes):",
+    ]
     for name, f in m.floors.items():
         extra = f", same tokens {f['same_tokens']}/{f['of']}" if "same_tokens" in f else ""
-        lines.append(f"  {name:15s} mean {_fmt(f.get('mean'), 'e')}  max {_fmt(f.get('max'), 'e')}  n {f.get('n')}{extra}  ({f['what']})")
+        lines.append(
+            f"  {name:15s} mean {_fmt(f.get('mean'), 'e')}  max {_fmt(f.get('max'), 'e')}  n {f.get('n')}{extra}  ({f['what']})"
+        )
     return "\n".join(lines)
 
 
@@ -301,8 +341,15 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from logprob_parity.results.rollout import Sampling
 
     spec = _spec_from_args(args, rollout=True)
-    sampling = Sampling(samples=args.samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    sampling = Sampling(
+        samples=args.samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
     sampling.validate()
     t0 = time.perf_counter()
     on_event = _event_printer(args, t0)
@@ -322,8 +369,9 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
     t0 = time.perf_counter()
     on_event = _event_printer(args, t0)
-    ros = rescore(path, path.name, spec, Context.of(on_event=on_event), mapping=parse_mapping(args.map),
-                  use_cache=not args.no_cache)
+    ros = rescore(
+        path, path.name, spec, Context.of(on_event=on_event), mapping=parse_mapping(args.map), use_cache=not args.no_cache
+    )
     return _print_rollouts(args, ros, t0)
 
 
@@ -348,8 +396,9 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         load = (n, length)
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
-    result = frontier(spec, configs, Context.of(on_event=on_event), tolerance=args.tolerance, speed_load=load,
-                      repeats=args.repeats)
+    result = frontier(
+        spec, configs, Context.of(on_event=on_event), tolerance=args.tolerance, speed_load=load, repeats=args.repeats
+    )
     print(frontier_text(result))
     print(f"elapsed {time.perf_counter() - t0:.2f} s")
     if args.json:
@@ -431,7 +480,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"torch {m.env.torch}  transformers {m.env.transformers}  vllm {m.env.vllm}  created {m.created}")
     print(summary_table([run]))
     df = run.to_frame()
-    worst = df[df["scored"]].nlargest(10, "abs_delta")[["seq", "index", "token_id", "token", "hf_logprob", "vllm_logprob", "delta"]]
+    worst = df[df["scored"]].nlargest(10, "abs_delta")[
+        ["seq", "index", "token_id", "token", "hf_logprob", "vllm_logprob", "delta"]
+    ]
     print("\nworst tokens:")
     print(worst.to_string(index=False))
     return 0
@@ -481,7 +532,15 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     (logprob_parity.engines.pool), so nothing outlives the command. The default engines start warming at once
     unless --no-prewarm (or LPP_PREWARM=0)."""
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "logprob_parity.dashboard.serve", "--server.address", args.address, "--server.port", str(args.port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "logprob_parity.dashboard.serve",
+        "--server.address",
+        args.address,
+        "--server.port",
+        str(args.port),
+    ]
     if args.headless:
         cmd += ["--server.headless", "true"]
     if args.no_prewarm:
@@ -489,12 +548,13 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     os.chdir(root)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, cmd)
+    os.execv(sys.executable, cmd)  # noqa: S606 - becomes this interpreter running our own module
     return 0  # not reached
 
 
-def _add_spec_args(c: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS, rollout: bool = False,
-                   texts: bool = True) -> None:
+def _add_spec_args(
+    c: argparse.ArgumentParser, registry: tuple[Setting, ...] = SETTINGS, rollout: bool = False, texts: bool = True
+) -> None:
     """The flags every analysis shares; a rollout's --top-k is its sampling cut, not a top-k list."""
     c.add_argument("--model", default=None, help="hub id or local folder (default: the embedded demo model)")
     c.add_argument("--revision", default=None)
@@ -512,8 +572,12 @@ def _add_spec_args(c: argparse.ArgumentParser, registry: tuple[Setting, ...] = S
     c.add_argument("--truncate", action="store_true", help="keep the first positions of prompts longer than the model allows")
     c.add_argument("--quiet", action="store_true", help="no progress output")
     if rollout:  # a rollout engine decodes with CUDA graphs unless told otherwise (logprob_parity.analysis.rollout)
-        add_setting_flags(c, registry, skip=("seed",), defaults={"enforce_eager": None,
-                                                                 "enforce_eager_words": "off on a GPU (CUDA graphs), on on a CPU"})
+        add_setting_flags(
+            c,
+            registry,
+            skip=("seed",),
+            defaults={"enforce_eager": None, "enforce_eager_words": "off on a GPU (CUDA graphs), on on a CPU"},
+        )
     else:
         add_setting_flags(c, registry)
 
@@ -525,23 +589,37 @@ def version_line() -> str:
     from logprob_parity.env import versions
 
     found = versions()
-    libs = [f"{dist} {found[key]}" for key, dist in (("vllm", found.get("vllm_dist") or "vllm"), ("transformers", "transformers"),
-                                                  ("torch", "torch")) if found.get(key)]
-    return f"logprob-parity {__version__}" + (f" ({', '.join(libs)})" if libs else " (vLLM, transformers and torch not installed)")
+    libs = [
+        f"{dist} {found[key]}"
+        for key, dist in (("vllm", found.get("vllm_dist") or "vllm"), ("transformers", "transformers"), ("torch", "torch"))
+        if found.get(key)
+    ]
+    return f"logprob-parity {__version__}" + (
+        f" ({', '.join(libs)})" if libs else " (vLLM, transformers and torch not installed)"
+    )
 
 
 def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentParser:
     """registry: the engine settings to make flags for (tests pass an extended one)."""
     p = argparse.ArgumentParser(prog="logprob-parity", description=__doc__)
-    p.add_argument("--version", action="version", version=version_line(),
-                   help="print this package's version and those of vLLM, transformers and torch where installed")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=version_line(),
+        help="print this package's version and those of vLLM, transformers and torch where installed",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compare", help="score text with HF and vLLM and compare token by token")
     _add_spec_args(c, registry)
-    c.add_argument("--no-noise-floor", action="store_true",
-                   help="skip measuring each engine's own noise beside the gap (then the verdict says it is not yet measured)")
-    c.add_argument("--check", action="store_true", help="then gate the runs on the bounds below, as `check` does (exit 1 on a failure)")
+    c.add_argument(
+        "--no-noise-floor",
+        action="store_true",
+        help="skip measuring each engine's own noise beside the gap (then the verdict says it is not yet measured)",
+    )
+    c.add_argument(
+        "--check", action="store_true", help="then gate the runs on the bounds below, as `check` does (exit 1 on a failure)"
+    )
     add_check_flags(c)
 
     k = sub.add_parser("check", help="a parity gate for CI: exit 0 when every bound holds, 1 when one fails, 2 for bad input")
@@ -570,33 +648,59 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     ro.add_argument("--temperature", type=float, default=1.0)
     ro.add_argument("--top-p", type=float, default=1.0)
     ro.add_argument("--top-k", type=int, default=-1, help="sampling cut: -1 keeps the whole vocabulary")
-    ro.add_argument("--seed", dest="sampling_seed", type=int, default=0,
-                    help="sampling seed: sample k of the run uses seed + k, so each is reproducible alone")
+    ro.add_argument(
+        "--seed",
+        dest="sampling_seed",
+        type=int,
+        default=0,
+        help="sampling seed: sample k of the run uses seed + k, so each is reproducible alone",
+    )
     ro.add_argument("--ignore-eos", action="store_true", help="always sample --max-tokens tokens (benchmarks)")
     ro.add_argument("--noise-samples", type=int, default=2, help="samples re-decoded alone and rescored in chunks (noise floors)")
     ro.set_defaults(func=cmd_rollout)
 
-    rs = sub.add_parser("rescore", help="rescore logged rollouts (their engine's logprobs) with vLLM prefill and HF, as rollout does")
-    rs.add_argument("--rollouts", required=True, metavar="FILE",
-                    help="JSONL or Parquet, one sequence a record (prompt_token_ids or prompt, completion_token_ids, logprobs; "
-                         "optional temperature, top_p, top_k, step, id), or `rollout --json` output")
-    rs.add_argument("--map", default=None, metavar="FIELD=COLUMN,...",
-                    help="read a field from another column, e.g. logprobs=rollout_log_probs,completion_token_ids=responses")
+    rs = sub.add_parser(
+        "rescore", help="rescore logged rollouts (their engine's logprobs) with vLLM prefill and HF, as rollout does"
+    )
+    rs.add_argument(
+        "--rollouts",
+        required=True,
+        metavar="FILE",
+        help="JSONL or Parquet, one sequence a record (prompt_token_ids or prompt, completion_token_ids, logprobs; "
+        "optional temperature, top_p, top_k, step, id), or `rollout --json` output",
+    )
+    rs.add_argument(
+        "--map",
+        default=None,
+        metavar="FIELD=COLUMN,...",
+        help="read a field from another column, e.g. logprobs=rollout_log_probs,completion_token_ids=responses",
+    )
     _add_spec_args(rs, registry, texts=False)
     rs.set_defaults(func=cmd_rescore)
 
     fr = sub.add_parser("frontier", help="accuracy against speed over dtypes, kernels and quantization, against HF float64")
     _add_spec_args(fr, registry)
-    fr.add_argument("--configs", default=None,
-                    help="configurations separated by ';', each a dtype and setting=value pairs, e.g. "
-                         "'float32; bfloat16 kv_cache_dtype=fp8; float32 attention_backend=FLEX_ATTENTION' "
-                         "(default: the grid this platform can run)")
-    fr.add_argument("--tolerance", type=float, default=None,
-                    help="largest mean |Δ logp| to the float64 reference a recommendation may have "
-                         "(default: HF's own float32 gap to it, measured)")
-    fr.add_argument("--speed-load", default=None, metavar="NxL",
-                    help="what each configuration's speed is timed on: N sequences of L tokens of this model "
-                         "(default: 64x512 on a GPU, 4x128 on a CPU); accuracy is measured on the texts")
+    fr.add_argument(
+        "--configs",
+        default=None,
+        help="configurations separated by ';', each a dtype and setting=value pairs, e.g. "
+        "'float32; bfloat16 kv_cache_dtype=fp8; float32 attention_backend=FLEX_ATTENTION' "
+        "(default: the grid this platform can run)",
+    )
+    fr.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="largest mean |Δ logp| to the float64 reference a recommendation may have "
+        "(default: HF's own float32 gap to it, measured)",
+    )
+    fr.add_argument(
+        "--speed-load",
+        default=None,
+        metavar="NxL",
+        help="what each configuration's speed is timed on: N sequences of L tokens of this model "
+        "(default: 64x512 on a GPU, 4x128 on a CPU); accuracy is measured on the texts",
+    )
     fr.add_argument("--repeats", type=int, default=3, help="timed repeats of each speed (median and spread are reported)")
     fr.set_defaults(func=cmd_frontier)
 
@@ -616,8 +720,11 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     d.add_argument("--address", default="localhost")
     d.add_argument("--port", type=int, default=8501)
     d.add_argument("--headless", action="store_true")
-    d.add_argument("--no-prewarm", action="store_true",
-                   help="do not start the default model's engines when the server starts (also: LPP_PREWARM=0)")
+    d.add_argument(
+        "--no-prewarm",
+        action="store_true",
+        help="do not start the default model's engines when the server starts (also: LPP_PREWARM=0)",
+    )
     d.set_defaults(func=cmd_dashboard)
 
     m = sub.add_parser("demo-model", help="build the offline SmolLM2-135M-Instruct folder")

@@ -9,9 +9,9 @@ import platform
 import shutil
 import subprocess
 import threading
-from typing import Any
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from logprob_parity.errors import UserError
 
@@ -55,20 +55,22 @@ def resolve_device(device: str) -> str:
     return device
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu_query(field: str) -> str | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False)
+        out = subprocess.run(
+            [exe, f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     lines = out.stdout.strip().splitlines()
     return lines[0].strip() if out.returncode == 0 and lines else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_name(device: str) -> str:
     if device == "cuda":
         return _gpu_query("name") or "cuda"

@@ -25,8 +25,9 @@ def test_compare_and_rescore_from_python(tiny_bos, home, tmp_path):
     """What a notebook cell does: compare two dtypes, gate them, and rescore a rollout it logged."""
     import json
 
-    f32, bf16 = lp.compare("Shall I compare thee to a summer's day?", model=str(tiny_bos), dtypes="float32,bfloat16",
-                           device="cpu")
+    f32, bf16 = lp.compare(
+        "Shall I compare thee to a summer's day?", model=str(tiny_bos), dtypes="float32,bfloat16", device="cpu"
+    )
     assert f32.dtype == "float32" and bf16.summary["mean_abs_delta"] > f32.summary["mean_abs_delta"]
     frame = bf16.to_pandas()
     assert {"hf_logprob", "vllm_logprob", "abs_delta"} <= set(frame.columns) and frame["scored"].sum() == bf16.summary["n_tokens"]
@@ -34,8 +35,16 @@ def test_compare_and_rescore_from_python(tiny_bos, home, tmp_path):
     assert lp.load(f32.run_id).summary == f32.summary
     ids = list(f32.sequences[0].token_ids)
     logged = tmp_path / "logged.jsonl"
-    logged.write_text(json.dumps({"prompt_token_ids": ids[:4], "completion_token_ids": ids[4:],
-                                  "rollout_log_probs": [float(x) for x in f32.sequences[0].vllm.logprob[4:]]}) + "\n")
+    logged.write_text(
+        json.dumps(
+            {
+                "prompt_token_ids": ids[:4],
+                "completion_token_ids": ids[4:],
+                "rollout_log_probs": [float(x) for x in f32.sequences[0].vllm.logprob[4:]],
+            }
+        )
+        + "\n"
+    )
     (ro,) = lp.rescore(logged, model=str(tiny_bos), dtypes="float32", device="cpu", map="logprobs=rollout_log_probs")
     table = ro.to_pandas()
     assert len(table) == len(ids) - 4

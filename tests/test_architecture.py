@@ -10,8 +10,16 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "logprob_parity"
 # From the most basic up; docs/architecture.md lists the same order. The package's own __init__ (the
 # Python API) and __main__ sit on top of everything.
-LAYERS = (("errors", "paths", "env"), ("inputs",), ("engines",), ("results",), ("analysis",), ("present",),
-          ("cli", "dashboard"), ("__init__", "__main__"))
+LAYERS = (
+    ("errors", "paths", "env"),
+    ("inputs",),
+    ("engines",),
+    ("results",),
+    ("analysis",),
+    ("present",),
+    ("cli", "dashboard"),
+    ("__init__", "__main__"),
+)
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -41,8 +49,7 @@ def _stage(module: str) -> str:
 
 
 def test_every_import_points_down_the_stages():
-    wrong = [f"{m} imports {d}" for m, deps in _imports().items() for d in sorted(deps)
-             if RANK[_stage(d)] > RANK[_stage(m)]]
+    wrong = [f"{m} imports {d}" for m, deps in _imports().items() for d in sorted(deps) if RANK[_stage(d)] > RANK[_stage(m)]]
     assert not wrong, "\n".join(wrong)
 
 
@@ -55,7 +62,7 @@ def test_no_two_modules_import_each_other():
         seen[m] = 1
         for d in sorted(graph[m]):
             if seen.get(d) == 1:
-                loops.append(" -> ".join(path[path.index(d):] + [d]))
+                loops.append(" -> ".join(path[path.index(d) :] + [d]))
             elif d not in seen:
                 visit(d, path + [d])
         seen[m] = 2

@@ -22,12 +22,20 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 DOCS_IMG = REPO / "docs" / "img"
 # The README's tour: one picture a page, each written by the browser test that drives that page.
 README_SHOTS = ("compare", "prompt-set", "rollout", "frontier", "diagnostics", "runs", "diff")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 HOSTILE = "Thou art <script>alert(1)</script> and <img src=x onerror=alert(1)> lovely."
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (scripts/setup.sh --test installs it)"),
+    pytest.mark.skipif(
+        not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (scripts/setup.sh --test installs it)"
+    ),
 ]
 
 
@@ -52,9 +60,24 @@ def server(home):
     port = _free_port()
     log = open(home / "streamlit.log", "wb")  # noqa: SIM115 - open while the server runs, closed after it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(REPO / "logprob_parity" / "dashboard" / "app.py"), "--server.port", str(port),
-         "--server.headless", "true", "--server.address", "127.0.0.1"],
-        cwd=REPO, env=cli_env(home), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(REPO / "logprob_parity" / "dashboard" / "app.py"),
+            "--server.port",
+            str(port),
+            "--server.headless",
+            "true",
+            "--server.address",
+            "127.0.0.1",
+        ],
+        cwd=REPO,
+        env=cli_env(home),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
@@ -100,8 +123,11 @@ def settled(page, timeout_ms: int = 120_000) -> None:
 
 def _tokens(page):
     """(style, tooltip text) of each token of the first row."""
-    return page.locator(".lpp-row").first.locator(".lpp-tok").evaluate_all(
-        "els => els.map(e => [e.getAttribute('style') || '', e.querySelector('.lpp-tip')?.textContent || ''])")
+    return (
+        page.locator(".lpp-row")
+        .first.locator(".lpp-tok")
+        .evaluate_all("els => els.map(e => [e.getAttribute('style') || '', e.querySelector('.lpp-tip')?.textContent || ''])")
+    )
 
 
 @pytest.mark.engine
@@ -243,11 +269,22 @@ def test_rollout_page_samples_rescores_and_explains(server, demo_model):
         tip = tok.locator(".lpp-tip")
         expect(tip).to_be_visible()
         text = tip.inner_text()
-        for words in ("vLLM decode (raw)", "vLLM decode (processed)", "vLLM prefill", "HF (trainer)", "log(kept mass)",
-                      "importance ratio"):
+        for words in (
+            "vLLM decode (raw)",
+            "vLLM decode (processed)",
+            "vLLM prefill",
+            "HF (trainer)",
+            "log(kept mass)",
+            "importance ratio",
+        ):
             assert words in text, words
         box, view = tip.bounding_box(), page.viewport_size
-        assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= view["width"] and box["y"] + box["height"] <= view["height"]
+        assert (
+            box["x"] >= 0
+            and box["y"] >= 0
+            and box["x"] + box["width"] <= view["width"]
+            and box["y"] + box["height"] <= view["height"]
+        )
         page.screenshot(path=str(out / "rollout-top.png"))
         docs_shot(page, "rollout")
         page.mouse.move(5, 5)
@@ -342,7 +379,9 @@ def test_a_bad_frontier_configuration_is_refused_on_the_page_and_the_text_stays(
     with stored_page(f"{server}/frontier", "frontier") as (page, out):
         page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
         page.get_by_role("textbox", name="Text").fill(text)
-        page.get_by_role("textbox", name="More configurations: a dtype and setting=value pairs, ';' between them").fill("float32 warp=9")
+        page.get_by_role("textbox", name="More configurations: a dtype and setting=value pairs, ';' between them").fill(
+            "float32 warp=9"
+        )
         page.get_by_role("button", name="Run", exact=True).click()
         error = page.get_by_test_id("stAlertContainer").filter(has_text="known setting")
         expect(error).to_be_visible(timeout=30_000)

@@ -19,12 +19,21 @@ def test_rescore_a_logged_file_open_the_worst_token_and_diff_two_runs(server, ti
     from logprob_parity.inputs.spec import RunSpec
     from logprob_parity.results.store import Store
 
-    f32, _bf16 = compare(RunSpec(texts=("Shall I compare thee to a summer's day? Thou art more lovely.",), model=str(tiny_bos),
-                                dtypes=("float32", "bfloat16"), device="cpu"), store=Store(home))
+    f32, _bf16 = compare(
+        RunSpec(
+            texts=("Shall I compare thee to a summer's day? Thou art more lovely.",),
+            model=str(tiny_bos),
+            dtypes=("float32", "bfloat16"),
+            device="cpu",
+        ),
+        store=Store(home),
+    )
     ids = list(f32.sequences[0].token_ids)
     lps = [float(x) for x in f32.sequences[0].vllm.logprob]
-    records = [{"prompt_token_ids": ids[:3], "completion_token_ids": ids[3:], "logprobs": lps[3:], "id": "clean"},
-               {"prompt_token_ids": ids[:5], "completion_token_ids": ids[5:], "logprobs": lps[5:], "id": "broken"}]
+    records = [
+        {"prompt_token_ids": ids[:3], "completion_token_ids": ids[3:], "logprobs": lps[3:], "id": "clean"},
+        {"prompt_token_ids": ids[:5], "completion_token_ids": ids[5:], "logprobs": lps[5:], "id": "broken"},
+    ]
     records[1]["logprobs"][4] -= 3.0  # the worst token: record 2, completion position 4
     body = ("\n".join(json.dumps(r) for r in records) + "\n").encode()
     ARTIFACTS.mkdir(exist_ok=True)
@@ -35,8 +44,9 @@ def test_rescore_a_logged_file_open_the_worst_token_and_diff_two_runs(server, ti
         settled(page)
         page.get_by_role("tab", name="Rescore logged rollouts").click()
         panel = page.get_by_role("tabpanel").filter(has_text="Rescore rollouts you already have")
-        panel.locator('input[type="file"]').set_input_files(files=[{"name": "steps.jsonl", "mimeType": "application/json",
-                                                                     "buffer": body}])
+        panel.locator('input[type="file"]').set_input_files(
+            files=[{"name": "steps.jsonl", "mimeType": "application/json", "buffer": body}]
+        )
         panel.get_by_test_id("stSelectbox").first.click()
         page.get_by_role("option", name="Other (Hub id or local folder)").click()
         panel.get_by_role("textbox", name="Hub id or local folder").fill(str(tiny_bos))

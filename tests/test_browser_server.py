@@ -59,8 +59,22 @@ class Dashboard:
         environment.update(env)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "logprob_parity.cli", "dashboard", "--headless", "--address", address, "--port", str(self.port)],
-                cwd=REPO, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "logprob_parity.cli",
+                    "dashboard",
+                    "--headless",
+                    "--address",
+                    address,
+                    "--port",
+                    str(self.port),
+                ],
+                cwd=REPO,
+                env=environment,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 90
@@ -212,11 +226,15 @@ def test_sigterm_stops_the_dashboard_and_every_engine_host(home, tiny_bos):
         assert len(hosts) == 4  # hf and vllm roles, bfloat16 and float32
         os.kill(dash.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (dash.proc.poll() is None or _port_open(dash.port) or any(Path(f"/proc/{h}").exists() for h in hosts)):
+        while time.monotonic() < deadline and (
+            dash.proc.poll() is None or _port_open(dash.port) or any(Path(f"/proc/{h}").exists() for h in hosts)
+        ):
             time.sleep(0.2)
         assert dash.proc.poll() is not None, "the dashboard still runs 30 s after SIGTERM"
         assert not _port_open(dash.port), "the port is still answered"
-        alive = [h for h in hosts if Path(f"/proc/{h}").exists() and "zombie" not in Path(f"/proc/{h}/status").read_text().lower()]
+        alive = [
+            h for h in hosts if Path(f"/proc/{h}").exists() and "zombie" not in Path(f"/proc/{h}/status").read_text().lower()
+        ]
         assert alive == [], "engine hosts outlived the dashboard"
     finally:
         dash.kill()

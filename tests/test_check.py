@@ -27,8 +27,11 @@ def _stored(home, run_id, scale=1.0, texts=("a <b>", "c\\nd")):
         tok = type("T", (), {"text": s.text, "token_ids": s.token_ids, "tokens": s.tokens, "pieces": s.pieces, "bos_added": True})
         seqs.append(SequenceResult.build(tok, s.hf, v))
     summary = summarize(concat([x.metrics for x in seqs]))
-    meta = dataclasses.replace(base.meta, summary=summary,
-                               sequences=tuple(dataclasses.replace(i, summary=x.summary) for i, x in zip(base.meta.sequences, seqs)))
+    meta = dataclasses.replace(
+        base.meta,
+        summary=summary,
+        sequences=tuple(dataclasses.replace(i, summary=x.summary) for i, x in zip(base.meta.sequences, seqs)),
+    )
     run = type(base)(meta=meta, sequences=tuple(seqs))
     Store(home).save(run)
     assert np.isfinite(summary["mean_abs_delta"])
@@ -39,8 +42,20 @@ def test_bounds_pass_and_fail_with_one_line_each_and_junit_xml(home, tmp_path, c
     run = _stored(home, "c0ffee01")
     mean = run.summary["mean_abs_delta"]
     junit, md = tmp_path / "r.xml", tmp_path / "r.md"
-    rc = main(["check", "c0ffee01", "--max-mean-abs-delta", str(mean * 2), "--max-abs-delta", "1", "--junit", str(junit),
-               "--markdown", str(md)])
+    rc = main(
+        [
+            "check",
+            "c0ffee01",
+            "--max-mean-abs-delta",
+            str(mean * 2),
+            "--max-abs-delta",
+            "1",
+            "--junit",
+            str(junit),
+            "--markdown",
+            str(md),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and out.count("PASS ") == 2 and "parity holds" in out
     suite = ET.parse(junit).getroot()
@@ -87,8 +102,21 @@ def test_bad_input_exits_2_with_the_reason(home, capsys):
 def test_compare_with_check_gates_real_runs_in_one_step(tiny_bos, home, tmp_path, capsys):
     """compare --check on the real engines: float32 holds a tight bound, bfloat16 does not."""
     junit = tmp_path / "gate.xml"
-    args = ["compare", "--model", str(tiny_bos), "--prompt", "Shall I compare thee to a summer's day?", "--device", "cpu",
-            "--check", "--max-abs-delta", "1e-3", "--junit", str(junit), "--quiet"]
+    args = [
+        "compare",
+        "--model",
+        str(tiny_bos),
+        "--prompt",
+        "Shall I compare thee to a summer's day?",
+        "--device",
+        "cpu",
+        "--check",
+        "--max-abs-delta",
+        "1e-3",
+        "--junit",
+        str(junit),
+        "--quiet",
+    ]
     assert main(args + ["--dtype", "float32"]) == 0
     assert ET.parse(junit).getroot().get("failures") == "0"
     assert main(args + ["--dtype", "bfloat16"]) == 1

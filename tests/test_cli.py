@@ -13,8 +13,13 @@ SENTENCES = Path(__file__).resolve().parent.parent / "logprob_parity" / "data" /
 
 def cli(home, *args, timeout=1200):
     return subprocess.run(
-        [sys.executable, "-m", "logprob_parity.cli", *args], capture_output=True, text=True, env=cli_env(home), timeout=timeout
-    , check=False)
+        [sys.executable, "-m", "logprob_parity.cli", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(home),
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.mark.engine
@@ -54,7 +59,10 @@ def test_demo_model_float32_and_bfloat16(home, demo_model, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["compare", "--model", "no-such-org/no-such-model", "--prompt", "hi there"], "unknown model 'no-such-org/no-such-model'"),
+        (
+            ["compare", "--model", "no-such-org/no-such-model", "--prompt", "hi there"],
+            "unknown model 'no-such-org/no-such-model'",
+        ),
         (["compare", "--model", "/nonexistent/folder", "--prompt", "hi there"], "does not exist"),
         (["compare", "--prompt", ""], "the prompt is empty"),
         (["compare", "--prompt", "   "], "the prompt is empty"),
@@ -97,8 +105,14 @@ def test_store_folder_not_writable(home, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     env_home = blocker / "store"
-    p = subprocess.run([sys.executable, "-m", "logprob_parity.cli", "runs"], capture_output=True, text=True,
-                       env=cli_env(env_home), timeout=120, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "logprob_parity.cli", "runs"],
+        capture_output=True,
+        text=True,
+        env=cli_env(env_home),
+        timeout=120,
+        check=False,
+    )
     assert p.returncode == 2 and "not usable" in p.stderr and "LOGPROB_PARITY_HOME" in p.stderr
 
 

@@ -148,8 +148,9 @@ def test_a_shared_link_fills_the_form_with_what_the_view_shows(home):
     """Pressing Run after opening a link recomputes what is on screen: text, model, dtypes, top-k, settings."""
     text = "Shalom שלום, pizza 🍕 and 你好"
     settings = {"attention_backend": "FLEX_ATTENTION", "enforce_eager": False, "max_num_seqs": 8, "max_model_len": 256}
-    Store(home).save(make_run("f00d16", texts=(text,), dtype="bfloat16", model="facebook/opt-125m", top_k=3, bos="none",
-                              settings=settings))
+    Store(home).save(
+        make_run("f00d16", texts=(text,), dtype="bfloat16", model="facebook/opt-125m", top_k=3, bos="none", settings=settings)
+    )
     at = AppTest.from_file(APP, default_timeout=60)
     at.query_params["runs"] = "f00d16"
     at.run()
@@ -237,18 +238,41 @@ def make_rollout(rollout_id: str = "abc123", text: str = "The sea <b>is</b> 🌊
     pieces = (" <script>x</script>", " 🌊", " مرحبا", " 海")
     decode = np.log([0.5, 0.25, 0.9, 0.3])
     hf = decode + np.array([0.0, 0.05, -0.003, 0.3])
-    lp = {"decode_raw": decode, "decode_processed": decode, "prefill": decode.copy(), "hf": hf, "hf_tempered": hf,
-          "log_kept_mass": np.zeros(4)}
+    lp = {
+        "decode_raw": decode,
+        "decode_processed": decode,
+        "prefill": decode.copy(),
+        "hf": hf,
+        "hf_tempered": hf,
+        "log_kept_mass": np.zeros(4),
+    }
     smp = Sample(0, 0, (1, 2, 3), (10, 11, 12, 13), pieces, "length", lp)
     summary = {p: mismatch_metrics([lp[a]], [lp[b]]) for p, (a, b, _) in PAIRS.items()}
-    floors = {"hf_incremental": {"mean": 1e-6, "max": 2e-6, "n": 4, "side": "hf", "what": "HF: one token a forward"},
-              "decode_batch": {"mean": 0.0, "max": 0.0, "n": 4, "same_tokens": 1, "of": 1, "side": "vllm", "what": "alone"}}
-    meta = RolloutMeta(rollout_id=rollout_id, created="2026-12-03T00:00:00+00:00", created_ts=1.0, model="demo:tiny",
-                       model_path="/m", revision=None, model_identity={}, dtype="bfloat16", device="cpu", bos="auto",
-                       settings={}, sampling={"samples": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4,
-                                              "seed": 0, "ignore_eos": False}, prompts=(text,), processed="equal to raw",
-                       env=RunEnv("cpu", "t", "tf", "v"), timing={}, summary=summary, floors=floors,
-                       samples=(smp.info(),))
+    floors = {
+        "hf_incremental": {"mean": 1e-6, "max": 2e-6, "n": 4, "side": "hf", "what": "HF: one token a forward"},
+        "decode_batch": {"mean": 0.0, "max": 0.0, "n": 4, "same_tokens": 1, "of": 1, "side": "vllm", "what": "alone"},
+    }
+    meta = RolloutMeta(
+        rollout_id=rollout_id,
+        created="2026-12-03T00:00:00+00:00",
+        created_ts=1.0,
+        model="demo:tiny",
+        model_path="/m",
+        revision=None,
+        model_identity={},
+        dtype="bfloat16",
+        device="cpu",
+        bos="auto",
+        settings={},
+        sampling={"samples": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4, "seed": 0, "ignore_eos": False},
+        prompts=(text,),
+        processed="equal to raw",
+        env=RunEnv("cpu", "t", "tf", "v"),
+        timing={},
+        summary=summary,
+        floors=floors,
+        samples=(smp.info(),),
+    )
     import dataclasses
 
     meta = dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict())
@@ -293,25 +317,55 @@ def make_frontier(frontier_id: str = "fee123"):
     from logprob_parity.analysis.frontier import FrontierResult, pareto, recommend
 
     def row(name, dtype, gap, speed, skipped=None):
-        return {"name": name, "dtype": dtype, "settings": {}, "skipped": skipped, "start_s": 12.0,
-                "ref_gap": None if skipped else {"mean": gap, "max": 3 * gap, "kl_mean": gap / 10},
-                "hf_ref_gap": None if skipped else {"mean": gap / 2, "max": gap, "kl_mean": None},
-                "tokens_per_s": None if skipped else {"prefill": speed, "generate": speed / 10, "repeats": 3,
-                                                      "prefill_spread": [0.9 * speed, 1.1 * speed],
-                                                      "generate_spread": [0.09 * speed, 0.11 * speed], "load": "4 x 128 tokens"},
-                "memory": None if skipped else {"weights_bytes": (4 if dtype == "float32" else 2) * 135_000_000,
-                                                "kv_bytes_per_token": 92_160 if "fp8" in name else 184_320,
-                                                "kv_cache_bytes": 64 << 20}}
+        return {
+            "name": name,
+            "dtype": dtype,
+            "settings": {},
+            "skipped": skipped,
+            "start_s": 12.0,
+            "ref_gap": None if skipped else {"mean": gap, "max": 3 * gap, "kl_mean": gap / 10},
+            "hf_ref_gap": None if skipped else {"mean": gap / 2, "max": gap, "kl_mean": None},
+            "tokens_per_s": None
+            if skipped
+            else {
+                "prefill": speed,
+                "generate": speed / 10,
+                "repeats": 3,
+                "prefill_spread": [0.9 * speed, 1.1 * speed],
+                "generate_spread": [0.09 * speed, 0.11 * speed],
+                "load": "4 x 128 tokens",
+            },
+            "memory": None
+            if skipped
+            else {
+                "weights_bytes": (4 if dtype == "float32" else 2) * 135_000_000,
+                "kv_bytes_per_token": 92_160 if "fp8" in name else 184_320,
+                "kv_cache_bytes": 64 << 20,
+            },
+        }
 
-    rows = [row("float32", "float32", 9e-6, 40.0), row("bfloat16", "bfloat16", 4e-2, 600.0),
-            row("bfloat16 kv_cache_dtype=fp8", "bfloat16", 0.24, 90.0),
-            row("bfloat16 quantization=fp8", "bfloat16", None, None, skipped="vLLM could not start it: <b>no fp8 kernel</b>")]
+    rows = [
+        row("float32", "float32", 9e-6, 40.0),
+        row("bfloat16", "bfloat16", 4e-2, 600.0),
+        row("bfloat16 kv_cache_dtype=fp8", "bfloat16", 0.24, 90.0),
+        row("bfloat16 quantization=fp8", "bfloat16", None, None, skipped="vLLM could not start it: <b>no fp8 kernel</b>"),
+    ]
     for r in rows:
         r["pareto"] = r["name"] in pareto(rows)
-    return FrontierResult(frontier_id=frontier_id, model="demo:tiny", device="cpu", versions={"torch": "t"}, texts=("Hi 🌊 مرحبا",),
-                          n_tokens=5, tolerance={"value": 2e-5, "source": "given"}, configs=tuple(rows),
-                          recommendation=recommend(rows, 2e-5, "given"), created="2026-12-03", created_ts=2.0,
-                          speed={"load": "4 x 128 tokens", "repeats": 3, "gen_tokens": 32})
+    return FrontierResult(
+        frontier_id=frontier_id,
+        model="demo:tiny",
+        device="cpu",
+        versions={"torch": "t"},
+        texts=("Hi 🌊 مرحبا",),
+        n_tokens=5,
+        tolerance={"value": 2e-5, "source": "given"},
+        configs=tuple(rows),
+        recommendation=recommend(rows, 2e-5, "given"),
+        created="2026-12-03",
+        created_ts=2.0,
+        speed={"load": "4 x 128 tokens", "repeats": 3, "gen_tokens": 32},
+    )
 
 
 def test_frontier_page_opens_a_stored_frontier_with_its_recommendation_and_the_skipped_ones(home):
@@ -345,7 +399,9 @@ def test_a_quantized_run_says_hf_is_the_unquantized_reference(home):
     at.query_params["runs"] = "feed09"
     at.run()
     assert not at.exception
-    assert any("quantized (fp8 KV cache); HF is the unquantized reference" in i.value for i in at.info), [i.value for i in at.info]
+    assert any("quantized (fp8 KV cache); HF is the unquantized reference" in i.value for i in at.info), [
+        i.value for i in at.info
+    ]
 
 
 def test_runs_page_lists_frontiers_with_their_recommendation(home):

@@ -20,8 +20,11 @@ import pytest
 from test_browser import CHROMIUM, CHROMIUM_ARGS, docs_shot, settled
 from test_browser_server import Dashboard, _choose_model
 
-pytestmark = [pytest.mark.browser, pytest.mark.engine,
-              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.engine,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed"),
+]
 
 SHOTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "tour"
 TEXT = "Pizza 🍕 is great! مرحبا بالعالم. שלום עולם. 你好，世界。 Dave lives in Palm Coast 👍🏽."
@@ -62,7 +65,13 @@ def _watch(page, dialogs: list[str]) -> None:
 
 
 def _inside_viewport(page, box) -> bool:
-    return box is not None and box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= VIEW_W and box["y"] + box["height"] <= VIEW_H
+    return (
+        box is not None
+        and box["x"] >= 0
+        and box["y"] >= 0
+        and box["x"] + box["width"] <= VIEW_W
+        and box["y"] + box["height"] <= VIEW_H
+    )
 
 
 def _check_tooltip(page, token) -> None:
@@ -122,7 +131,9 @@ def test_demo_tour(home):
             page.locator(".lpp-row").nth(1).wait_for(timeout=900_000)
             settled(page, 900_000)
             tour.clean()
-            verdicts = page.get_by_test_id("stAlert").filter(has_text=re.compile(r"(Match|Small but systematic|Close|Differs)\. (bfloat16|float32):"))
+            verdicts = page.get_by_test_id("stAlert").filter(
+                has_text=re.compile(r"(Match|Small but systematic|Close|Differs)\. (bfloat16|float32):")
+            )
             tour.shot("compare-result-top")
             docs_shot(page, "compare")
             assert verdicts.count() == 2, page.get_by_test_id("stAlert").all_inner_texts()  # one per dtype, in words
@@ -205,7 +216,9 @@ def test_demo_tour(home):
             page.goto(f"{dash.url}/prompt-set")
             page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
             settled(page)
-            page.locator('input[type="file"]').set_input_files(files=[{"name": "p.txt", "mimeType": "text/plain", "buffer": PROMPTS.encode()}])
+            page.locator('input[type="file"]').set_input_files(
+                files=[{"name": "p.txt", "mimeType": "text/plain", "buffer": PROMPTS.encode()}]
+            )
             expect(page.get_by_text("3 prompts from p.txt")).to_be_visible(timeout=30_000)
             if page.get_by_role("checkbox", name="bfloat16", exact=True).is_checked():
                 page.get_by_text("bfloat16", exact=True).click()
@@ -256,7 +269,9 @@ def test_demo_tour(home):
             page.goto(f"{dash.url}/runs")
             settled(page)
             tour.clean()
-            expect(page.get_by_text("comparisons (", exact=False)).to_be_visible()  # one row per comparison (AppTest checks the rows)
+            expect(
+                page.get_by_text("comparisons (", exact=False)
+            ).to_be_visible()  # one row per comparison (AppTest checks the rows)
             tour.shot("runs", full=True)
             docs_shot(page, "runs")
             grid = page.get_by_test_id("stDataFrame").first

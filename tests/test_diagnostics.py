@@ -28,8 +28,15 @@ def test_noise_floor(demo_diag):
     _, r = demo_diag
     f32, bf16 = r.dtypes["float32"], r.dtypes["bfloat16"]
     for out in (f32, bf16):
-        assert set(out.noise) == {"hf_batched_right_padding", "hf_batched_left_padding", "vllm_alone_vs_batched", "vllm_repeat",
-                                  "hf_attn_eager", "hf_chunked", "hf_incremental"}
+        assert set(out.noise) == {
+            "hf_batched_right_padding",
+            "hf_batched_left_padding",
+            "vllm_alone_vs_batched",
+            "vllm_repeat",
+            "hf_attn_eager",
+            "hf_chunked",
+            "hf_incremental",
+        }
         assert all(v["n"] == 29 for v in out.noise.values())
     # the trainer-style rows are in the noise table, in words
     from logprob_parity.analysis.diagnostics import diagnostics_tables
@@ -111,8 +118,10 @@ def test_dashboard_shows_diagnostics(demo_diag, monkeypatch):
     at2.query_params["runs"] = ",".join(r.run_ids.values())
     at2.run()
     assert not at2.exception
-    assert any("HF's own noise (batching, padding, attention, scoring through the KV cache: stored diagnostics)" in c.value
-               for c in at2.caption)
+    assert any(
+        "HF's own noise (batching, padding, attention, scoring through the KV cache: stored diagnostics)" in c.value
+        for c in at2.caption
+    )
     st.cache_resource.clear()
 
 
@@ -123,7 +132,11 @@ def test_knob_ablation(home, tiny_bos):
     assert rows[0]["knob"] == "baseline" and rows[0]["change"] == 0.0
     tried = [x for x in rows[1:] if x["mean_abs_delta"] is not None]
     skipped = [x for x in rows[1:] if x["mean_abs_delta"] is None]
-    assert {x["knob"] for x in tried} >= {"vLLM prefix caching on", "vLLM chunked prefill, max_num_batched_tokens=32", "HF attn_implementation=eager"}
+    assert {x["knob"] for x in tried} >= {
+        "vLLM prefix caching on",
+        "vLLM chunked prefill, max_num_batched_tokens=32",
+        "HF attn_implementation=eager",
+    }
     assert all(x["note"].startswith(("skipped", "failed")) for x in skipped) and skipped
     assert all(Store(home).has(x["run_id"]) for x in tried)
     lines = knob_lines(rows)
@@ -138,13 +151,18 @@ def test_knob_ablation(home, tiny_bos):
 def test_the_remedy_named_is_never_a_setting_that_widens_the_gap():
     """One meaning per line: the setting that removes the most is the remedy; one that widens the gap
     is listed as widening it, never as 'the knob that moves the gap most'."""
-    rows = [{"dtype": "float32", "knob": "baseline", "mean_abs_delta": 1e-3, "change": 0.0},
-            {"dtype": "float32", "knob": "TF32 matmuls (both engines)", "mean_abs_delta": 3.7e-3, "change": 2.7e-3},
-            {"dtype": "float32", "knob": "vLLM attention_backend=FLEX_ATTENTION", "mean_abs_delta": 3e-6, "change": -9.97e-4},
-            {"dtype": "float32", "knob": "vLLM batch-invariant mode", "mean_abs_delta": 3.2e-3, "change": 2.2e-3},
-            {"dtype": "float32", "knob": "HF attn_implementation=eager", "mean_abs_delta": None, "change": None}]
+    rows = [
+        {"dtype": "float32", "knob": "baseline", "mean_abs_delta": 1e-3, "change": 0.0},
+        {"dtype": "float32", "knob": "TF32 matmuls (both engines)", "mean_abs_delta": 3.7e-3, "change": 2.7e-3},
+        {"dtype": "float32", "knob": "vLLM attention_backend=FLEX_ATTENTION", "mean_abs_delta": 3e-6, "change": -9.97e-4},
+        {"dtype": "float32", "knob": "vLLM batch-invariant mode", "mean_abs_delta": 3.2e-3, "change": 2.2e-3},
+        {"dtype": "float32", "knob": "HF attn_implementation=eager", "mean_abs_delta": None, "change": None},
+    ]
     lines = knob_lines(rows)
-    assert lines[0] == "float32: vLLM attention_backend=FLEX_ATTENTION removes the most of the gap, 99.7% (mean |Δ logp| 1.00e-03 → 3.00e-06)"
+    assert (
+        lines[0]
+        == "float32: vLLM attention_backend=FLEX_ATTENTION removes the most of the gap, 99.7% (mean |Δ logp| 1.00e-03 → 3.00e-06)"
+    )
     assert lines[1].startswith("float32: TF32 matmuls (both engines) widens it 3.7x")
     assert lines[2].startswith("float32: vLLM batch-invariant mode widens it 3.2x") and len(lines) == 3
     only_worse = [r for r in rows if r["knob"] in ("baseline", "TF32 matmuls (both engines)")]

@@ -76,8 +76,15 @@ def test_diff_of_float32_and_bfloat16_runs_puts_the_larger_gap_on_bfloat16(demo_
     from logprob_parity.analysis.compare import compare
     from logprob_parity.inputs.spec import RunSpec
 
-    f32, bf16 = compare(RunSpec(texts=("The capital of France is Paris, a city of museums.",), model=str(demo_model),
-                                dtypes=("float32", "bfloat16"), device="cpu"), store=Store(home))
+    f32, bf16 = compare(
+        RunSpec(
+            texts=("The capital of France is Paris, a city of museums.",),
+            model=str(demo_model),
+            dtypes=("float32", "bfloat16"),
+            device="cpu",
+        ),
+        store=Store(home),
+    )
     d = diff_runs(f32, bf16)
     assert d.mean_b > 10 * d.mean_a and d.share_wider > 0.5
     assert ("dtype", "float32", "bfloat16") in d.changes and "widened the mean gap" in d.headline

@@ -20,8 +20,10 @@ def test_the_readme_is_at_most_150_lines():
 def test_the_readme_opens_with_the_two_commands_and_ci_runs_the_second():
     first_block = README.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
     assert README.index("```bash") < README.index("\n## ")  # before anything else
-    assert first_block == ["bash scripts/setup.sh && .venv/bin/logprob-parity dashboard",
-                           "bash scripts/setup.sh --test && .venv/bin/python -m pytest"]
+    assert first_block == [
+        "bash scripts/setup.sh && .venv/bin/logprob-parity dashboard",
+        "bash scripts/setup.sh --test && .venv/bin/python -m pytest",
+    ]
     assert first_block[1] in (REPO / ".ci" / "run").read_text().splitlines()
 
 

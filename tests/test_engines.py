@@ -10,7 +10,10 @@ from logprob_parity.results.store import Store
 
 pytestmark = pytest.mark.engine
 
-TEXTS = ("Dave lives in Palm Coast, FL and is a lawyer.", "Caf\u00e9 na\u00efve \u65e5\u672c\u8a9e, and <script>alert(1)</script>")
+TEXTS = (
+    "Dave lives in Palm Coast, FL and is a lawyer.",
+    "Caf\u00e9 na\u00efve \u65e5\u672c\u8a9e, and <script>alert(1)</script>",
+)
 
 
 @pytest.mark.parametrize("model_fixture, tokenizer_adds_bos", [("tiny_bos", True), ("tiny_nobos", False)])
@@ -170,8 +173,11 @@ def test_fits_together_counts_cold_engines_and_reclaimable_ones(tiny_bos, monkey
     from logprob_parity.engines.records import LoadRequest
     from logprob_parity.inputs.spec import EngineSettings
 
-    plan = [LoadRequest(b, str(tiny_bos), d, "cpu", EngineSettings(hf_batch_size=2), 256)
-            for d in ("float32", "bfloat16") for b in ("hf", "vllm")]
+    plan = [
+        LoadRequest(b, str(tiny_bos), d, "cpu", EngineSettings(hf_batch_size=2), 256)
+        for d in ("float32", "bfloat16")
+        for b in ("hf", "vllm")
+    ]
     need = sum(pool.engine_bytes(r) for r in plan)
     fresh = pool.EnginePool()  # no warm hosts: nothing reclaimable, whatever earlier tests left warm
     monkeypatch.setattr(memory, "free_bytes", lambda device: need)

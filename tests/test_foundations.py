@@ -41,8 +41,10 @@ def test_a_setting_added_to_the_registry_alone_reaches_help_form_and_run_id(tiny
     cls = settings_class(registry)
     model = resolve_model(str(tiny_bos))
     toks = [tokenize(load_tokenizer(str(tiny_bos)), "Shall I compare thee", "auto")]
-    ids = {v: run_id_for(RunSpec(texts=("Shall I compare thee",), settings=cls(demo_knob=v)), model, "float32", "cpu", toks, 256)
-           for v in (7, 9)}
+    ids = {
+        v: run_id_for(RunSpec(texts=("Shall I compare thee",), settings=cls(demo_knob=v)), model, "float32", "cpu", toks, 256)
+        for v in (7, 9)
+    }
     assert ids[7] != ids[9]
 
     # the Engine settings form draws it, and what is entered comes back under its name
@@ -126,8 +128,10 @@ def test_a_leased_engine_is_never_stopped_and_a_queued_request_says_so(fake_engi
     say why), whatever the wait; the held hosts stay alive throughout; then each gets its turn."""
     pool = fake_engines
     monkeypatch.setenv("LPP_MAX_WARM_ENGINES", "2")
-    reqs = {d: [LoadRequest(b, str(tiny_bos), d, "cpu", max_model_len=128) for b in ("vllm", "hf")]
-            for d in ("float16", "bfloat16", "float32")}
+    reqs = {
+        d: [LoadRequest(b, str(tiny_bos), d, "cpu", max_model_len=128) for b in ("vllm", "hf")]
+        for d in ("float16", "bfloat16", "float32")
+    }
     first = pool.lease(reqs["float16"])
     held = [first.host(r) for r in reqs["float16"]]
     said: dict[str, list[str]] = {"bfloat16": [], "float32": []}
@@ -217,7 +221,13 @@ def test_rollout_and_rescore_defaults_turn_cudnn_attention_off_on_a_gpu_only(mon
     from logprob_parity.inputs.settings import EngineSettings
     from logprob_parity.inputs.spec import RunSpec
 
-    spec = RunSpec(texts=("a b c",), model="m", dtypes=("bfloat16",), device="cuda", settings=dataclasses.replace(EngineSettings(), enforce_eager=None))
+    spec = RunSpec(
+        texts=("a b c",),
+        model="m",
+        dtypes=("bfloat16",),
+        device="cuda",
+        settings=dataclasses.replace(EngineSettings(), enforce_eager=None),
+    )
     monkeypatch.setattr(rollout_mod, "resolve_device", lambda d: d)  # a GPU is not needed to resolve settings
     gpu = rollout_mod.with_rollout_defaults(spec).settings
     assert (gpu.hf_cudnn_attention, gpu.enforce_eager) == (False, False)
@@ -251,5 +261,5 @@ def test_json_written_an_item_at_a_time_holds_what_json_dumps_holds(indent):
             assert text == json.dumps({**head, "samples": items})
         else:
             lines = text.splitlines()
-            assert [json.loads(ln.strip().rstrip(",")) for ln in lines if ln.strip().startswith("{\"")] == items
+            assert [json.loads(ln.strip().rstrip(",")) for ln in lines if ln.strip().startswith('{"')] == items
             assert lines[1] == " " * indent + '"x": 1,'

@@ -11,25 +11,44 @@ from logprob_parity.inputs.spec import RunSpec
 
 
 def _row(name, gap, speed, skipped=None):
-    return {"name": name, "ref_gap": None if skipped else {"mean": gap, "max": gap, "kl_mean": gap},
-            "tokens_per_s": None if skipped else {"prefill": speed, "generate": speed / 10}, "skipped": skipped}
+    return {
+        "name": name,
+        "ref_gap": None if skipped else {"mean": gap, "max": gap, "kl_mean": gap},
+        "tokens_per_s": None if skipped else {"prefill": speed, "generate": speed / 10},
+        "skipped": skipped,
+    }
 
 
 def test_configurations_parse_from_words_and_bad_ones_say_why():
     got = parse_configs("float32; bfloat16 kv_cache_dtype=fp8 ; float32 enforce_eager=false attention_backend=FLEX_ATTENTION")
-    assert [c.name for c in got] == ["float32", "bfloat16 kv_cache_dtype=fp8",
-                                     "float32 enforce_eager=False attention_backend=FLEX_ATTENTION"]
-    assert got[2].settings(__import__("logprob_parity.inputs.settings", fromlist=["EngineSettings"]).EngineSettings()).enforce_eager is False
-    for bad, words in (("int8", "must start with a dtype"), ("float32 warp=9", "known setting"),
-                       ("float32 kv_cache_dtype=int4", "kv_cache_dtype must be one of"), ("float32 enforce_eager=maybe", "true or false"),
-                       ("  ;  ", "no configuration")):
+    assert [c.name for c in got] == [
+        "float32",
+        "bfloat16 kv_cache_dtype=fp8",
+        "float32 enforce_eager=False attention_backend=FLEX_ATTENTION",
+    ]
+    assert (
+        got[2].settings(__import__("logprob_parity.inputs.settings", fromlist=["EngineSettings"]).EngineSettings()).enforce_eager
+        is False
+    )
+    for bad, words in (
+        ("int8", "must start with a dtype"),
+        ("float32 warp=9", "known setting"),
+        ("float32 kv_cache_dtype=int4", "kv_cache_dtype must be one of"),
+        ("float32 enforce_eager=maybe", "true or false"),
+        ("  ;  ", "no configuration"),
+    ):
         with pytest.raises(UserError, match=words):
             parse_configs(bad)
 
 
 def test_the_pareto_front_keeps_what_nothing_beats_on_both():
-    rows = [_row("exact-slow", 1e-6, 10), _row("rough-fast", 1e-2, 1000), _row("worse-both", 2e-2, 500),
-            _row("middle", 1e-4, 100), _row("off", None, None, skipped="no GPU")]
+    rows = [
+        _row("exact-slow", 1e-6, 10),
+        _row("rough-fast", 1e-2, 1000),
+        _row("worse-both", 2e-2, 500),
+        _row("middle", 1e-4, 100),
+        _row("off", None, None, skipped="no GPU"),
+    ]
     assert pareto(rows) == ["exact-slow", "rough-fast", "middle"]
 
 
@@ -49,6 +68,7 @@ def test_the_recommendation_is_the_fastest_within_the_tolerance():
 def test_a_speed_difference_inside_the_spread_of_the_repeats_does_not_count():
     """Two configurations within the tolerance whose repeats overlap are equally fast: the more
     accurate one is recommended, and the words say why; a lead beyond the spread still wins."""
+
     def spread(row, lo, hi):
         row["tokens_per_s"].update(prefill_spread=[lo, hi], repeats=3)
         return row
@@ -103,7 +123,9 @@ def test_a_frontier_on_the_demo_model_measures_and_recommends(demo_model, home, 
     from logprob_parity.results.store import Store
 
     configs = parse_configs("float32; bfloat16; float16; bfloat16 kv_cache_dtype=fp8")
-    spec = RunSpec(texts=("The capital of France is Paris, and the capital of Italy is Rome.",), model=str(demo_model), device="cpu")
+    spec = RunSpec(
+        texts=("The capital of France is Paris, and the capital of Italy is Rome.",), model=str(demo_model), device="cpu"
+    )
     store = Store(home)
     result = frontier(spec, configs, Context.of(store=store))
     rows = {c["name"]: c for c in result.configs}
@@ -117,12 +139,17 @@ def test_a_frontier_on_the_demo_model_measures_and_recommends(demo_model, home, 
         assert tps["prefill_spread"][0] <= tps["prefill"] <= tps["prefill_spread"][1]
         assert c["memory"]["weights_bytes"] > 0 and c["memory"]["kv_bytes_per_token"] > 0
     # 8-bit keys and values: half of bfloat16's bytes a token
-    assert rows["bfloat16 kv_cache_dtype=fp8"]["memory"]["kv_bytes_per_token"] * 2 == rows["bfloat16"]["memory"]["kv_bytes_per_token"]
+    assert (
+        rows["bfloat16 kv_cache_dtype=fp8"]["memory"]["kv_bytes_per_token"] * 2
+        == rows["bfloat16"]["memory"]["kv_bytes_per_token"]
+    )
     assert rows["float32"]["memory"]["weights_bytes"] == 2 * rows["bfloat16"]["memory"]["weights_bytes"]
     assert result.speed == {"load": "4 x 128 tokens", "repeats": 3, "gen_tokens": 32}
     assert rows["float32"]["ref_gap"]["mean"] < rows["bfloat16"]["ref_gap"]["mean"]
     assert rows["float32"]["ref_gap"]["kl_mean"] < rows["bfloat16"]["ref_gap"]["kl_mean"]
-    assert rows["bfloat16 kv_cache_dtype=fp8"]["ref_gap"]["mean"] > rows["bfloat16"]["ref_gap"]["mean"]  # 8-bit keys and values cost
+    assert (
+        rows["bfloat16 kv_cache_dtype=fp8"]["ref_gap"]["mean"] > rows["bfloat16"]["ref_gap"]["mean"]
+    )  # 8-bit keys and values cost
     assert result.recommendation["name"] in rows and result.recommendation["why"]
     assert result.tolerance["value"] == pytest.approx(2 * rows["float32"]["hf_ref_gap"]["mean"])
     # the documented --json shape, and the stored copy reads back the same
@@ -142,8 +169,24 @@ def test_frontier_cli_writes_json_and_a_bad_configuration_exits_2(demo_model, ho
     from logprob_parity.cli import main
 
     out = tmp_path / "f.json"
-    rc = main(["frontier", "--model", str(demo_model), "--prompt", "Hello there, general.", "--device", "cpu",
-               "--configs", "float32; bfloat16", "--tolerance", "1", "--json", str(out), "--quiet"])
+    rc = main(
+        [
+            "frontier",
+            "--model",
+            str(demo_model),
+            "--prompt",
+            "Hello there, general.",
+            "--device",
+            "cpu",
+            "--configs",
+            "float32; bfloat16",
+            "--tolerance",
+            "1",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert [c["name"] for c in data["configs"]] == ["float32", "bfloat16"] and data["tolerance"]["source"] == "given"
@@ -203,8 +246,13 @@ def test_configurations_start_in_groups_that_fit_the_pool():
         def fits_together(self, requests):
             return len({r.key() for r in requests}) <= 5
 
-    p = SimpleNamespace(ctx=SimpleNamespace(pool=Pool()), model=SimpleNamespace(path="/m"), device="cpu",
-                        spec=SimpleNamespace(settings=EngineSettings()), max_model_len=256)
+    p = SimpleNamespace(
+        ctx=SimpleNamespace(pool=Pool()),
+        model=SimpleNamespace(path="/m"),
+        device="cpu",
+        spec=SimpleNamespace(settings=EngineSettings()),
+        max_model_len=256,
+    )
     ref = LoadRequest("hf", "/m", "float64", "cpu", EngineSettings(), 256)
     configs = parse_configs("float32; bfloat16; float32 enable_prefix_caching=true; bfloat16 kv_cache_dtype=fp8; float16")
     groups = _groups(p, list(enumerate(configs)), ref)
@@ -228,8 +276,9 @@ def test_a_pre_quantized_checkpoint_is_measured_against_the_model_it_quantizes(t
     gptq, dequantized = tiny_gptq
     text = "The quick brown fox jumps over the lazy dog, twice."
     name = f"bfloat16 checkpoint={gptq}"
-    result = frontier(RunSpec(texts=(text,), model=str(tiny_bos), device="cpu"),
-                      parse_configs(f"bfloat16; {name}"), Context.of(), tolerance=1.0)
+    result = frontier(
+        RunSpec(texts=(text,), model=str(tiny_bos), device="cpu"), parse_configs(f"bfloat16; {name}"), Context.of(), tolerance=1.0
+    )
     rows = {c["name"]: c for c in result.configs}
     q = rows[name]
     assert not q["skipped"] and q["ref_gap"]["kl_mean"] is not None and q["tokens_per_s"]["prefill"] > 0, q
@@ -257,7 +306,8 @@ def test_a_checkpoint_outside_the_servers_model_roots_is_refused(tiny_bos, tiny_
     ctx = Context.of(model_roots=[str(tiny_bos)])
     before = len(ctx.pool.running())
     with pytest.raises(UserError) as err:
-        frontier(RunSpec(texts=("Hello there.",), model=str(tiny_bos), device="cpu"),
-                 parse_configs(f"bfloat16 checkpoint={gptq}"), ctx)
+        frontier(
+            RunSpec(texts=("Hello there.",), model=str(tiny_bos), device="cpu"), parse_configs(f"bfloat16 checkpoint={gptq}"), ctx
+        )
     assert str(gptq) in str(err.value) or "allowed" in str(err.value)
     assert len(ctx.pool.running()) == before  # refused before any engine started

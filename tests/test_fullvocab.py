@@ -21,14 +21,19 @@ def _metrics(hf_lp, vllm_lp, agree, kl_full):
     scored = np.isfinite(hf_lp)
     ph, pv = np.exp(hf_lp), np.exp(vllm_lp)
     d = vllm_lp - hf_lp
-    return TokenMetrics(scored, ph, pv, d, np.abs(d), np.abs(pv - ph), np.zeros(len(d)), np.asarray(agree), np.asarray(kl_full, float))
+    return TokenMetrics(
+        scored, ph, pv, d, np.abs(d), np.abs(pv - ph), np.zeros(len(d)), np.asarray(agree), np.asarray(kl_full, float)
+    )
 
 
 def test_llama_cpp_statistics_match_a_hand_computation():
     # position 0 unscored; four scored positions
-    m = _metrics([np.nan, math.log(0.5), math.log(0.25), math.log(0.8), math.log(0.1)],
-                 [np.nan, math.log(0.4), math.log(0.25), math.log(0.9), math.log(0.2)],
-                 [False, True, True, False, True], [np.nan, 0.01, 0.0, 0.04, 0.02])
+    m = _metrics(
+        [np.nan, math.log(0.5), math.log(0.25), math.log(0.8), math.log(0.1)],
+        [np.nan, math.log(0.4), math.log(0.25), math.log(0.9), math.log(0.2)],
+        [False, True, True, False, True],
+        [np.nan, 0.01, 0.0, 0.04, 0.02],
+    )
     s = llama_cpp_stats(m)
     kl = np.array([0.01, 0.0, 0.04, 0.02])
     assert s["kl_full_mean"] == pytest.approx(0.0175)
@@ -84,11 +89,20 @@ def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, mon
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(tiny_bos), dtype="float32", max_model_len=run.meta.settings["max_model_len"], max_logprobs=vocab, enforce_eager=True,
-              kv_cache_memory_bytes=64 << 20)
+    llm = LLM(
+        model=str(tiny_bos),
+        dtype="float32",
+        max_model_len=run.meta.settings["max_model_len"],
+        max_logprobs=vocab,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+    )
     try:
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                           SamplingParams(prompt_logprobs=vocab, max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)[0]
+        out = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids)],
+            SamplingParams(prompt_logprobs=vocab, max_tokens=1, temperature=0.0, detokenize=False),
+            use_tqdm=False,
+        )[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     lv = np.full((len(ids) - 1, vocab), np.nan)
@@ -146,7 +160,9 @@ def test_folders_of_killed_processes_are_removed(tmp_path, monkeypatch):
 
     from logprob_parity.engines import fullvocab
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=False).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     orphan = tmp_path / f"lpp-fullvocab-{dead}-abc"
     mine = tmp_path / f"lpp-fullvocab-{os.getpid()}-def"
     orphan.mkdir()
@@ -181,16 +197,23 @@ def _v2_capture(target):
     for r, ids in prompts.items():
         all_ids[slot[r], : len(ids)] = torch.tensor(ids)
     prompt_lens = np.array([5, 7, 2])
-    logits_of = {(r, p): torch.randn(vocab, generator=torch.Generator().manual_seed(100 * slot[r] + p))
-                 for r, ids in prompts.items() for p in range(len(ids) + 1)}
+    logits_of = {
+        (r, p): torch.randn(vocab, generator=torch.Generator().manual_seed(100 * slot[r] + p))
+        for r, ids in prompts.items()
+        for p in range(len(ids) + 1)
+    }
 
     def step(reqs):  # reqs: (request, first position, rows)
         hidden = torch.stack([logits_of[(r, p0 + k)] for r, p0, n in reqs for k in range(n)])
         starts = np.cumsum([0] + [n for _, _, n in reqs])
-        batch = SimpleNamespace(req_ids=[r for r, _, _ in reqs], idx_mapping_np=np.array([slot[r] for r, _, _ in reqs]),
-                                num_computed_prefill_tokens_np=np.array([p0 for _, p0, _ in reqs]),
-                                query_start_loc_np=starts, prefill_len_np=prompt_lens[[slot[r] for r, _, _ in reqs]],
-                                num_tokens=int(starts[-1]))
+        batch = SimpleNamespace(
+            req_ids=[r for r, _, _ in reqs],
+            idx_mapping_np=np.array([slot[r] for r, _, _ in reqs]),
+            num_computed_prefill_tokens_np=np.array([p0 for _, p0, _ in reqs]),
+            query_start_loc_np=starts,
+            prefill_len_np=prompt_lens[[slot[r] for r, _, _ in reqs]],
+            num_tokens=int(starts[-1]),
+        )
         return hidden, batch
 
     called = []
@@ -210,8 +233,10 @@ def _v2_capture(target):
         hidden, batch = step(reqs)
         worker.compute_prompt_logprobs(lambda h: h.clone(), hidden, batch, all_ids, None, prompt_lens)
     fullvocab.end(target, [prompts["b"], prompts["a"]])
-    want = {r: np.stack([torch.log_softmax(logits_of[(r, p)].float(), dim=-1).numpy() for p in range(len(prompts[r]) - 1)])
-            for r in ("a", "b")}
+    want = {
+        r: np.stack([torch.log_softmax(logits_of[(r, p)].float(), dim=-1).numpy() for p in range(len(prompts[r]) - 1)])
+        for r in ("a", "b")
+    }
     return want, called
 
 

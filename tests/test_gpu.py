@@ -73,8 +73,10 @@ def test_float32_attention_backends(gpu_model, store):
             settings = EngineSettings(attention_backend=backend, attn_implementation=hf_attn)
             label = f"vLLM {backend or 'default'} · HF {hf_attn or 'sdpa'}"
             try:
-                (run,) = compare(RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=("float32",), device="cuda", settings=settings),
-                                 store=store)
+                (run,) = compare(
+                    RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=("float32",), device="cuda", settings=settings),
+                    store=store,
+                )
             except Exception as exc:
                 ROWS.append(f"| {label} | float32 | - | - | failed: {str(exc).splitlines()[0][:120]} | | | |")
                 continue
@@ -97,8 +99,12 @@ def test_rollout_three_way_on_cuda(gpu_model, store, dtype):
     prompts = tuple(SENTENCES[:16])
     sampling = Sampling(samples=4, temperature=1.0, max_tokens=128, seed=0)
     graphs = EngineSettings(enforce_eager=None)  # the rollout default, as the CLI and the page give it: CUDA graphs
-    (ro,) = rollout(RunSpec(texts=prompts, model=gpu_model, dtypes=(dtype,), device="cuda", settings=graphs), sampling,
-                    __import__("logprob_parity.analysis.request", fromlist=["Context"]).Context.of(store=store), use_cache=False)
+    (ro,) = rollout(
+        RunSpec(texts=prompts, model=gpu_model, dtypes=(dtype,), device="cuda", settings=graphs),
+        sampling,
+        __import__("logprob_parity.analysis.request", fromlist=["Context"]).Context.of(store=store),
+        use_cache=False,
+    )
     m = ro.meta
     assert m.settings["enforce_eager"] is False and m.env.vllm_engine["device"] != "cpu"  # CUDA graphs by default
     s = m.summary
@@ -106,21 +112,30 @@ def test_rollout_three_way_on_cuda(gpu_model, store, dtype):
     if dtype == "float32":
         assert s["decode_vs_hf"]["max_abs_delta"] < 0.05
     if not ROLLOUT_ROWS:
-        ROLLOUT_ROWS.extend([
-            f"GPU: {m.env.device} · torch {m.env.torch} · transformers {m.env.transformers} · vLLM {m.env.vllm}; "
-            f"{len(prompts)} prompts x {sampling.samples} samples x up to {sampling.max_tokens} tokens, temperature 1, CUDA graphs on",
-            "", "| dtype | pair | tokens | mean abs Δ | max abs Δ | k3 KL | χ² token | IS min | IS max | outside 0.8-1.25 | "
-                "token_mult_prob_error |", "|---|---|---|---|---|---|---|---|---|---|---|"])
+        ROLLOUT_ROWS.extend(
+            [
+                f"GPU: {m.env.device} · torch {m.env.torch} · transformers {m.env.transformers} · vLLM {m.env.vllm}; "
+                f"{len(prompts)} prompts x {sampling.samples} samples x up to {sampling.max_tokens} tokens, temperature 1, CUDA graphs on",
+                "",
+                "| dtype | pair | tokens | mean abs Δ | max abs Δ | k3 KL | χ² token | IS min | IS max | outside 0.8-1.25 | "
+                "token_mult_prob_error |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+        )
     for pair in ("decode_vs_hf", "decode_vs_prefill", "prefill_vs_hf"):
         x = s[pair]
-        ROLLOUT_ROWS.append(f"| {dtype} | {pair} | {x['n_tokens']} | {x['mean_abs_delta']:.3e} | {x['max_abs_delta']:.3e} | "
-                            f"{x['k3_kl']:.3e} | {x['chi2_token']:.3e} | {x['rollout_is_min']:.4f} | {x['rollout_is_max']:.4f} | "
-                            f"{x['frac_ratio_outside_0.8_1.25']:.4f} | {x['token_mult_prob_error']:.5f} |")
+        ROLLOUT_ROWS.append(
+            f"| {dtype} | {pair} | {x['n_tokens']} | {x['mean_abs_delta']:.3e} | {x['max_abs_delta']:.3e} | "
+            f"{x['k3_kl']:.3e} | {x['chi2_token']:.3e} | {x['rollout_is_min']:.4f} | {x['rollout_is_max']:.4f} | "
+            f"{x['frac_ratio_outside_0.8_1.25']:.4f} | {x['token_mult_prob_error']:.5f} |"
+        )
     f = m.floors
-    ROLLOUT_ROWS.append(f"| {dtype} | floors | decode alone vs batch: same tokens {f['decode_batch']['same_tokens']}/"
-                        f"{f['decode_batch']['of']}, max {f['decode_batch']['max'] if f['decode_batch']['max'] is not None else float('nan'):.3e}"
-                        f" · HF micro-batch max {f['hf_micro_batch']['max']:.3e} · HF chunked max {f['hf_chunked']['max']:.3e}"
-                        f" · HF incremental max {f['hf_incremental']['max']:.3e} | | | | | | | | |")
+    ROLLOUT_ROWS.append(
+        f"| {dtype} | floors | decode alone vs batch: same tokens {f['decode_batch']['same_tokens']}/"
+        f"{f['decode_batch']['of']}, max {f['decode_batch']['max'] if f['decode_batch']['max'] is not None else float('nan'):.3e}"
+        f" · HF micro-batch max {f['hf_micro_batch']['max']:.3e} · HF chunked max {f['hf_chunked']['max']:.3e}"
+        f" · HF incremental max {f['hf_incremental']['max']:.3e} | | | | | | | | |"
+    )
     ROLLOUT_RESULTS.write_text("\n".join(ROLLOUT_ROWS) + "\n")
     print("\n".join(ROLLOUT_ROWS[-4:]))
 
@@ -140,8 +155,14 @@ def test_exact_kl_rows_on_the_gpu_model_runner_are_vllms_own(gpu_model, store):
 
     tok = AutoTokenizer.from_pretrained(gpu_model)
     seqs = [tok(s)["input_ids"] for s in SENTENCES[:6]]
-    load = LoadRequest("vllm", gpu_model, "float32", "cuda", EngineSettings(attention_backend="FLEX_ATTENTION"),
-                       model_max_len(max(map(len, seqs)), None))
+    load = LoadRequest(
+        "vllm",
+        gpu_model,
+        "float32",
+        "cuda",
+        EngineSettings(attention_backend="FLEX_ATTENTION"),
+        model_max_len(max(map(len, seqs)), None),
+    )
     folder, why = fullvocab.folder_for(sum(len(s) - 1 for s in seqs), resolve_model(gpu_model).vocab_size)
     assert why is None, why
     try:
@@ -158,8 +179,9 @@ def test_exact_kl_rows_on_the_gpu_model_runner_are_vllms_own(gpu_model, store):
             np.testing.assert_allclose(np.take_along_axis(rows, s.topk_ids[1:], 1), s.topk_logprobs[1:], atol=2e-5)
     finally:
         fullvocab.remove(folder)
-    (run,) = compare(RunSpec(texts=tuple(SENTENCES[:6]), model=gpu_model, dtypes=("float32",), device="cuda"), store=store,
-                     use_cache=False)
+    (run,) = compare(
+        RunSpec(texts=tuple(SENTENCES[:6]), model=gpu_model, dtypes=("float32",), device="cuda"), store=store, use_cache=False
+    )
     assert run.meta.env.vllm_engine["kl_full"] == "exact, every position (from vLLM’s v2 model runner)"
     for seq in run.sequences:
         assert np.isfinite(seq.metrics.kl_full[1:]).all() and (seq.metrics.kl_topk[1:] <= seq.metrics.kl_full[1:] + 1e-6).all()
@@ -179,8 +201,11 @@ def test_frontier_on_cuda(gpu_model, store, monkeypatch):
     monkeypatch.setenv("LPP_MAX_WARM_ENGINES", "40")  # the card holds every engine of the grid: start them side by side
     grid = default_grid("cuda")
     result = frontier(RunSpec(texts=tuple(SENTENCES[:4]), model=gpu_model, device="cuda"), grid, Context.of(store=store))
-    FRONTIER_RESULTS.write_text(f"GPU: {result.device} · " + " · ".join(f"{k} {v}" for k, v in result.versions.items() if v)
-                                + f" · {result.n_tokens} tokens · {len(grid)} configurations\n\n```\n{frontier_text(result)}\n```\n")
+    FRONTIER_RESULTS.write_text(
+        f"GPU: {result.device} · "
+        + " · ".join(f"{k} {v}" for k, v in result.versions.items() if v)
+        + f" · {result.n_tokens} tokens · {len(grid)} configurations\n\n```\n{frontier_text(result)}\n```\n"
+    )
     print(frontier_text(result))
     ran = {c["name"]: c for c in result.configs if not c["skipped"]}
     assert len(ran) >= 10, [(c["name"], c["skipped"]) for c in result.configs]
@@ -234,7 +259,9 @@ def test_exact_kl_through_cuda_ipc_equals_the_host_row_path(gpu_model, store):
             np.testing.assert_array_equal(a.logprob[1:], b.logprob[1:])
     finally:
         fullvocab.remove(folder)
-    (run,) = compare(RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=("float32",), device="cuda"), store=store, use_cache=False)
+    (run,) = compare(
+        RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=("float32",), device="cuda"), store=store, use_cache=False
+    )
     assert run.meta.env.vllm_engine["kl_transport"] == fullvocab.TRANSPORT_WORDS["tensors"]
     assert run.meta.env.vllm_engine["kl_full"] == "exact, every position (from vLLM’s v2 model runner)"
     print(f"IPC exact KL: mean {run.summary['kl_full_mean']:.3e}, max {run.summary['kl_full_max']:.3e}")
@@ -259,7 +286,9 @@ def test_an_8b_shaped_model_scores_a_32k_token_text_with_the_exact_kl(store, tmp
 
     path = os.environ.get("LPP_GPU_8B") or ""
     if not Path(path, "config.json").is_file():
-        path = build_llama8b(tmp_path_factory.mktemp("llama8b"), os.environ.get("LPP_GPU_MODEL", "/tmp/models/smollm2-135m"), "cuda")
+        path = build_llama8b(
+            tmp_path_factory.mktemp("llama8b"), os.environ.get("LPP_GPU_MODEL", "/tmp/models/smollm2-135m"), "cuda"
+        )
     model = resolve_model(path)
     assert model.vocab_size == 128256
     tok = AutoTokenizer.from_pretrained(path)
@@ -279,8 +308,10 @@ def test_an_8b_shaped_model_scores_a_32k_token_text_with_the_exact_kl(store, tmp
     html = token_view_html([back], 0, window=parts[0][:2])
     drawn = time.perf_counter() - t2
     assert parts[0][2] == max(w[2] for w in parts) and len(html) > 10_000
-    line = (f"| 8B shape, one {n + 1:,}-token text, bfloat16 | {took:.1f} s end to end with the engines' start | "
-            f"exact KL at {kl.size:,} positions, mean {run.summary['kl_full_mean']:.3e} | worst window drawn in {drawn:.2f} s |")
+    line = (
+        f"| 8B shape, one {n + 1:,}-token text, bfloat16 | {took:.1f} s end to end with the engines' start | "
+        f"exact KL at {kl.size:,} positions, mean {run.summary['kl_full_mean']:.3e} | worst window drawn in {drawn:.2f} s |"
+    )
     (RESULTS.with_name(RESULTS.stem + "-long.md")).write_text(line + "\n")
     print(line)
 
@@ -297,6 +328,8 @@ def test_compare_verdict_equals_the_diagnostics_level_in_float32(gpu_model, stor
     (own,) = run_verdicts([run])  # the comparison's own floor only, as the Compare page and the CLI give it
     diag = diagnose(spec, store=store, parts=("noise",))
     full = diagnosis_verdicts(diag)["float32"]
-    print(f"compare: {own.level} ({run.summary['noise_ratio']}x); diagnostics: {full.level} "
-          f"({diag.dtypes['float32'].ratio_to_hf_noise}x)")
+    print(
+        f"compare: {own.level} ({run.summary['noise_ratio']}x); diagnostics: {full.level} "
+        f"({diag.dtypes['float32'].ratio_to_hf_noise}x)"
+    )
     assert own.level == full.level and own.level != "unmeasured"

@@ -15,8 +15,26 @@ from hostile import HOSTILE
 
 VIEW_TAGS = {"style", "div", "span", "b"}
 VIEW_ATTRS = {"class", "style", "data-index", "data-value", "data-scale"}
-DANGEROUS_TAGS = {"script", "img", "iframe", "object", "embed", "a", "link", "base", "form", "input", "video", "source",
-                  "details", "marquee", "math", "noscript", "textarea", "body"}
+DANGEROUS_TAGS = {
+    "script",
+    "img",
+    "iframe",
+    "object",
+    "embed",
+    "a",
+    "link",
+    "base",
+    "form",
+    "input",
+    "video",
+    "source",
+    "details",
+    "marquee",
+    "math",
+    "noscript",
+    "textarea",
+    "body",
+}
 
 
 class Tags(HTMLParser):

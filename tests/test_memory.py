@@ -22,8 +22,13 @@ def test_param_count_reads_the_safetensors_headers(tiny_bos):
 
 def test_kv_cache_is_sized_from_the_model(tiny_bos):
     cfg = memory.text_config(str(tiny_bos), False)
-    per_token = 2 * cfg.num_hidden_layers * (cfg.num_key_value_heads or cfg.num_attention_heads) * (
-        cfg.hidden_size // cfg.num_attention_heads) * 4
+    per_token = (
+        2
+        * cfg.num_hidden_layers
+        * (cfg.num_key_value_heads or cfg.num_attention_heads)
+        * (cfg.hidden_size // cfg.num_attention_heads)
+        * 4
+    )
     assert memory.kv_bytes_per_token(str(tiny_bos), "float32") == per_token
     # tiny models hit the 64 MiB floor; the GPU asks for more tokens than the CPU
     assert memory.kv_cache_bytes(str(tiny_bos), "float32", 256, "cpu") == 64 << 20
@@ -33,7 +38,8 @@ def test_kv_cache_is_sized_from_the_model(tiny_bos):
     assert memory.kv_cache_bytes(str(tiny_bos), "float32", huge, "cuda") == per_token * (huge + 256)
     s = EngineSettings()
     assert memory.engine_bytes("vllm", str(tiny_bos), "float32", "cuda", 256, s) > memory.engine_bytes(
-        "vllm", str(tiny_bos), "float32", "cuda", 256, dataclasses.replace(s, tensor_parallel_size=2))
+        "vllm", str(tiny_bos), "float32", "cuda", 256, dataclasses.replace(s, tensor_parallel_size=2)
+    )
 
 
 def test_free_bytes_on_cpu_is_the_kernels_available_memory():

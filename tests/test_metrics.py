@@ -84,7 +84,9 @@ def test_summary_by_hand():
 
 def test_summary_of_nothing_and_concat():
     m = _m()
-    empty = token_metrics(np.array([NAN]), np.array([NAN]), np.array([-1]), np.array([-1]), np.full((1, 2), NAN), np.full((1, 2), NAN))
+    empty = token_metrics(
+        np.array([NAN]), np.array([NAN]), np.array([-1]), np.array([-1]), np.full((1, 2), NAN), np.full((1, 2), NAN)
+    )
     s = summarize(empty)
     assert s["n_tokens"] == 0 and s["max_abs_delta"] is None
     both = summarize(concat([m, empty, m]))
@@ -115,8 +117,17 @@ def test_each_samples_exact_stats_at_once_are_one_call_a_sample():
             top[0] = np.nan
         return Sample(0, 0, (1,), tuple(range(n)), ("x",) * n, None, {}, {"kl_full": kl, "same_top": top} if exact else {})
 
-    samples = [sample(5), sample(5), sample(1), sample(9, nan_kl=True), sample(5, nan_top=True), sample(4, exact=False),
-               sample(0), sample(9), sample(2)]
+    samples = [
+        sample(5),
+        sample(5),
+        sample(1),
+        sample(9, nan_kl=True),
+        sample(5, nan_top=True),
+        sample(4, exact=False),
+        sample(0),
+        sample(9),
+        sample(2),
+    ]
     got = exact_stats_each(samples)
     want = [exact_stats([s]) for s in samples]
     assert got == want  # the same numbers, bit for bit, and the same Nones
@@ -139,16 +150,25 @@ def _summary_one_call(m):
     pearson = None if len(x) < 2 or np.std(x) == 0 or np.std(y) == 0 else float(np.corrcoef(x, y)[0, 1])
     dp = m.vllm_prob[s] - m.hf_prob[s]
     return {
-        "n_tokens": n, "max_abs_delta": float(ad.max()), "mean_abs_delta": float(ad.mean()), "p50_abs_delta": float(p50),
-        "p95_abs_delta": float(p95), "p99_abs_delta": float(p99), "mean_delta": float(d.mean()),
-        "max_prob_delta": float(pd_.max()), "mean_prob_delta": float(pd_.mean()),
+        "n_tokens": n,
+        "max_abs_delta": float(ad.max()),
+        "mean_abs_delta": float(ad.mean()),
+        "p50_abs_delta": float(p50),
+        "p95_abs_delta": float(p95),
+        "p99_abs_delta": float(p99),
+        "mean_delta": float(d.mean()),
+        "max_prob_delta": float(pd_.max()),
+        "mean_prob_delta": float(pd_.mean()),
         "argmax_agreement": float(m.argmax_agree[s].mean()),
         "mean_kl_topk": float(np.mean(kl[np.isfinite(kl)])) if np.isfinite(kl).any() else None,
-        "pearson_prob": pearson, "seq_logprob_delta": float(d.sum()),
+        "pearson_prob": pearson,
+        "seq_logprob_delta": float(d.sum()),
         "frac_ratio_outside_0.9_1.1": float(((ratio < 0.9) | (ratio > 1.1)).mean()),
         **exact_kl_stats(m.kl_full[s] if m.kl_full is not None else np.full(n, np.nan)),
         **same_top_stats(m.argmax_agree[s]),
-        "dp_mean": float(dp.mean()), "dp_rms": float(np.sqrt(np.mean(dp**2))), "ppl_ratio": float(np.exp(-np.mean(d))),
+        "dp_mean": float(dp.mean()),
+        "dp_rms": float(np.sqrt(np.mean(dp**2))),
+        "ppl_ratio": float(np.exp(-np.mean(d))),
     }
 
 
@@ -191,5 +211,9 @@ def _assert_same_summary(got, want, where):
     assert list(got) == list(want) == list(SUMMARY_KEYS), where
     for k in SUMMARY_KEYS:
         a, b = got[k], want[k]
-        same = (a is None and b is None) or a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+        same = (
+            (a is None and b is None)
+            or a == b
+            or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+        )
         assert same, f"{where}, {k}: summarize_each {a!r} against one call a sequence {b!r}"

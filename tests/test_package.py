@@ -22,8 +22,12 @@ def _build_wheel(tmp_path: Path) -> Path:
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, src / rel)
     out = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     (wheel,) = out.glob("*.whl")
     return wheel
 
@@ -47,8 +51,9 @@ def test_the_wheel_holds_one_top_level_package_named_after_the_distribution(tmp_
 def test_python_dash_m_and_version_name_the_package_and_the_engines_libraries():
     from logprob_parity.env import versions
 
-    out = subprocess.run([sys.executable, "-m", "logprob_parity", "--version"], capture_output=True, text=True, check=True,
-                         cwd=REPO).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-m", "logprob_parity", "--version"], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout.strip()
     from logprob_parity import __version__
 
     assert out.startswith(f"logprob-parity {__version__}")
@@ -67,8 +72,9 @@ def test_runs_and_rollouts_stored_before_the_rename_open_with_the_same_values(tm
     the old code read back, the renamed package reads back too."""
     home = tmp_path / "home"
     shutil.copytree(FIXTURE, home, ignore=shutil.ignore_patterns("*.json", "*.py"))
-    got = subprocess.run([sys.executable, str(FIXTURE / "dump.py"), str(REPO), str(home)], capture_output=True, text=True,
-                         check=True).stdout
+    got = subprocess.run(
+        [sys.executable, str(FIXTURE / "dump.py"), str(REPO), str(home)], capture_output=True, text=True, check=True
+    ).stdout
     assert got == (FIXTURE / "expected.json").read_text()
 
 

@@ -46,11 +46,24 @@ def test_red_tokens_and_the_verdict_tell_the_same_story(scale):
 
     ids = [1, 10, 11, 12, 13]
     toks = ("<s>", "a", "b", "c", "d")
-    seq = SequenceResult.build(TokenizedText("abcd", tuple(ids), toks, toks, True), _scores(ids, 0.0, gather=True), _scores(ids, scale))
+    seq = SequenceResult.build(
+        TokenizedText("abcd", tuple(ids), toks, toks, True), _scores(ids, 0.0, gather=True), _scores(ids, scale)
+    )
     summary = summarize(concat([seq.metrics]))
-    meta = RunMeta.from_dict({"run_id": "ab12", "model": "m", "revision": None, "dtype": "bfloat16", "backends": ["hf", "vllm"], "settings": {},
-                              "top_k": 2, "bos": "auto", "summary": summary,
-                              "sequences": [{"text": "abcd", "bos_added": True, "summary": summary}]})
+    meta = RunMeta.from_dict(
+        {
+            "run_id": "ab12",
+            "model": "m",
+            "revision": None,
+            "dtype": "bfloat16",
+            "backends": ["hf", "vllm"],
+            "settings": {},
+            "top_k": 2,
+            "bos": "auto",
+            "summary": summary,
+            "sequences": [{"text": "abcd", "bos_added": True, "summary": summary}],
+        }
+    )
     run = Run(meta=meta, sequences=(seq,))
     styles = re.findall(r'class="lpp-tok[^"]*" style="([^"]+)"', token_view_html([run], 0))
     red = [_red(s) for s in styles]
@@ -89,6 +102,7 @@ def test_progress_is_said_in_words():
     from logprob_parity.dashboard.components.runner import describe
 
     assert describe("queue", "float32", "waiting for another job on the device (2 in line)").startswith(
-        "Waiting for another job [float32]: waiting for another job on the device (2 in line)")
+        "Waiting for another job [float32]: waiting for another job on the device (2 in line)"
+    )
     assert describe("load", "bfloat16", "hf: starting the engine").startswith("Engines [bfloat16]")
     assert describe("resolve", None, "model demo").startswith("Finding the model")

@@ -71,10 +71,24 @@ def test_a_killed_run_resumes_without_recomputing_its_stored_batches(tiny_bos, h
     prompts = tmp_path / "set.txt"
     prompts.write_text("\n".join(LINES * 4) + "\n")
     env = dict(cli_env(home), LPP_BATCH_TOKENS="60")
-    cmd = [sys.executable, "-m", "logprob_parity.cli", "compare", "--model", str(tiny_bos), "--prompts", str(prompts), "--dtype", "float32",
-           "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "logprob_parity.cli",
+        "compare",
+        "--model",
+        str(tiny_bos),
+        "--prompts",
+        str(prompts),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    ]
     stored = kill_after_parts(cmd, env, home, 3)
-    again = subprocess.run(cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600, check=False)
+    again = subprocess.run(
+        cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{stored} of " in again.stderr and "batches came from the store" in again.stderr, again.stderr[-3000:]
     import json
@@ -85,8 +99,14 @@ def test_a_killed_run_resumes_without_recomputing_its_stored_batches(tiny_bos, h
 
     run = Store(home).load(data["run_id"])
     assert run.meta.timing["batches_from_store"] == stored
-    clean = subprocess.run(cmd + ["--no-cache", "--json", str(tmp_path / "clean.json")], env=env, capture_output=True, text=True,
-                           timeout=600, check=False)
+    clean = subprocess.run(
+        cmd + ["--no-cache", "--json", str(tmp_path / "clean.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert clean.returncode == 0, clean.stderr[-3000:]
     fresh = json.loads((tmp_path / "clean.json").read_text())
     assert fresh["run_id"] == data["run_id"] and fresh["summary"] == data["summary"]

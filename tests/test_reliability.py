@@ -103,8 +103,9 @@ def test_eight_concurrent_clients(home, tiny_bos):
     assert len({r[0].run_id for r in results}) == 5 and len(store.list_runs()) == 5
     # one engine per backend served all eight: at most one new host of each started during the test
     started = [w for w in pool.running() if w.pid not in before]
-    assert sorted(w.label for w in started) in ([], ["hf (float32)"], ["vllm (float32)"], ["hf (float32)", "vllm (float32)"]), \
-        [w.label for w in started]
+    assert sorted(w.label for w in started) in ([], ["hf (float32)"], ["vllm (float32)"], ["hf (float32)", "vllm (float32)"]), [
+        w.label for w in started
+    ]
 
 
 @engine
@@ -145,7 +146,11 @@ def test_architecture_vllm_does_not_support(home):
 def test_custom_code_needs_trust(home, tiny_bos, tmp_path):
     folder = tmp_path / "custom"
     folder.mkdir()
-    cfg = (Path(tiny_bos) / "config.json").read_text().replace('"model_type"', '"auto_map": {"AutoModelForCausalLM": "m.M"}, "model_type"')
+    cfg = (
+        (Path(tiny_bos) / "config.json")
+        .read_text()
+        .replace('"model_type"', '"auto_map": {"AutoModelForCausalLM": "m.M"}, "model_type"')
+    )
     (folder / "config.json").write_text(cfg)
     with pytest.raises(UserError, match=r"custom code .* trust_remote_code is off"):
         compare(_spec(folder), store=Store(home))
@@ -190,7 +195,10 @@ def test_too_long_prompt_can_be_truncated(home, tiny_bos):
 
     model = resolve_model(str(tiny_bos))
     tok = tokenize(load_tokenizer(str(tiny_bos)), "lawyer guitar hiking family " * 60, "auto")
-    with pytest.raises(UserError, match=r"has 128 positions \(vLLM keeps one for the token it generates\)\. Shorten it, or tick 'Truncate prompts"):
+    with pytest.raises(
+        UserError,
+        match=r"has 128 positions \(vLLM keeps one for the token it generates\)\. Shorten it, or tick 'Truncate prompts",
+    ):
         check_lengths([tok], model, 5)
     (cut,) = check_lengths([tok], model, 5, truncate=True)
     assert len(cut.token_ids) == 127 and cut.token_ids == tok.token_ids[:127] and tok.text.startswith(cut.text)

@@ -8,7 +8,7 @@ from test_store import make_run
 from logprob_parity.present.render import token_view_html
 from logprob_parity.present.report import write_html_report
 
-HOSTILE = "<script>alert(1)</script> <img src=x onerror=alert(1)> \" onmouseover=\"alert(1)"
+HOSTILE = '<script>alert(1)</script> <img src=x onerror=alert(1)> " onmouseover="alert(1)'
 
 
 def test_report_is_self_contained_and_escaped(tmp_path):

@@ -218,14 +218,44 @@ def test_rollout_cli_writes_the_documented_json(rolled, demo_model, tmp_path, mo
 
     monkeypatch.setenv("LOGPROB_PARITY_HOME", str(tmp_path))
     out = tmp_path / "ro.json"
-    rc = main(["rollout", "--model", str(demo_model), "--prompt", PROMPTS[0], "--dtype", "float32", "--samples", "2",
-               "--max-tokens", "6", "--temperature", "0.9", "--top-p", "0.9", "--seed", "3", "--device", "cpu",
-               "--json", str(out), "--quiet"])
+    rc = main(
+        [
+            "rollout",
+            "--model",
+            str(demo_model),
+            "--prompt",
+            PROMPTS[0],
+            "--dtype",
+            "float32",
+            "--samples",
+            "2",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "3",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0 and "decode_vs_hf" in text and "noise floors" in text and "Rollout float32" in text
     data = json.loads(out.read_text())
-    assert data["sampling"] == {"samples": 2, "temperature": 0.9, "top_p": 0.9, "top_k": -1, "max_tokens": 6, "seed": 3,
-                                "ignore_eos": False}
+    assert data["sampling"] == {
+        "samples": 2,
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_tokens": 6,
+        "seed": 3,
+        "ignore_eos": False,
+    }
     assert set(data["summary"]) == set(PAIRS)
     assert data["settings"]["enforce_eager"] is True  # a CPU has no CUDA graphs
     for smp in data["samples"]:
@@ -240,4 +270,3 @@ def test_rollout_cli_writes_the_documented_json(rolled, demo_model, tmp_path, mo
     import pandas as pd
 
     assert rc == 0 and set(COLUMNS) <= set(pd.read_parquet(tmp_path / "r.parquet").columns)
-

@@ -52,9 +52,20 @@ class Spans(HTMLParser):
 def _view(tok) -> list[dict]:
     ids = list(tok.token_ids)
     seq = SequenceResult.build(tok, _scores(ids, 0.0, gather=True), _scores(ids, 1e-3))
-    meta = RunMeta.from_dict({"run_id": "5c1", "model": "demo", "revision": None, "dtype": "float32", "backends": ["hf", "vllm"],
-                              "settings": {}, "top_k": 2, "bos": "auto", "summary": seq.summary,
-                              "sequences": [{"text": tok.text, "bos_added": tok.bos_added, "summary": seq.summary}]})
+    meta = RunMeta.from_dict(
+        {
+            "run_id": "5c1",
+            "model": "demo",
+            "revision": None,
+            "dtype": "float32",
+            "backends": ["hf", "vllm"],
+            "settings": {},
+            "top_k": 2,
+            "bos": "auto",
+            "summary": seq.summary,
+            "sequences": [{"text": tok.text, "bos_added": tok.bos_added, "summary": seq.summary}],
+        }
+    )
     parser = Spans()
     parser.feed(token_view_html([Run(meta=meta, sequences=(seq,))], 0))
     return parser.tokens

@@ -41,11 +41,25 @@ def make_run(run_id="abc123", texts=("a <b>", "c\nd"), pieces=None, dtype="float
         seqs.append(SequenceResult.build(tok, _scores(ids, 0.0, gather=True), _scores(ids, 1e-3 * (i + 1))))
     summary = summarize(concat([s.metrics for s in seqs]))
     meta = {
-        "run_id": run_id, "created": "2026-12-02T00:00:00+00:00", "created_ts": 1.0, "model": "m", "model_path": "/m",
-        "revision": None, "model_identity": {}, "dtype": dtype, "backends": ["hf", "vllm"], "settings": {},
-        "top_k": 2, "bos": "auto", "device": "cpu", "env": {"device": "cpu", "torch": "t", "transformers": "tf", "vllm": "v"}, "summary": summary,
-        "sequences": [{"text": s.text, "bos_added": True, "n_positions": len(s.token_ids), "summary": s.summary, "cut_from": cut_from}
-                      for s in seqs],
+        "run_id": run_id,
+        "created": "2026-12-02T00:00:00+00:00",
+        "created_ts": 1.0,
+        "model": "m",
+        "model_path": "/m",
+        "revision": None,
+        "model_identity": {},
+        "dtype": dtype,
+        "backends": ["hf", "vllm"],
+        "settings": {},
+        "top_k": 2,
+        "bos": "auto",
+        "device": "cpu",
+        "env": {"device": "cpu", "torch": "t", "transformers": "tf", "vllm": "v"},
+        "summary": summary,
+        "sequences": [
+            {"text": s.text, "bos_added": True, "n_positions": len(s.token_ids), "summary": s.summary, "cut_from": cut_from}
+            for s in seqs
+        ],
         **meta_overrides,
     }
     return Run(meta=RunMeta.from_dict(meta), sequences=tuple(seqs))
@@ -77,8 +91,12 @@ def test_a_run_file_keeps_dictionaries_for_its_strings_only(tmp_path):
 
     ids = [1, 10, 11, 10]
     names = ("<s>", "a", "שלום", "a")  # a right-to-left word among them
-    table, infos, _ = batch_table([TokenizedText("a שלום a", tuple(ids), names, names, True)],
-                                  [_scores(ids, 0.0, gather=True)], [_scores(ids, 1e-3)], lambda seqs: [f"<{s[0]}>" for s in seqs])
+    table, infos, _ = batch_table(
+        [TokenizedText("a שלום a", tuple(ids), names, names, True)],
+        [_scores(ids, 0.0, gather=True)],
+        [_scores(ids, 1e-3)],
+        lambda seqs: [f"<{s[0]}>" for s in seqs],
+    )
     meta = dataclasses.replace(make_run(texts=("a שלום a",)).meta, sequences=tuple(infos))
     store = Store(tmp_path)
     store.write_run(meta, [table])
@@ -88,8 +106,9 @@ def test_a_run_file_keeps_dictionaries_for_its_strings_only(tmp_path):
     assert dictionary == {"token", "piece", "hf_topk_text.list.element", "vllm_topk_text.list.element"}, encodings
     back = store.load(meta.run_id).sequences[0]
     assert back.tokens == names and back.pieces == names
-    assert np.asarray(back.topk_text["vllm"]).tolist() == [[f"<{i}>" for i in row] if row[0] >= 0 else ["", ""]
-                                                          for row in table.column("vllm_topk_ids").to_pylist()]
+    assert np.asarray(back.topk_text["vllm"]).tolist() == [
+        [f"<{i}>" for i in row] if row[0] >= 0 else ["", ""] for row in table.column("vllm_topk_ids").to_pylist()
+    ]
 
 
 def test_ids_unknown_ambiguous_and_malformed(tmp_path):
@@ -252,9 +271,18 @@ def test_a_rollouts_rows_in_chunks_rebuild_every_sample_in_shuffled_order():
     samples = []
     for i in range(9):
         n = int(rng.integers(0, 6))
-        samples.append(Sample(prompt_index=i // 2, seed=i, prompt_token_ids=(1, 2), completion_token_ids=tuple(int(x) for x in rng.integers(0, 50, n)),
-                              pieces=tuple(f"p{i}.{t} é🎉" for t in range(n)), finish_reason=f"r{i}",
-                              logprob={c: rng.normal(size=n) for c in COLUMNS}, exact={c: rng.normal(size=n) for c in EXACT}))
+        samples.append(
+            Sample(
+                prompt_index=i // 2,
+                seed=i,
+                prompt_token_ids=(1, 2),
+                completion_token_ids=tuple(int(x) for x in rng.integers(0, 50, n)),
+                pieces=tuple(f"p{i}.{t} é🎉" for t in range(n)),
+                finish_reason=f"r{i}",
+                logprob={c: rng.normal(size=n) for c in COLUMNS},
+                exact={c: rng.normal(size=n) for c in EXACT},
+            )
+        )
     ro = Rollout(meta=SimpleNamespace(samples=[x.info() for x in samples]), samples=tuple(samples))
     whole = ro.to_frame()
     assert len(whole) == sum(len(x.completion_token_ids) for x in samples)
@@ -262,7 +290,12 @@ def test_a_rollouts_rows_in_chunks_rebuild_every_sample_in_shuffled_order():
         pd.testing.assert_frame_equal(pa.concat_tables(list(ro.tables(per))).to_pandas().drop(columns=list(INFO_COLUMNS)), whole)
     back = Rollout.from_frame(ro.meta, whole.sample(frac=1.0, random_state=0))
     for a, b in zip(samples, back.samples):
-        assert (a.completion_token_ids, a.pieces, a.prompt_index, a.seed) == (b.completion_token_ids, b.pieces, b.prompt_index, b.seed)
+        assert (a.completion_token_ids, a.pieces, a.prompt_index, a.seed) == (
+            b.completion_token_ids,
+            b.pieces,
+            b.prompt_index,
+            b.seed,
+        )
         for c in COLUMNS:
             np.testing.assert_array_equal(a.logprob[c], b.logprob[c])
         for c in EXACT:

@@ -14,8 +14,18 @@ from logprob_parity.results.rollout import EXACT, PAIRS, exact_stats
 from logprob_parity.results.totals import Quantiles, linear_quantile, streamed_summary
 
 # per-token values and their order statistics; a sequence's Σ log ρ is a sum (its extremes are not exact)
-EXACTLY = {"n_tokens", "n_sequences", "max_abs_delta", "p99_abs_delta", "rollout_is_min", "rollout_is_max", "kl_full_max", "tis_cap", "mis_band", *(f"kl_full_{k}" for k in
-                                                                          ("p99_9", "p99", "p95", "p90", "p50", "p10", "p5", "p1", "p0_1"))}
+EXACTLY = {
+    "n_tokens",
+    "n_sequences",
+    "max_abs_delta",
+    "p99_abs_delta",
+    "rollout_is_min",
+    "rollout_is_max",
+    "kl_full_max",
+    "tis_cap",
+    "mis_band",
+    *(f"kl_full_{k}" for k in ("p99_9", "p99", "p95", "p90", "p50", "p10", "p5", "p1", "p0_1")),
+}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 100, 1001, 65537])
@@ -45,8 +55,14 @@ def _samples(rng, lengths):
     out = []
     for n in lengths:
         hf = -rng.exponential(1.5, n)
-        lp = {"decode_raw": hf + rng.standard_normal(n) * 0.05, "prefill": hf + rng.standard_normal(n) * 1e-3, "hf": hf,
-              "decode_processed": hf + rng.standard_normal(n) * 0.05, "hf_tempered": hf * 1.1, "log_kept_mass": np.zeros(n)}
+        lp = {
+            "decode_raw": hf + rng.standard_normal(n) * 0.05,
+            "prefill": hf + rng.standard_normal(n) * 1e-3,
+            "hf": hf,
+            "decode_processed": hf + rng.standard_normal(n) * 0.05,
+            "hf_tempered": hf * 1.1,
+            "log_kept_mass": np.zeros(n),
+        }
         lp["decode_raw"][rng.integers(0, n)] -= 3.0 if n > 3 else 0.0  # a wild token now and then
         out.append((lp, {"kl_full": rng.exponential(1e-4, n), "same_top": (rng.random(n) > 0.02).astype(np.float64)}))
     return out
@@ -60,9 +76,11 @@ def test_a_summary_streamed_over_parts_equals_the_whole_set_metrics():
     def parts():
         for lo, hi in itertools.pairwise(cuts):
             part = samples[lo:hi]
-            yield {**{c: np.concatenate([lp[c] for lp, _ in part]) for c in part[0][0]},
-                   **{c: np.concatenate([ex[c] for _, ex in part]) for c in EXACT},
-                   "lengths": np.array([len(lp["hf"]) for lp, _ in part])}
+            yield {
+                **{c: np.concatenate([lp[c] for lp, _ in part]) for c in part[0][0]},
+                **{c: np.concatenate([ex[c] for _, ex in part]) for c in EXACT},
+                "lengths": np.array([len(lp["hf"]) for lp, _ in part]),
+            }
 
     got = streamed_summary(parts, PAIRS, "prefill_vs_hf")
 

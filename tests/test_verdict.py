@@ -27,25 +27,53 @@ def summary(max_abs: float, mean_abs: float, agree: float = 1.0) -> dict:
 def h200_float32(run_id: str = "f32a1b", mean: float = 4.6e-4, max_abs: float = 4.1e-3) -> DiagnosticsResult:
     """Shaped like the stored diagnostics of the H200 float32 run (vLLM 0.26.0, default attention)."""
     hf_noise = mean / 345.0
-    return DiagnosticsResult.from_dict({
-        "diagnostics_id": "d1", "model": "demo", "device": "NVIDIA H200", "versions": {}, "texts": ["t"],
-        "parts": ["noise", "reference", "ablation"], "run_ids": {"float32": run_id},
-        "dtypes": {"float32": {
-            "run_id": run_id, "gap": {"mean": mean, "max": max_abs, "argmax_agreement": 1.0}, "verdict": {},
-            "noise": {"hf_batched_right_padding": {"mean": hf_noise, "max": 1e-5, "n": 30}},
-            "floor": {"hf": hf_noise, "vllm": 0.0}, "ratio_to_hf_noise": 345.0, "ratio_to_vllm_noise": None,
-            "reference": {"vllm_vs_ref": {"mean": 4.55e-4, "max": 4e-3}, "hf_vs_ref": {"mean": 1.3e-6, "max": 1e-5},
-                          "frac_tokens_vllm_closer": 0.02, "frac_tokens_tied": 0.0, "closer_overall": "HF"},
-        }},
-        "ablation": [
-            {"dtype": "float32", "knob": "baseline", "mean_abs_delta": mean, "max_abs_delta": max_abs, "change": 0.0},
-            {"dtype": "float32", "knob": "vLLM attention_backend=TRITON_ATTN", "mean_abs_delta": mean * 0.9,
-             "max_abs_delta": max_abs, "change": -mean * 0.1},
-            {"dtype": "float32", "knob": "vLLM attention_backend=FLEX_ATTENTION", "mean_abs_delta": mean * 0.002,
-             "max_abs_delta": 1e-5, "change": -mean * 0.998},
-            {"dtype": "float32", "knob": "vLLM fp32 LM head", "mean_abs_delta": None, "max_abs_delta": None, "change": None},
-        ],
-    })
+    return DiagnosticsResult.from_dict(
+        {
+            "diagnostics_id": "d1",
+            "model": "demo",
+            "device": "NVIDIA H200",
+            "versions": {},
+            "texts": ["t"],
+            "parts": ["noise", "reference", "ablation"],
+            "run_ids": {"float32": run_id},
+            "dtypes": {
+                "float32": {
+                    "run_id": run_id,
+                    "gap": {"mean": mean, "max": max_abs, "argmax_agreement": 1.0},
+                    "verdict": {},
+                    "noise": {"hf_batched_right_padding": {"mean": hf_noise, "max": 1e-5, "n": 30}},
+                    "floor": {"hf": hf_noise, "vllm": 0.0},
+                    "ratio_to_hf_noise": 345.0,
+                    "ratio_to_vllm_noise": None,
+                    "reference": {
+                        "vllm_vs_ref": {"mean": 4.55e-4, "max": 4e-3},
+                        "hf_vs_ref": {"mean": 1.3e-6, "max": 1e-5},
+                        "frac_tokens_vllm_closer": 0.02,
+                        "frac_tokens_tied": 0.0,
+                        "closer_overall": "HF",
+                    },
+                }
+            },
+            "ablation": [
+                {"dtype": "float32", "knob": "baseline", "mean_abs_delta": mean, "max_abs_delta": max_abs, "change": 0.0},
+                {
+                    "dtype": "float32",
+                    "knob": "vLLM attention_backend=TRITON_ATTN",
+                    "mean_abs_delta": mean * 0.9,
+                    "max_abs_delta": max_abs,
+                    "change": -mean * 0.1,
+                },
+                {
+                    "dtype": "float32",
+                    "knob": "vLLM attention_backend=FLEX_ATTENTION",
+                    "mean_abs_delta": mean * 0.002,
+                    "max_abs_delta": 1e-5,
+                    "change": -mean * 0.998,
+                },
+                {"dtype": "float32", "knob": "vLLM fp32 LM head", "mean_abs_delta": None, "max_abs_delta": None, "change": None},
+            ],
+        }
+    )
 
 
 def test_a_gap_inside_tolerance_but_far_above_the_noise_is_systematic_not_a_match():

@@ -35,9 +35,16 @@ class Bounds:
     max_worsening: float = 1.5
 
     def fixed(self) -> dict[str, float]:
-        return {k: v for k, v in (("mean_abs_delta", self.max_mean_abs_delta), ("max_abs_delta", self.max_abs_delta),
-                                  ("kl_full_mean", self.max_kl_mean), ("argmax_agreement", self.min_argmax_agreement))
-                if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("mean_abs_delta", self.max_mean_abs_delta),
+                ("max_abs_delta", self.max_abs_delta),
+                ("kl_full_mean", self.max_kl_mean),
+                ("argmax_agreement", self.min_argmax_agreement),
+            )
+            if v is not None
+        }
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,20 @@ class CheckResult:
         """One row a bound: run, dtype, what, value, limit, passed."""
         import pandas as pd
 
-        return pd.DataFrame([{"run_id": o.run_id, "dtype": o.dtype, "key": o.key, "value": o.value, "limit": o.limit,
-                              "passed": o.passed, "words": o.words} for o in self.outcomes])
+        return pd.DataFrame(
+            [
+                {
+                    "run_id": o.run_id,
+                    "dtype": o.dtype,
+                    "key": o.key,
+                    "value": o.value,
+                    "limit": o.limit,
+                    "passed": o.passed,
+                    "words": o.words,
+                }
+                for o in self.outcomes
+            ]
+        )
 
 
 def _fmt(key: str, v: float | None) -> str:
@@ -118,8 +137,10 @@ def check(runs: list[Any], bounds: Bounds, baseline: Any | None = None) -> Check
     UserError when nothing is to be checked or the baseline is not a run of the same comparison."""
     fixed = bounds.fixed()
     if not fixed and baseline is None:
-        raise UserError("no bound given: pass --max-mean-abs-delta, --max-abs-delta, --max-kl-mean, --min-argmax-agreement "
-                        "or --baseline RUN_ID")
+        raise UserError(
+            "no bound given: pass --max-mean-abs-delta, --max-abs-delta, --max-kl-mean, --min-argmax-agreement "
+            "or --baseline RUN_ID"
+        )
     if bounds.max_worsening < 1:
         raise UserError(f"--max-worsening must be at least 1 (got {bounds.max_worsening})")
     out: list[Outcome] = []
@@ -135,11 +156,20 @@ def check(runs: list[Any], bounds: Bounds, baseline: Any | None = None) -> Check
                 base = baseline.summary.get(key)
                 if base is None and run.summary.get(key) is None:
                     continue  # measured in neither: nothing to compare
-                out.append(_outcome(run, key, None if base is None else base * f,
-                                    f"baseline {baseline.run_id[:12]} {_fmt(key, base)} x {f:g}"))
+                out.append(
+                    _outcome(
+                        run, key, None if base is None else base * f, f"baseline {baseline.run_id[:12]} {_fmt(key, base)} x {f:g}"
+                    )
+                )
             agree = baseline.summary.get("argmax_agreement")
             if agree is not None:
                 limit = 1 - (1 - agree) * f
-                out.append(_outcome(run, "argmax_agreement", limit,
-                                    f"baseline {baseline.run_id[:12]} disagrees at {1 - agree:.2%} of positions; at most {f:g}x that"))
+                out.append(
+                    _outcome(
+                        run,
+                        "argmax_agreement",
+                        limit,
+                        f"baseline {baseline.run_id[:12]} disagrees at {1 - agree:.2%} of positions; at most {f:g}x that",
+                    )
+                )
     return CheckResult(tuple(out), baseline.run_id if baseline is not None else None)

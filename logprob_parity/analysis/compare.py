@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from logprob_parity.analysis import floors
-from logprob_parity.results.metrics import concat, summarize
 from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.host import start_words
@@ -21,6 +20,7 @@ from logprob_parity.env import device_name, versions
 from logprob_parity.inputs.models import ResolvedModel
 from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.inputs.tokens import TokenizedText
+from logprob_parity.results.metrics import concat, summarize
 from logprob_parity.results.positions import METRIC_COLUMNS, batch_table, metrics_of
 from logprob_parity.results.records import RunEnv, RunMeta, SequenceInfo
 from logprob_parity.results.run import SCHEMA_VERSION, Run, StoredSequences
@@ -51,13 +51,16 @@ def request_key(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) ->
     return content_hash({**_identity(spec, model, dtype, device), "texts": list(spec.texts), "truncate": spec.truncate}, 32)
 
 
-def run_id_for(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, toks: list[TokenizedText], max_model_len: int) -> str:
+def run_id_for(
+    spec: RunSpec, model: ResolvedModel, dtype: str, device: str, toks: list[TokenizedText], max_model_len: int
+) -> str:
     """Content address: everything that can change a number, the token ids included."""
     return run_id_for_ids(spec, model, dtype, device, [t.text for t in toks], [list(t.token_ids) for t in toks], max_model_len)
 
 
-def run_id_for_ids(spec: RunSpec, model: ResolvedModel, dtype: str, device: str, texts: list[str], ids: list[list[int]],
-                   max_model_len: int) -> str:
+def run_id_for_ids(
+    spec: RunSpec, model: ResolvedModel, dtype: str, device: str, texts: list[str], ids: list[list[int]], max_model_len: int
+) -> str:
     """`run_id_for` from the texts as scored and their ids (no token names or pieces needed)."""
     return content_hash(
         {
@@ -213,8 +216,11 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         infos = infos or info_b["engines"]
         # the floor is measured on the run's first texts (floors.sample_of): beside the first batch's
         # table when that batch holds them all, else once every batch is scored
-        floor_job = (_BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores)
-                     if spec.noise_floor and b == 0 and hi >= n_floor else None)
+        floor_job = (
+            _BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores)
+            if spec.noise_floor and b == 0 and hi >= n_floor
+            else None
+        )
         try:
             table, part_infos, m = batch_table(described.result(), scores["hf"], scores["vllm"], p.decode_many, lo)
         finally:  # the engines measured their own noise while this process built the table (never left running)
@@ -229,9 +235,21 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         via.update(via_b)
         seq_infos.extend(part_infos)
         if many:
-            store.save_part(rid, b, table, {"lo": lo, "hi": hi, "ids": digest, "sequences": [asdict(x) for x in part_infos],
-                                            "engines": info_b["engines"], "kl_why": {why_b: 1} if why_b else {}, "via": sorted(via_b),
-                                            "floor": info_b.get("floor")})
+            store.save_part(
+                rid,
+                b,
+                table,
+                {
+                    "lo": lo,
+                    "hi": hi,
+                    "ids": digest,
+                    "sequences": [asdict(x) for x in part_infos],
+                    "engines": info_b["engines"],
+                    "kl_why": {why_b: 1} if why_b else {},
+                    "via": sorted(via_b),
+                    "floor": info_b.get("floor"),
+                },
+            )
         else:
             tables, metrics = [table], m
         done += n_pos
@@ -241,35 +259,58 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         if many:
             rate = computed / t_compute if t_compute else 0.0
             left = f", {words_left((total - done) / rate)}" if rate and done < total else ""
-            ctx.emit("batch", dtype, f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s{left}"
-                     + (f" ({reused} batch(es) were already in the store)" if reused else ""))
+            ctx.emit(
+                "batch",
+                dtype,
+                f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s{left}"
+                + (f" ({reused} batch(es) were already in the store)" if reused else ""),
+            )
     if spec.noise_floor and floor is None and many:
         first = seqs[:n_floor]
         rows = store.part_table(rid, 0, ["seq", "hf_logprob", "vllm_logprob"]) if batches[0][1] >= n_floor else None
         if rows is None:
             import pyarrow as pa
 
-            rows = pa.concat_tables([store.part_table(rid, k, ["seq", "hf_logprob", "vllm_logprob"])
-                                     for k, (lo, _) in enumerate(batches) if lo < n_floor])
+            rows = pa.concat_tables(
+                [
+                    store.part_table(rid, k, ["seq", "hf_logprob", "vllm_logprob"])
+                    for k, (lo, _) in enumerate(batches)
+                    if lo < n_floor
+                ]
+            )
         seq_col = rows.column("seq").to_numpy()
-        main = {side: [_Scored(rows.column(f"{side}_logprob").to_numpy()[seq_col == i]) for i in range(n_floor)]
-                for side in ("hf", "vllm")}
+        main = {
+            side: [_Scored(rows.column(f"{side}_logprob").to_numpy()[seq_col == i]) for i in range(n_floor)]
+            for side in ("hf", "vllm")
+        }
         floor, timing["noise_s"] = _measure_floor(p, dtype, requests, lease, first, main)
     if reused:
-        ctx.emit("cache", dtype, f"{reused} of {len(batches)} batches came from the store (an earlier run of this request "
-                 f"stopped before it finished); {len(batches) - reused} computed now")
+        ctx.emit(
+            "cache",
+            dtype,
+            f"{reused} of {len(batches)} batches came from the store (an earlier run of this request "
+            f"stopped before it finished); {len(batches) - reused} computed now",
+        )
     ctx.emit("compare", dtype, "metrics over every position")
     if many:
         metrics = concat([metrics_of(store.part_table(rid, b, list(METRIC_COLUMNS))) for b in range(len(batches))])
     summary = summarize(metrics)
     summary.update(floors.with_ratio(floor, summary["mean_abs_delta"]))
     if kl_why:
-        kl_full = "not computed: " + "; ".join(f"{why}" + (f" ({k} of {len(batches)} batches)" if many else "") for why, k in kl_why.items())
+        kl_full = "not computed: " + "; ".join(
+            f"{why}" + (f" ({k} of {len(batches)} batches)" if many else "") for why, k in kl_why.items()
+        )
     else:
         runner = next(iter(via)) if len(via) == 1 else None
         kl_full = f"exact, every position{f' (from vLLM’s {runner} model runner)' if runner else ''}"
-    infos = {**infos, "vllm": {**(infos.get("vllm") or {}), "kl_full": kl_full,
-                               "kl_transport": fullvocab.TRANSPORT_WORDS[fullvocab.transport(p.device)]}}
+    infos = {
+        **infos,
+        "vllm": {
+            **(infos.get("vllm") or {}),
+            "kl_full": kl_full,
+            "kl_transport": fullvocab.TRANSPORT_WORDS[fullvocab.transport(p.device)],
+        },
+    }
     now = dt.datetime.now(dt.timezone.utc)
     v = versions()
     meta = RunMeta(
@@ -286,10 +327,21 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         top_k=spec.top_k,
         bos=spec.bos,
         device=p.device,
-        env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
-                   vllm_dist=v["vllm_dist"], hf_engine=infos.get("hf") or {}, vllm_engine=infos["vllm"]),
-        timing={**{k: round(x, 3) for k, x in timing.items()}, "batches": len(batches), "batches_from_store": reused,
-                "total_s": round(time.perf_counter() - t0, 3)},
+        env=RunEnv(
+            device=device_name(p.device),
+            torch=v["torch"],
+            transformers=v["transformers"],
+            vllm=v["vllm"],
+            vllm_dist=v["vllm_dist"],
+            hf_engine=infos.get("hf") or {},
+            vllm_engine=infos["vllm"],
+        ),
+        timing={
+            **{k: round(x, 3) for k, x in timing.items()},
+            "batches": len(batches),
+            "batches_from_store": reused,
+            "total_s": round(time.perf_counter() - t0, 3),
+        },
         summary=summary,
         sequences=tuple(seq_infos),
     )
@@ -306,8 +358,9 @@ class _Scored:
     logprob: Any
 
 
-def _measure_floor(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]],
-                   scores: dict[str, list[Any]]) -> tuple[dict[str, Any], float]:
+def _measure_floor(
+    p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], scores: dict[str, list[Any]]
+) -> tuple[dict[str, Any], float]:
     """Each engine's own noise on a scored batch's first texts (logprob_parity.analysis.floors), on a device
     turn of its own: (the floor, seconds)."""
     ctx, spec = p.ctx, p.spec
@@ -326,8 +379,9 @@ def _measure_floor(p: Prepared, dtype: str, requests: list[Any], lease: Lease, s
 _BESIDE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lpp-beside")
 
 
-def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], b: int,
-                 n_batches: int) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
+def _score_batch(
+    p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], b: int, n_batches: int
+) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
     """Both engines on one batch, on one device turn, with the exact KL by this device's transport:
     (scores per backend, {"engines", "timing"}, why the KL is missing or None, the vLLM runner)."""
     ctx, spec = p.ctx, p.spec
@@ -337,8 +391,13 @@ def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seq
     hosts = {}
     for req in requests:
         if b == 0:
-            ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
-                     f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
+            ctx.emit(
+                "load",
+                dtype,
+                f"{req.backend}: warm engine"
+                if lease.warm(req)
+                else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
+            )
         t = time.perf_counter()
         hosts[req.backend] = lease.host(req)
         engines[req.backend] = hosts[req.backend].info
@@ -363,5 +422,3 @@ def _score_batch(p: Prepared, dtype: str, requests: list[Any], lease: Lease, seq
     finally:
         ex.close(vhost)
     return scores, {"engines": engines, "timing": timing}, ex.why, {ex.runner} if ex.runner else set()
-
-

@@ -17,8 +17,8 @@ import numpy as np
 
 from logprob_parity.analysis.compare import compare, compare_prepared
 from logprob_parity.analysis.floors import gap
-from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS
 from logprob_parity.analysis.request import Context, EventFn, prepare
+from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS
 from logprob_parity.analysis.verdict import diagnosis_verdicts
 from logprob_parity.engines.host import start_words
 from logprob_parity.env import device_name, versions
@@ -54,13 +54,23 @@ def ablation_knobs(device: str, slow: bool) -> list[tuple[str, dict[str, Any] | 
     """(name, change to the settings or None when skipped, note). Only what this platform can run."""
     knobs: list[tuple[str, dict[str, Any] | None, str]] = [
         ("vLLM prefix caching on", {"enable_prefix_caching": True}, ""),
-        ("vLLM chunked prefill, max_num_batched_tokens=32", {"enable_chunked_prefill": True, "max_num_batched_tokens": 32, "max_num_seqs": 8}, ""),
+        (
+            "vLLM chunked prefill, max_num_batched_tokens=32",
+            {"enable_chunked_prefill": True, "max_num_batched_tokens": 32, "max_num_seqs": 8},
+            "",
+        ),
         ("HF attn_implementation=eager", {"attn_implementation": "eager"}, ""),
     ]
     if device == "cuda" or slow:
         knobs.append(("vLLM torch.compile + graphs (enforce_eager off)", {"enforce_eager": False}, ""))
     else:
-        knobs.append(("vLLM torch.compile + graphs (enforce_eager off)", None, "skipped: compiling on CPU takes minutes (--slow-knobs runs it)"))
+        knobs.append(
+            (
+                "vLLM torch.compile + graphs (enforce_eager off)",
+                None,
+                "skipped: compiling on CPU takes minutes (--slow-knobs runs it)",
+            )
+        )
     if device == "cuda":
         for backend in ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER"):
             knobs.append((f"vLLM attention_backend={backend}", {"attention_backend": backend}, ""))
@@ -110,8 +120,14 @@ def diagnose(
     picks: dict[str, dict[str, list[int]]] = {}
     for run in base_runs:
         d = run.dtype
-        out: dict[str, Any] = {"run_id": run.run_id, "gap": {"mean": run.summary["mean_abs_delta"], "max": run.summary["max_abs_delta"],
-                                                              "argmax_agreement": run.summary.get("argmax_agreement")}}
+        out: dict[str, Any] = {
+            "run_id": run.run_id,
+            "gap": {
+                "mean": run.summary["mean_abs_delta"],
+                "max": run.summary["max_abs_delta"],
+                "argmax_agreement": run.summary.get("argmax_agreement"),
+            },
+        }
         hf_r, v_r = p.load("hf", d), p.load("vllm", d)
         other = "eager" if (p.spec.settings.attn_implementation or "sdpa") != "eager" else "sdpa"
         other_r = p.load("hf", d, replace(p.spec.settings, attn_implementation=other))
@@ -164,15 +180,28 @@ def diagnose(
         out["verdict"] = {}  # filled below, once the ablation's evidence is in
         dtypes[d] = DtypeDiagnosis.from_dict(out)
     ablation = _ablation(spec, ctx, base_runs, p.device, slow_knobs) if "ablation" in parts else []
-    identity = {"model": p.model.name, "device": device_name(p.device), "versions": {k: v for k, v in versions().items() if k != "vllm_dist"},
-                "texts": list(spec.texts), "parts": list(parts), "run_ids": {r.dtype: r.run_id for r in base_runs}}
+    identity = {
+        "model": p.model.name,
+        "device": device_name(p.device),
+        "versions": {k: v for k, v in versions().items() if k != "vllm_dist"},
+        "texts": list(spec.texts),
+        "parts": list(parts),
+        "run_ids": {r.dtype: r.run_id for r in base_runs},
+    }
     now = dt.datetime.now(dt.timezone.utc)
     result = DiagnosticsResult(
         diagnostics_id=content_hash(identity | {"gen": gen_tokens}),
-        model=identity["model"], device=identity["device"], versions=identity["versions"], texts=tuple(spec.texts),
-        parts=tuple(parts), run_ids=identity["run_ids"], dtypes=dtypes, ablation=tuple(ablation),
+        model=identity["model"],
+        device=identity["device"],
+        versions=identity["versions"],
+        texts=tuple(spec.texts),
+        parts=tuple(parts),
+        run_ids=identity["run_ids"],
+        dtypes=dtypes,
+        ablation=tuple(ablation),
         mcq_dtype_flips=_dtype_flips(picks) if picks else None,
-        created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(),
+        created=now.isoformat(timespec="seconds"),
+        created_ts=now.timestamp(),
     )
     # the stored verdict is the one verdict function's, over all the evidence (noise, reference, knobs)
     verdicts = diagnosis_verdicts(result)
@@ -192,8 +221,10 @@ def _cached_scoring(hf: Any, seqs: list[list[int]], base_hf: list[np.ndarray]) -
     chunked = hf.rollout_score(seqs, starts, chunk=chunk)
     tail = INCREMENTAL_TOKENS if max(map(len, seqs)) > INCREMENTAL_WHOLE else None
     inc = hf.rollout_score(seqs, starts, chunk=1, tail=tail)
-    return {"hf_chunked": gap([b[1:] for b in base_hf], [c["logprob"] for c in chunked]),
-            "hf_incremental": gap([b[int(c["first"]):] for b, c in zip(base_hf, inc)], [c["logprob"] for c in inc])}
+    return {
+        "hf_chunked": gap([b[1:] for b in base_hf], [c["logprob"] for c in chunked]),
+        "hf_incremental": gap([b[int(c["first"]) :] for b, c in zip(base_hf, inc)], [c["logprob"] for c in inc]),
+    }
 
 
 def _reference(v: list[np.ndarray], h: list[np.ndarray], ref: list[np.ndarray]) -> dict[str, Any]:
@@ -216,7 +247,12 @@ def _reference(v: list[np.ndarray], h: list[np.ndarray], ref: list[np.ndarray]) 
 
 def _greedy(tokenizer: Any, hf: list[int], vl: list[int]) -> dict[str, Any]:
     first = next((i for i, (a, b) in enumerate(zip(hf, vl)) if a != b), None)
-    out: dict[str, Any] = {"n_tokens": len(hf), "hf_text": tokenizer.decode(hf), "vllm_text": tokenizer.decode(vl), "first_difference": first}
+    out: dict[str, Any] = {
+        "n_tokens": len(hf),
+        "hf_text": tokenizer.decode(hf),
+        "vllm_text": tokenizer.decode(vl),
+        "first_difference": first,
+    }
     if first is not None:
         out["hf_token"] = tokenizer.decode([hf[first]])
         out["vllm_token"] = tokenizer.decode([vl[first]])
@@ -275,22 +311,59 @@ def _ablation(spec: RunSpec, ctx: Context, base_runs: list[Run], device: str, sl
     rows = []
     for run in base_runs:
         base = run.summary["mean_abs_delta"]
-        rows.append({"dtype": run.dtype, "knob": "baseline", "mean_abs_delta": base, "max_abs_delta": run.summary["max_abs_delta"],
-                     "change": 0.0, "run_id": run.run_id, "note": json.dumps(spec.settings.to_dict(), sort_keys=True)})
+        rows.append(
+            {
+                "dtype": run.dtype,
+                "knob": "baseline",
+                "mean_abs_delta": base,
+                "max_abs_delta": run.summary["max_abs_delta"],
+                "change": 0.0,
+                "run_id": run.run_id,
+                "note": json.dumps(spec.settings.to_dict(), sort_keys=True),
+            }
+        )
         for name, change, note in ablation_knobs(device, slow):
             if change is None:
-                rows.append({"dtype": run.dtype, "knob": name, "mean_abs_delta": None, "max_abs_delta": None, "change": None, "run_id": None, "note": note})
+                rows.append(
+                    {
+                        "dtype": run.dtype,
+                        "knob": name,
+                        "mean_abs_delta": None,
+                        "max_abs_delta": None,
+                        "change": None,
+                        "run_id": None,
+                        "note": note,
+                    }
+                )
                 continue
             emit("ablation", run.dtype, name)
             try:
                 (r,) = compare(replace(spec, dtypes=(run.dtype,), settings=replace(spec.settings, **change)), ctx)
-            except Exception as exc:  # noqa: BLE001 - a knob this engine refuses is a finding, not a crash
-                rows.append({"dtype": run.dtype, "knob": name, "mean_abs_delta": None, "max_abs_delta": None, "change": None,
-                             "run_id": None, "note": f"failed: {str(exc).splitlines()[0][:200]}"})
+            except Exception as exc:
+                rows.append(
+                    {
+                        "dtype": run.dtype,
+                        "knob": name,
+                        "mean_abs_delta": None,
+                        "max_abs_delta": None,
+                        "change": None,
+                        "run_id": None,
+                        "note": f"failed: {str(exc).splitlines()[0][:200]}",
+                    }
+                )
                 continue
             m = r.summary["mean_abs_delta"]
-            rows.append({"dtype": run.dtype, "knob": name, "mean_abs_delta": m, "max_abs_delta": r.summary["max_abs_delta"],
-                         "change": m - base, "run_id": r.run_id, "note": ""})
+            rows.append(
+                {
+                    "dtype": run.dtype,
+                    "knob": name,
+                    "mean_abs_delta": m,
+                    "max_abs_delta": r.summary["max_abs_delta"],
+                    "change": m - base,
+                    "run_id": r.run_id,
+                    "note": "",
+                }
+            )
     return rows
 
 
@@ -308,13 +381,17 @@ def knob_lines(rows: list[dict[str, Any]]) -> list[str]:
         cuts = [r for r in tried if r["change"] < 0]
         if cuts:
             best = min(cuts, key=lambda r: r["change"])
-            out.append(f"{dtype}: {best['knob']} removes the most of the gap, {-best['change'] / base:.1%} "
-                       f"(mean |Δ logp| {base:.2e} → {best['mean_abs_delta']:.2e})")
+            out.append(
+                f"{dtype}: {best['knob']} removes the most of the gap, {-best['change'] / base:.1%} "
+                f"(mean |Δ logp| {base:.2e} → {best['mean_abs_delta']:.2e})"
+            )
         else:
             out.append(f"{dtype}: no single setting tried here narrows the gap")
         for r in sorted((r for r in tried if r["change"] > 0), key=lambda r: -r["change"]):
-            out.append(f"{dtype}: {r['knob']} widens it {r['mean_abs_delta'] / base:.3g}x (mean |Δ logp| {base:.2e} → "
-                       f"{r['mean_abs_delta']:.2e})")
+            out.append(
+                f"{dtype}: {r['knob']} widens it {r['mean_abs_delta'] / base:.3g}x (mean |Δ logp| {base:.2e} → "
+                f"{r['mean_abs_delta']:.2e})"
+            )
     return out
 
 
@@ -326,11 +403,13 @@ def noise_source(key: str) -> str:
         "vllm_alone_vs_batched": "vLLM against itself: alone, then batched with other prompts",
         "vllm_repeat": "vLLM against itself: the same request again",
         "hf_chunked": f"HF against itself: up to {TRAINER_CHUNK} tokens a forward through its KV cache, as trainers score in chunks",
-        "hf_incremental": ("HF against itself: one token a forward through its KV cache, as a per-prefix script or a decode "
-                           f"loop scores (the last {INCREMENTAL_TOKENS} tokens of a text longer than {INCREMENTAL_WHOLE})"),
+        "hf_incremental": (
+            "HF against itself: one token a forward through its KV cache, as a per-prefix script or a decode "
+            f"loop scores (the last {INCREMENTAL_TOKENS} tokens of a text longer than {INCREMENTAL_WHOLE})"
+        ),
     }
     if key.startswith("hf_attn_"):
-        return f"HF against itself: the {key[len('hf_attn_'):]} attention kernel instead"
+        return f"HF against itself: the {key[len('hf_attn_') :]} attention kernel instead"
     return words.get(key, key.replace("_", " "))
 
 
@@ -347,25 +426,49 @@ def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, An
         if out.noise is not None:
             noise.append({"dtype": d, "what": GAP_SOURCE, MEAN: out.gap["mean"], MAX: out.gap["max"]})
             noise.extend({"dtype": d, "what": noise_source(k), MEAN: v["mean"], MAX: v["max"]} for k, v in out.noise.items())
-            ratios.append({"dtype": d, "gap ÷ HF's own noise": out.ratio_to_hf_noise, "gap ÷ vLLM's own noise": out.ratio_to_vllm_noise})
+            ratios.append(
+                {"dtype": d, "gap ÷ HF's own noise": out.ratio_to_hf_noise, "gap ÷ vLLM's own noise": out.ratio_to_vllm_noise}
+            )
         if out.reference is not None:
             r = out.reference
-            ref.append({"dtype": d, "mean |vLLM − float64|": r["vllm_vs_ref"]["mean"], "mean |HF − float64|": r["hf_vs_ref"]["mean"],
-                        "largest |vLLM − float64|": r["vllm_vs_ref"]["max"], "largest |HF − float64|": r["hf_vs_ref"]["max"],
-                        "share of tokens where vLLM is closer": r["frac_tokens_vllm_closer"], "closer overall": r["closer_overall"]})
+            ref.append(
+                {
+                    "dtype": d,
+                    "mean |vLLM − float64|": r["vllm_vs_ref"]["mean"],
+                    "mean |HF − float64|": r["hf_vs_ref"]["mean"],
+                    "largest |vLLM − float64|": r["vllm_vs_ref"]["max"],
+                    "largest |HF − float64|": r["hf_vs_ref"]["max"],
+                    "share of tokens where vLLM is closer": r["frac_tokens_vllm_closer"],
+                    "closer overall": r["closer_overall"],
+                }
+            )
         if out.greedy is not None and out.mcq is not None:
             g, m = out.greedy, out.mcq
             first = g["first_difference"]
-            down.append({"dtype": d,
-                         "greedy text": (f"identical for all {g['n_tokens']} generated tokens" if first is None
-                                         else f"differs from generated token {first + 1}: HF {g.get('hf_token')!r}, vLLM {g.get('vllm_token')!r}"),
-                         "answers that differ (HF vs vLLM)": f"{m['flips_between_engines']} of {m['n_questions']}",
-                         "share correct, HF": m["hf_accuracy"], "share correct, vLLM": m["vllm_accuracy"]})
+            down.append(
+                {
+                    "dtype": d,
+                    "greedy text": (
+                        f"identical for all {g['n_tokens']} generated tokens"
+                        if first is None
+                        else f"differs from generated token {first + 1}: HF {g.get('hf_token')!r}, vLLM {g.get('vllm_token')!r}"
+                    ),
+                    "answers that differ (HF vs vLLM)": f"{m['flips_between_engines']} of {m['n_questions']}",
+                    "share correct, HF": m["hf_accuracy"],
+                    "share correct, vLLM": m["vllm_accuracy"],
+                }
+            )
     return {"noise": noise, "ratios": ratios, "reference": ref, "downstream": down, "ablation": list(result.ablation)}
 
 
-ABLATION_WORDS = {"knob": "setting changed", "mean_abs_delta": MEAN, "max_abs_delta": MAX, "change": "change in the mean gap",
-                  "removed": "share of the gap removed", "note": "note"}
+ABLATION_WORDS = {
+    "knob": "setting changed",
+    "mean_abs_delta": MEAN,
+    "max_abs_delta": MAX,
+    "change": "change in the mean gap",
+    "removed": "share of the gap removed",
+    "note": "note",
+}
 
 
 def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -375,7 +478,10 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         b = base.get(r["dtype"])
         removed = (0.0 - r["change"] / b) if (r.get("change") is not None and b and r["knob"] != "baseline") else None
-        row = {"dtype": r["dtype"], **{ABLATION_WORDS[k]: r.get(k) for k in ("knob", "mean_abs_delta", "max_abs_delta", "change")}}
+        row = {
+            "dtype": r["dtype"],
+            **{ABLATION_WORDS[k]: r.get(k) for k in ("knob", "mean_abs_delta", "max_abs_delta", "change")},
+        }
         row[ABLATION_WORDS["removed"]] = removed
         row["note"] = "the settings as run" if r["knob"] == "baseline" else r.get("note", "")
         out.append(row)

@@ -44,10 +44,20 @@ class RunDiff:
         return pd.DataFrame(list(self.movers))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"a": self.a, "b": self.b, "dtypes": list(self.dtypes), "changes": [list(c) for c in self.changes],
-                "n_tokens": self.n_tokens, "mean_abs_delta": {"a": self.mean_a, "b": self.mean_b},
-                "max_abs_delta": {"a": self.max_a, "b": self.max_b}, "share_wider": self.share_wider,
-                "share_narrower": self.share_narrower, "factor": FACTOR, "headline": self.headline, "movers": list(self.movers)}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "dtypes": list(self.dtypes),
+            "changes": [list(c) for c in self.changes],
+            "n_tokens": self.n_tokens,
+            "mean_abs_delta": {"a": self.mean_a, "b": self.mean_b},
+            "max_abs_delta": {"a": self.max_a, "b": self.max_b},
+            "share_wider": self.share_wider,
+            "share_narrower": self.share_narrower,
+            "factor": FACTOR,
+            "headline": self.headline,
+            "movers": list(self.movers),
+        }
 
 
 def changes_between(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
@@ -98,8 +108,10 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
     if r >= 1.05:
         moved = f"widened the mean gap {r:,.3g}x ({mean_a:.2e} → {mean_b:.2e}); the gap grew more than {FACTOR:g}x at {wider:.0%} of tokens"
     elif r <= 1 / 1.05:
-        moved = (f"narrowed the mean gap {1 / r:,.3g}x ({mean_a:.2e} → {mean_b:.2e}); the gap shrank more than {FACTOR:g}x at "
-                 f"{narrower:.0%} of tokens")
+        moved = (
+            f"narrowed the mean gap {1 / r:,.3g}x ({mean_a:.2e} → {mean_b:.2e}); the gap shrank more than {FACTOR:g}x at "
+            f"{narrower:.0%} of tokens"
+        )
     else:
         moved = f"left the mean gap about where it was ({mean_a:.2e} → {mean_b:.2e}); {wider:.0%} of tokens grew more than {FACTOR:g}x"
     headline = f"{_words(changes)} {moved}."
@@ -110,10 +122,32 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
     movers = []
     for i in order:
         s, t = int(seq[i]), int(idx[i])
-        movers.append({"prompt": s, "position": t, "token_id": int(tid[i]), "token": a.sequences[s].pieces[t],
-                       "gap_a": float(ga[i]), "gap_b": float(gb[i]), "ratio": float(ratio[i])})
-    return RunDiff(a.run_id, b.run_id, (a.dtype, b.dtype), tuple(changes), n, mean_a, mean_b, float(ga.max()), float(gb.max()),
-                   wider, narrower, headline, tuple(movers))
+        movers.append(
+            {
+                "prompt": s,
+                "position": t,
+                "token_id": int(tid[i]),
+                "token": a.sequences[s].pieces[t],
+                "gap_a": float(ga[i]),
+                "gap_b": float(gb[i]),
+                "ratio": float(ratio[i]),
+            }
+        )
+    return RunDiff(
+        a.run_id,
+        b.run_id,
+        (a.dtype, b.dtype),
+        tuple(changes),
+        n,
+        mean_a,
+        mean_b,
+        float(ga.max()),
+        float(gb.max()),
+        wider,
+        narrower,
+        headline,
+        tuple(movers),
+    )
 
 
 def diff_text(d: RunDiff) -> str:
@@ -121,10 +155,17 @@ def diff_text(d: RunDiff) -> str:
     lines = [d.headline, "", f"A: run {d.a} ({d.dtypes[0]})   B: run {d.b} ({d.dtypes[1]})   {d.n_tokens:,} tokens"]
     if d.changes:
         lines += ["", "what differs:"] + [f"  {what}: {x} → {y}" for what, x, y in d.changes]
-    lines += ["", f"mean |Δ logp|  A {d.mean_a:.3e}  B {d.mean_b:.3e}", f"max  |Δ logp|  A {d.max_a:.3e}  B {d.max_b:.3e}",
-              f"tokens whose gap grew more than {FACTOR:g}x: {d.share_wider:.1%}; shrank more than {FACTOR:g}x: {d.share_narrower:.1%}",
-              "", "tokens whose gap moved most:"]
+    lines += [
+        "",
+        f"mean |Δ logp|  A {d.mean_a:.3e}  B {d.mean_b:.3e}",
+        f"max  |Δ logp|  A {d.max_a:.3e}  B {d.max_b:.3e}",
+        f"tokens whose gap grew more than {FACTOR:g}x: {d.share_wider:.1%}; shrank more than {FACTOR:g}x: {d.share_narrower:.1%}",
+        "",
+        "tokens whose gap moved most:",
+    ]
     for m in d.movers[:10]:
-        lines.append(f"  prompt {m['prompt']} position {m['position']} {m['token']!r}: {m['gap_a']:.2e} → {m['gap_b']:.2e} "
-                     f"({m['ratio']:.3g}x)")
+        lines.append(
+            f"  prompt {m['prompt']} position {m['position']} {m['token']!r}: {m['gap_a']:.2e} → {m['gap_b']:.2e} "
+            f"({m['ratio']:.3g}x)"
+        )
     return "\n".join(lines)

@@ -53,8 +53,9 @@ def gap(a: list[np.ndarray], b: list[np.ndarray]) -> dict[str, Any]:
     return {"mean": float(d.mean()), "max": float(d.max()), "n": int(d.size)}
 
 
-def measure(vllm: Any, hf: Any, seqs: list[list[int]], scores: dict[str, list[Any]], others: list[list[int]],
-            hf_batch_size: int) -> dict[str, Any]:
+def measure(
+    vllm: Any, hf: Any, seqs: list[list[int]], scores: dict[str, list[Any]], others: list[list[int]], hf_batch_size: int
+) -> dict[str, Any]:
     """The floor on the first sequences of a scored batch (`scores`: each side's values of `seqs`).
     vllm, hf: the engines' hosts (the same engines the comparison used)."""
     n = sample_of(seqs)
@@ -74,11 +75,15 @@ def measure(vllm: Any, hf: Any, seqs: list[list[int]], scores: dict[str, list[An
     means = [g["mean"] for g in (v1, v2) if g["mean"] is not None]
     maxes = [g["max"] for g in (v1, v2) if g["max"] is not None]
     return {
-        "hf_noise_mean": h["mean"], "hf_noise_max": h["max"],
-        "vllm_noise_mean": max(means) if means else None, "vllm_noise_max": max(maxes) if maxes else None,
+        "hf_noise_mean": h["mean"],
+        "hf_noise_max": h["max"],
+        "vllm_noise_mean": max(means) if means else None,
+        "vllm_noise_max": max(maxes) if maxes else None,
         "noise_tokens": h["n"],
-        "noise_what": (f"HF against itself: {n} of the texts ({h['n']} tokens) scored {how}; vLLM against itself: the same "
-                       f"texts each alone, and batched with {len(others)} other prompts"),
+        "noise_what": (
+            f"HF against itself: {n} of the texts ({h['n']} tokens) scored {how}; vLLM against itself: the same "
+            f"texts each alone, and batched with {len(others)} other prompts"
+        ),
     }
 
 

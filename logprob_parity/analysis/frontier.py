@@ -121,29 +121,52 @@ def default_grid(device: str) -> list[Config]:
     """What the platform can run, with what it cannot listed and why."""
     gpu = device != "cpu"
     grid = [Config(d) for d in ("float16", "bfloat16", "float32")]
-    grid += [Config("bfloat16", (("kv_cache_dtype", "fp8"),)), Config("bfloat16", (("quantization", "fp8"),)),
-             Config("float16", (("quantization", "fp8"),))]
+    grid += [
+        Config("bfloat16", (("kv_cache_dtype", "fp8"),)),
+        Config("bfloat16", (("quantization", "fp8"),)),
+        Config("float16", (("quantization", "fp8"),)),
+    ]
     if gpu:
-        grid += [Config("bfloat16", (("enforce_eager", False),)), Config("float32", (("enforce_eager", False),)),
-                 Config("float32", (("tf32", True),)), Config("bfloat16", (("batch_invariant", True),)),
-                 Config("float32", (("batch_invariant", True),))]
-        grid += [Config(d, (("attention_backend", b),)) for d in ("bfloat16", "float32")
-                 for b in ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")]
+        grid += [
+            Config("bfloat16", (("enforce_eager", False),)),
+            Config("float32", (("enforce_eager", False),)),
+            Config("float32", (("tf32", True),)),
+            Config("bfloat16", (("batch_invariant", True),)),
+            Config("float32", (("batch_invariant", True),)),
+        ]
+        grid += [
+            Config(d, (("attention_backend", b),))
+            for d in ("bfloat16", "float32")
+            for b in ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")
+        ]
         grid.append(PREQUANTIZED)
     else:
         why = "NVIDIA GPUs only"
-        grid += [Config("float32", (("tf32", True),), skip=f"TF32: {why}"),
-                 Config("bfloat16", (("batch_invariant", True),), skip=f"vLLM's batch-invariant kernels: {why}"),
-                 Config("bfloat16", (("enforce_eager", False),), skip="CUDA graphs: GPUs only (on a CPU vLLM would compile for minutes)"),
-                 Config("bfloat16", (("attention_backend", "FLEX_ATTENTION"),),
-                        skip="vLLM's CPU build has one attention backend (CPU_ATTN)"), PREQUANTIZED]
+        grid += [
+            Config("float32", (("tf32", True),), skip=f"TF32: {why}"),
+            Config("bfloat16", (("batch_invariant", True),), skip=f"vLLM's batch-invariant kernels: {why}"),
+            Config(
+                "bfloat16", (("enforce_eager", False),), skip="CUDA graphs: GPUs only (on a CPU vLLM would compile for minutes)"
+            ),
+            Config(
+                "bfloat16",
+                (("attention_backend", "FLEX_ATTENTION"),),
+                skip="vLLM's CPU build has one attention backend (CPU_ATTN)",
+            ),
+            PREQUANTIZED,
+        ]
     return grid
 
 
 # Listed with how to add one: a checkpoint quantized ahead of time is a folder the grid cannot guess.
-PREQUANTIZED = Config("bfloat16", label="a pre-quantized checkpoint (GPTQ, AWQ, FP8, compressed-tensors)", skip=(
-    "a checkpoint is its own folder, so name it: add a configuration 'bfloat16 checkpoint=PATH' and its vLLM engine "
-    "loads that checkpoint, scored on this model's token ids against this model in float64"))
+PREQUANTIZED = Config(
+    "bfloat16",
+    label="a pre-quantized checkpoint (GPTQ, AWQ, FP8, compressed-tensors)",
+    skip=(
+        "a checkpoint is its own folder, so name it: add a configuration 'bfloat16 checkpoint=PATH' and its vLLM engine "
+        "loads that checkpoint, scored on this model's token ids against this model in float64"
+    ),
+)
 
 
 def pareto(configs: list[dict[str, Any]]) -> list[str]:
@@ -153,8 +176,11 @@ def pareto(configs: list[dict[str, Any]]) -> list[str]:
     front = []
     for c in ok:
         e, s = c["ref_gap"]["mean"], c["tokens_per_s"]["prefill"]
-        if not any((o["ref_gap"]["mean"] <= e and o["tokens_per_s"]["prefill"] >= s)
-                   and (o["ref_gap"]["mean"] < e or o["tokens_per_s"]["prefill"] > s) for o in ok):
+        if not any(
+            (o["ref_gap"]["mean"] <= e and o["tokens_per_s"]["prefill"] >= s)
+            and (o["ref_gap"]["mean"] < e or o["tokens_per_s"]["prefill"] > s)
+            for o in ok
+        ):
             front.append(c["name"])
     return front
 
@@ -179,45 +205,68 @@ def recommend(configs: list[dict[str, Any]], tolerance: float | None, source: st
     within = [c for c in ok if c["ref_gap"]["mean"] <= tolerance]
     if not within:
         best = min(ok, key=lambda c: c["ref_gap"]["mean"])
-        return {"name": None, "why": f"no configuration is within {tolerance:.2e} ({source}); the most accurate is "
-                                     f"{best['name']} at {best['ref_gap']['mean']:.2e}"}
+        return {
+            "name": None,
+            "why": f"no configuration is within {tolerance:.2e} ({source}); the most accurate is "
+            f"{best['name']} at {best['ref_gap']['mean']:.2e}",
+        }
     fast = max(within, key=lambda c: c["tokens_per_s"]["prefill"])
     tied = [c for c in within if _spread(c)[1] >= _spread(fast)[0]]
     pick = min(tied, key=lambda c: c["ref_gap"]["mean"])
     lo, hi = _spread(pick)
-    speed = (f"{pick['tokens_per_s']['prefill']:,.0f} prefill tokens/s, {lo:,.0f}-{hi:,.0f} over "
-             f"{pick['tokens_per_s'].get('repeats', 1)} repeats")
+    speed = (
+        f"{pick['tokens_per_s']['prefill']:,.0f} prefill tokens/s, {lo:,.0f}-{hi:,.0f} over "
+        f"{pick['tokens_per_s'].get('repeats', 1)} repeats"
+    )
     if len(tied) > 1:
         others = ", ".join(c["name"] for c in tied if c is not pick)
-        lead = (f"as fast as any configuration within the tolerance ({speed}): {others} "
-                f"{'is' if len(tied) == 2 else 'are'} no faster beyond the spread of the repeats, and of these it is the "
-                "most accurate")
+        lead = (
+            f"as fast as any configuration within the tolerance ({speed}): {others} "
+            f"{'is' if len(tied) == 2 else 'are'} no faster beyond the spread of the repeats, and of these it is the "
+            "most accurate"
+        )
     elif len(within) == 1:
         lead = f"the only configuration within the tolerance ({speed})"
     else:
         lead = f"the fastest configuration ({speed}), faster than every other within the tolerance by more than the spread"
     counted = f"{len(within)} of {len(ok)} configurations {'is' if len(within) == 1 else 'are'} within it"
-    return {"name": pick["name"], "why": (
-        f"{lead}; its mean gap to the float64 reference, {pick['ref_gap']['mean']:.2e}, is within {tolerance:.2e} ({source}); "
-        f"{counted}")}
+    return {
+        "name": pick["name"],
+        "why": (
+            f"{lead}; its mean gap to the float64 reference, {pick['ref_gap']['mean']:.2e}, is within {tolerance:.2e} ({source}); "
+            f"{counted}"
+        ),
+    }
 
 
-def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | None = None,
-             tolerance: float | None = None, speed_load: tuple[int, int] | None = None, repeats: int = REPEATS) -> FrontierResult:
+def frontier(
+    spec: RunSpec,
+    configs: list[Config] | None = None,
+    ctx: Context | None = None,
+    tolerance: float | None = None,
+    speed_load: tuple[int, int] | None = None,
+    repeats: int = REPEATS,
+) -> FrontierResult:
     """Measure each configuration on the same token ids against HF in float64, and its speed on
     `speed_load` (sequences, tokens) `repeats` times; store and return."""
     ctx = ctx or Context.of()
     p = prepare(dataclasses.replace(spec, dtypes=("float32",)), ctx)
     quant = p.model.config.get("quantization_config") or {}
     if quant:
-        raise UserError(f"{p.model.name} is a pre-quantized checkpoint ({quant.get('quant_method', 'quantized')}): the frontier "
-                        "measures each configuration against the model's unquantized weights in float64, which this folder "
-                        "does not hold; give the unquantized model as the model and this folder as a configuration, "
-                        f"'bfloat16 checkpoint={p.model.path}'")
+        raise UserError(
+            f"{p.model.name} is a pre-quantized checkpoint ({quant.get('quant_method', 'quantized')}): the frontier "
+            "measures each configuration against the model's unquantized weights in float64, which this folder "
+            "does not hold; give the unquantized model as the model and this folder as a configuration, "
+            f"'bfloat16 checkpoint={p.model.path}'"
+        )
     configs = configs or default_grid(p.device)
     checkpoints = {c.checkpoint: _checkpoint(p, c.checkpoint) for c in configs if c.checkpoint and not c.skip}
-    configs = [dataclasses.replace(c, changes=tuple((k, checkpoints[x].path if k == CHECKPOINT else x) for k, x in c.changes))
-               if c.checkpoint and not c.skip else c for c in configs]
+    configs = [
+        dataclasses.replace(c, changes=tuple((k, checkpoints[x].path if k == CHECKPOINT else x) for k, x in c.changes))
+        if c.checkpoint and not c.skip
+        else c
+        for c in configs
+    ]
     ctx.emit("tokenize", None, f"{len(spec.texts)} text(s)")
     seqs = p.seqs
     n_tokens = sum(len(s) - 1 for s in seqs)
@@ -233,21 +282,30 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
     ref_req = LoadRequest("hf", p.model.path, REFERENCE_DTYPE, p.device, p.spec.settings, mml)
     speed = {"load": load, "words": f"{n_load} x {load_len} tokens", "repeats": max(1, repeats)}
     hf_gap: dict[str, dict[str, Any]] = {}
-    rows: dict[int, dict[str, Any]] = {k: _measure(p, c, None, ref_req, hf_gap, seqs, n_tokens, None, k, len(configs), speed)
-                                       for k, c in enumerate(configs) if c.skip}
+    rows: dict[int, dict[str, Any]] = {
+        k: _measure(p, c, None, ref_req, hf_gap, seqs, n_tokens, None, k, len(configs), speed)
+        for k, c in enumerate(configs)
+        if c.skip
+    }
     for group in _groups(p, [(k, c) for k, c in enumerate(configs) if not c.skip], ref_req):
         engines = _engines(p, [c for _, c in group], ref_req)
         if len(group) > 1:
-            ctx.emit("load", None, f"starting {len(engines)} engines side by side for configurations "
-                                   f"{', '.join(str(k + 1) for k, _ in group)} of {len(configs)} ({start_words('vllm', p.device)} alone; "
-                                   "side by side they share the machine)")
+            ctx.emit(
+                "load",
+                None,
+                f"starting {len(engines)} engines side by side for configurations "
+                f"{', '.join(str(k + 1) for k, _ in group)} of {len(configs)} ({start_words('vllm', p.device)} alone; "
+                "side by side they share the machine)",
+            )
         with ctx.pool.lease(engines, on_wait=ctx.waiter(None if len(group) > 1 else group[0][1].dtype)) as lease:
             started = {k: _start(lease, _requests(p, c, mml)[0]) for k, c in group}
             for k, c in group:  # nothing is timed until every engine of the group has loaded
                 rows[k] = _measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, started[k], k, len(configs), speed)
     rows = [rows[k] for k in range(len(configs))]
-    source = (f"{TOLERANCE_FACTOR:g}x HF's own float32 gap to the float64 reference, measured in this request: "
-              "within it a configuration is as accurate as HF in float32")
+    source = (
+        f"{TOLERANCE_FACTOR:g}x HF's own float32 gap to the float64 reference, measured in this request: "
+        "within it a configuration is as accurate as HF in float32"
+    )
     if tolerance is None:
         f32 = hf_gap.get("float32")
         tolerance = None if f32 is None else TOLERANCE_FACTOR * f32["mean"]
@@ -259,16 +317,33 @@ def frontier(spec: RunSpec, configs: list[Config] | None = None, ctx: Context | 
         next(r for r in rows if r["name"] == name)["pareto"] = True
     rec = recommend(rows, tolerance, source)
     v = {k: x for k, x in versions().items() if k != "vllm_dist"}
-    identity = {"kind": "frontier", "model": p.model.identity, "device": device_name(p.device), "versions": v,
-                "texts": list(spec.texts), "configs": [c.name for c in configs], "tolerance": tolerance,
-                "settings": p.spec.settings.run_id_part(), "checkpoints": {k: m.identity for k, m in checkpoints.items()},
-                "speed": {"load": speed["words"], "repeats": speed["repeats"]}}
+    identity = {
+        "kind": "frontier",
+        "model": p.model.identity,
+        "device": device_name(p.device),
+        "versions": v,
+        "texts": list(spec.texts),
+        "configs": [c.name for c in configs],
+        "tolerance": tolerance,
+        "settings": p.spec.settings.run_id_part(),
+        "checkpoints": {k: m.identity for k, m in checkpoints.items()},
+        "speed": {"load": speed["words"], "repeats": speed["repeats"]},
+    }
     now = dt.datetime.now(dt.timezone.utc)
     result = FrontierResult(
-        frontier_id=content_hash(identity), model=p.model.name, device=device_name(p.device), versions=v,
-        texts=tuple(spec.texts), n_tokens=n_tokens, tolerance={"value": tolerance, "source": source}, configs=tuple(rows),
-        recommendation=rec, created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(),
-        speed={"load": speed["words"], "repeats": speed["repeats"], "gen_tokens": GEN_TOKENS})
+        frontier_id=content_hash(identity),
+        model=p.model.name,
+        device=device_name(p.device),
+        versions=v,
+        texts=tuple(spec.texts),
+        n_tokens=n_tokens,
+        tolerance={"value": tolerance, "source": source},
+        configs=tuple(rows),
+        recommendation=rec,
+        created=now.isoformat(timespec="seconds"),
+        created_ts=now.timestamp(),
+        speed={"load": speed["words"], "repeats": speed["repeats"], "gen_tokens": GEN_TOKENS},
+    )
     ctx.store.save_frontier(result)
     ctx.emit("store", None, f"frontier {result.frontier_id} saved")
     return result
@@ -286,8 +361,10 @@ def _requests(p: Prepared, cfg: Config, mml: int) -> tuple[LoadRequest, LoadRequ
     model in its dtype (and HF settings), for contexts of `mml` tokens (the reference's: the user's
     texts and the speed load)."""
     settings = cfg.settings(p.spec.settings)
-    return (LoadRequest("vllm", cfg.checkpoint or p.model.path, cfg.dtype, p.device, settings, mml),
-            LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, mml))
+    return (
+        LoadRequest("vllm", cfg.checkpoint or p.model.path, cfg.dtype, p.device, settings, mml),
+        LoadRequest("hf", p.model.path, cfg.dtype, p.device, settings, mml),
+    )
 
 
 def _checkpoint(p: Prepared, path: str) -> Any:
@@ -301,8 +378,10 @@ def _checkpoint(p: Prepared, path: str) -> Any:
     except UserError as exc:
         raise UserError(f"configuration checkpoint={path}: {exc}") from None
     if m.vocab_size != p.model.vocab_size:
-        raise UserError(f"checkpoint {path} has a vocabulary of {m.vocab_size} entries and {p.model.name} one of "
-                        f"{p.model.vocab_size}: it is not a checkpoint of the same model, so it cannot score its token ids")
+        raise UserError(
+            f"checkpoint {path} has a vocabulary of {m.vocab_size} entries and {p.model.name} one of "
+            f"{p.model.vocab_size}: it is not a checkpoint of the same model, so it cannot score its token ids"
+        )
     return m
 
 
@@ -338,12 +417,32 @@ def _start(lease: Any, vreq: LoadRequest) -> tuple[float | None, str | None]:
     return (None if warm or not t else round(float(t.get("import_s", 0)) + float(t.get("init_s", 0)), 2)), None
 
 
-def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap: dict[str, dict[str, Any]], seqs: list[list[int]],
-             n_tokens: int, started: tuple[float | None, str | None] | None, k: int, n: int, speed: dict[str, Any]) -> dict[str, Any]:
+def _measure(
+    p: Prepared,
+    cfg: Config,
+    lease: Any,
+    ref_req: LoadRequest,
+    hf_gap: dict[str, dict[str, Any]],
+    seqs: list[list[int]],
+    n_tokens: int,
+    started: tuple[float | None, str | None] | None,
+    k: int,
+    n: int,
+    speed: dict[str, Any],
+) -> dict[str, Any]:
     ctx = p.ctx
     ctx.emit("frontier", cfg.dtype, f"configuration {k + 1} of {n}: {cfg.name}")
-    row: dict[str, Any] = {"name": cfg.name, "dtype": cfg.dtype, "settings": dict(cfg.changes), "ref_gap": None, "hf_ref_gap": None,
-                           "tokens_per_s": None, "memory": None, "start_s": None, "skipped": cfg.skip}
+    row: dict[str, Any] = {
+        "name": cfg.name,
+        "dtype": cfg.dtype,
+        "settings": dict(cfg.changes),
+        "ref_gap": None,
+        "hf_ref_gap": None,
+        "tokens_per_s": None,
+        "memory": None,
+        "start_s": None,
+        "skipped": cfg.skip,
+    }
     if cfg.skip or started is None:
         return row
     row["start_s"], row["skipped"] = started
@@ -386,9 +485,14 @@ def _measure(p: Prepared, cfg: Config, lease: Any, ref_req: LoadRequest, hf_gap:
             row["ref_gap"]["kl_why"] = f"vLLM's full logprobs could not be read: {kl_why}"
         row["hf_ref_gap"] = hf_gap[hkey]
         n_gen = GEN_TOKENS * len(load)
-        row["tokens_per_s"] = {"prefill": n_load / float(np.median(prefill_s)), "generate": n_gen / float(np.median(gen_s)),
-                               "prefill_spread": [n_load / max(prefill_s), n_load / min(prefill_s)],
-                               "generate_spread": [n_gen / max(gen_s), n_gen / min(gen_s)], "repeats": reps, "load": speed["words"]}
+        row["tokens_per_s"] = {
+            "prefill": n_load / float(np.median(prefill_s)),
+            "generate": n_gen / float(np.median(gen_s)),
+            "prefill_spread": [n_load / max(prefill_s), n_load / min(prefill_s)],
+            "generate_spread": [n_gen / max(gen_s), n_gen / min(gen_s)],
+            "repeats": reps,
+            "load": speed["words"],
+        }
         info = vllm.info or {}
         row["memory"] = {k: info.get(k) for k in ("weights_bytes", "kv_bytes_per_token", "kv_cache_bytes")}
     finally:
@@ -404,45 +508,83 @@ def frontier_table(result: FrontierResult) -> list[dict[str, Any]]:
         g, h, tps = c["ref_gap"] or {}, c["hf_ref_gap"] or {}, c["tokens_per_s"] or {}
         mem = c.get("memory") or {}
         spread = tps.get("prefill_spread")
-        out.append({"configuration": c["name"], "mean |Δ logp| to float64": g.get("mean"), "max": g.get("max"),
-                    "exact KL to float64": g.get("kl_mean"), "HF in that dtype: mean |Δ|": h.get("mean"),
-                    "prefill tokens/s": tps.get("prefill"),
-                    "prefill spread": f"{spread[0]:,.0f}-{spread[1]:,.0f}" if spread else "",
-                    "generate tokens/s": tps.get("generate"),
-                    "weights GiB": mem["weights_bytes"] / 2**30 if mem.get("weights_bytes") else None,
-                    "KV bytes/token": mem.get("kv_bytes_per_token"),
-                    "engine start s": c.get("start_s"), "on the front": c.get("pareto", False),
-                    "skipped": c["skipped"] or ""})
+        out.append(
+            {
+                "configuration": c["name"],
+                "mean |Δ logp| to float64": g.get("mean"),
+                "max": g.get("max"),
+                "exact KL to float64": g.get("kl_mean"),
+                "HF in that dtype: mean |Δ|": h.get("mean"),
+                "prefill tokens/s": tps.get("prefill"),
+                "prefill spread": f"{spread[0]:,.0f}-{spread[1]:,.0f}" if spread else "",
+                "generate tokens/s": tps.get("generate"),
+                "weights GiB": mem["weights_bytes"] / 2**30 if mem.get("weights_bytes") else None,
+                "KV bytes/token": mem.get("kv_bytes_per_token"),
+                "engine start s": c.get("start_s"),
+                "on the front": c.get("pareto", False),
+                "skipped": c["skipped"] or "",
+            }
+        )
     return out
 
 
 def frontier_text(result: FrontierResult) -> str:
     rows = frontier_table(result)
-    head = ["configuration", "mean|Δ|", "max|Δ|", "KL", "HF mean|Δ|", "prefill tok/s", "spread", "gen tok/s", "weights GiB",
-            "KV B/tok", "start s", "front"]
+    head = [
+        "configuration",
+        "mean|Δ|",
+        "max|Δ|",
+        "KL",
+        "HF mean|Δ|",
+        "prefill tok/s",
+        "spread",
+        "gen tok/s",
+        "weights GiB",
+        "KV B/tok",
+        "start s",
+        "front",
+    ]
     lines = []
     for r in rows:
         if r["skipped"]:
             lines.append([r["configuration"], f"skipped: {r['skipped']}"] + [""] * (len(head) - 2))
             continue
         f = lambda v, s="e": "-" if v is None else (f"{v:.3e}" if s == "e" else f"{v:,.0f}")  # noqa: E731
-        lines.append([r["configuration"], f(r["mean |Δ logp| to float64"]), f(r["max"]), f(r["exact KL to float64"]),
-                      f(r["HF in that dtype: mean |Δ|"]), f(r["prefill tokens/s"], "d"), r["prefill spread"] or "-",
-                      f(r["generate tokens/s"], "d"), "-" if r["weights GiB"] is None else f"{r['weights GiB']:.2f}",
-                      f(r["KV bytes/token"], "d"), "-" if r["engine start s"] is None else f"{r['engine start s']:.1f}",
-                      "yes" if r["on the front"] else ""])
-    widths = [max(len(str(x[i])) for x in [head] + [ln for ln in lines if not ln[1].startswith("skipped")]) for i in range(len(head))]
+        lines.append(
+            [
+                r["configuration"],
+                f(r["mean |Δ logp| to float64"]),
+                f(r["max"]),
+                f(r["exact KL to float64"]),
+                f(r["HF in that dtype: mean |Δ|"]),
+                f(r["prefill tokens/s"], "d"),
+                r["prefill spread"] or "-",
+                f(r["generate tokens/s"], "d"),
+                "-" if r["weights GiB"] is None else f"{r['weights GiB']:.2f}",
+                f(r["KV bytes/token"], "d"),
+                "-" if r["engine start s"] is None else f"{r['engine start s']:.1f}",
+                "yes" if r["on the front"] else "",
+            ]
+        )
+    widths = [
+        max(len(str(x[i])) for x in [head] + [ln for ln in lines if not ln[1].startswith("skipped")]) for i in range(len(head))
+    ]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     for ln in lines:
-        out.append("  ".join(str(c).ljust(w) for c, w in zip(ln, widths)) if not ln[1].startswith("skipped") else f"{ln[0]}  {ln[1]}")
+        out.append(
+            "  ".join(str(c).ljust(w) for c, w in zip(ln, widths)) if not ln[1].startswith("skipped") else f"{ln[0]}  {ln[1]}"
+        )
     out += [f"{c['name']}: no exact KL: {c['ref_gap']['kl_why']}" for c in result.configs if (c["ref_gap"] or {}).get("kl_why")]
     rec = result.recommendation
     tol = result.tolerance
     sp = result.speed or {}
-    out += ["", f"speed: vLLM on {sp['load']}, warm, median of {sp['repeats']} (spread: slowest-fastest)" if sp else
-            "speed: on the texts above (a frontier stored before the speed load)",
-            f"tolerance: {tol['value']:.3e} ({tol['source']})" if tol["value"] is not None else "tolerance: none",
-            f"recommendation: {rec['name'] or 'none'}: {rec['why']}", f"frontier {result.frontier_id}"]
+    out += [
+        "",
+        f"speed: vLLM on {sp['load']}, warm, median of {sp['repeats']} (spread: slowest-fastest)"
+        if sp
+        else "speed: on the texts above (a frontier stored before the speed load)",
+        f"tolerance: {tol['value']:.3e} ({tol['source']})" if tol["value"] is not None else "tolerance: none",
+        f"recommendation: {rec['name'] or 'none'}: {rec['why']}",
+        f"frontier {result.frontier_id}",
+    ]
     return "\n".join(out)
-
-

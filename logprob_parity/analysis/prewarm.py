@@ -36,10 +36,12 @@ class PrewarmStatus:
         if self.state == "starting":
             from logprob_parity.engines.host import start_words
 
-            return (f"Starting the demo model's {len(self.engines) or 'default'} engines in the background "
-                    f"({', '.join(self.engines) or 'finding the model'}): {now - self.started:.0f} s so far "
-                    f"(each: {start_words('vllm', self.device)}; they start side by side). "
-                    "A Run pressed now waits for them, then takes seconds.")
+            return (
+                f"Starting the demo model's {len(self.engines) or 'default'} engines in the background "
+                f"({', '.join(self.engines) or 'finding the model'}): {now - self.started:.0f} s so far "
+                f"(each: {start_words('vllm', self.device)}; they start side by side). "
+                "A Run pressed now waits for them, then takes seconds."
+            )
         if self.state == "failed":
             return f"The demo model's engines could not be started in the background ({self.error}); a Run starts them."
         return None
@@ -112,8 +114,12 @@ def start() -> threading.Thread | None:
         try:
             warm_defaults()
             _set(state="ready", finished=time.monotonic())
-        except Exception as exc:  # noqa: BLE001 - a failed warm-up must not stop the server; a Run retries
-            _set(state="failed", finished=time.monotonic(), error=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        except Exception as exc:
+            _set(
+                state="failed",
+                finished=time.monotonic(),
+                error=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+            )
 
     t = threading.Thread(target=run, name="lpp-prewarm", daemon=True)
     t.start()

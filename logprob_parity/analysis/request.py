@@ -65,10 +65,21 @@ class Context:
         return lambda message: self.emit("queue", dtype, message)
 
     @classmethod
-    def of(cls, store: Store | None = None, on_event: EventFn | None = None, model_roots: list[str] | None = None,
-           pool: EnginePool | None = None, on_progress: ProgressFn | None = None) -> "Context":
-        return cls(store=store or Store(), model_roots=model_roots, on_event=on_event or _noop, pool=pool or POOL,
-                   on_progress=on_progress or _no_progress)
+    def of(
+        cls,
+        store: Store | None = None,
+        on_event: EventFn | None = None,
+        model_roots: list[str] | None = None,
+        pool: EnginePool | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> Context:
+        return cls(
+            store=store or Store(),
+            model_roots=model_roots,
+            on_event=on_event or _noop,
+            pool=pool or POOL,
+            on_progress=on_progress or _no_progress,
+        )
 
 
 def model_max_len(longest: int, max_positions: int | None) -> int:
@@ -142,8 +153,10 @@ class Prepared:
     def texts(self) -> list[str]:
         """Each text as scored: a cut text is what its kept tokens decode to."""
         ids, _, limit = self._encoded
-        return [self.tokenized(i).text if limit is not None and len(x) > limit else t
-                for i, (t, x) in enumerate(zip(self.spec.texts, ids))]
+        return [
+            self.tokenized(i).text if limit is not None and len(x) > limit else t
+            for i, (t, x) in enumerate(zip(self.spec.texts, ids))
+        ]
 
     @cached_property
     def toks(self) -> list[TokenizedText]:
@@ -166,8 +179,9 @@ class Prepared:
 
     def load(self, backend: str, dtype: str, settings: Any = None, device: str | None = None) -> LoadRequest:
         """The engine for one backend and dtype (settings and device default to the request's)."""
-        return LoadRequest(backend, self.model.path, dtype, device or self.device, settings or self.spec.settings,
-                           self.max_model_len)
+        return LoadRequest(
+            backend, self.model.path, dtype, device or self.device, settings or self.spec.settings, self.max_model_len
+        )
 
 
 def prepare(spec: RunSpec, ctx: Context) -> Prepared:

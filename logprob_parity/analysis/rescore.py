@@ -64,12 +64,20 @@ PART_LAYOUT = 2  # what a stored part holds (2: the final rows of its sequences)
 WINDOW_SEQUENCES = 4096  # the stored file is written a window of consecutive sequences at a time: at most this many,
 WINDOW_TOKENS = 262_144  # and about this many completion tokens (batches never cross a window)
 NOISE_SEQUENCES = 2  # logged sequences HF rescores again in micro-batches, in chunks and token by token
-PROCESSED_WORDS = ("the logged values: the rollout engine's own logprobs, raw or processed as its logger wrote them "
-                   "(vLLM's default is raw)")
+PROCESSED_WORDS = (
+    "the logged values: the rollout engine's own logprobs, raw or processed as its logger wrote them (vLLM's default is raw)"
+)
 
 
-def rescore(source: bytes | Path, name: str, spec: RunSpec, ctx: Context | None = None, mapping: dict[str, str] | None = None,
-            use_cache: bool = True, noise_sequences: int = NOISE_SEQUENCES) -> list[Rollout]:
+def rescore(
+    source: bytes | Path,
+    name: str,
+    spec: RunSpec,
+    ctx: Context | None = None,
+    mapping: dict[str, str] | None = None,
+    use_cache: bool = True,
+    noise_sequences: int = NOISE_SEQUENCES,
+) -> list[Rollout]:
     """One stored Rollout per dtype of `spec` for the logged rollouts in `source` (the file, or its
     bytes: an upload), `name` its file name. Every record is checked before any engine starts; stored
     ones come back without an engine. `spec.texts` is not used (the prompts come from the file)."""
@@ -86,10 +94,20 @@ def rescore(source: bytes | Path, name: str, spec: RunSpec, ctx: Context | None 
         ctx.emit("tokenize", None, f"{len(logged):,} records checked: {logged.n_tokens:,} logged completion tokens")
         out = []
         for dtype in p.spec.dtypes:
-            rid = content_hash({"schema": ROLLOUT_SCHEMA, "kind": "rescore", "model": p.model.identity, "dtype": dtype,
-                                "settings": p.spec.settings.run_id_part(), "bos": p.spec.bos, "logged": logged.digest,
-                                "noise": noise_sequences, "versions": {k: versions()[k] for k in ("torch", "transformers", "vllm")},
-                                "device": device_name(p.device)})
+            rid = content_hash(
+                {
+                    "schema": ROLLOUT_SCHEMA,
+                    "kind": "rescore",
+                    "model": p.model.identity,
+                    "dtype": dtype,
+                    "settings": p.spec.settings.run_id_part(),
+                    "bos": p.spec.bos,
+                    "logged": logged.digest,
+                    "noise": noise_sequences,
+                    "versions": {k: versions()[k] for k in ("torch", "transformers", "vllm")},
+                    "device": device_name(p.device),
+                }
+            )
             if use_cache and ctx.store.has_rollout(rid):
                 ctx.emit("cache", dtype, f"rescore {rid} from the store, no engine started")
                 out.append(ctx.store.load_rollout(rid))
@@ -146,8 +164,13 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
     first_hf: dict[int, np.ndarray] = {}  # and their HF logprobs in the rescore
     with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
         for req in (vreq, hreq):
-            ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
-                     f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
+            ctx.emit(
+                "load",
+                dtype,
+                f"{req.backend}: warm engine"
+                if lease.warm(req)
+                else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
+            )
         vllm, hf = lease.host(vreq), lease.host(hreq)
         for b, (_, idx) in enumerate(batches):
             seqs = logged.read(idx)
@@ -168,12 +191,18 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
                     ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device)
                     try:
                         t = time.perf_counter()
-                        pre = lease.call(vreq, lambda: vllm.score(batch, 1, None, None, "right", ex.vllm_target))
+                        pre = lease.call(
+                            vreq, lambda batch=batch, ex=ex: vllm.score(batch, 1, None, None, "right", ex.vllm_target)
+                        )
                         ex.after_vllm(vllm)
                         timing["prefill_s"] += time.perf_counter() - t
                         t = time.perf_counter()
-                        got = lease.call(hreq, lambda: hf.rollout_score(batch, starts, s0.temperature, s0.top_k, s0.top_p, None,
-                                                                         ex.hf_source))
+                        got = lease.call(
+                            hreq,
+                            lambda batch=batch, starts=starts, s0=s0, ex=ex: hf.rollout_score(
+                                batch, starts, s0.temperature, s0.top_k, s0.top_p, None, ex.hf_source
+                            ),
+                        )
                         timing["hf_s"] += time.perf_counter() - t
                     finally:
                         ex.close(vllm)
@@ -192,22 +221,42 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
             ctx.on_progress(dtype, done, total)
             rate = computed / t_compute if t_compute else 0.0
             left = f", {words_left((total - done) / rate)}" if rate and done < total else ""
-            ctx.emit("batch", dtype, f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} logged tokens rescored, "
-                     f"{rate:,.0f} tokens/s{left}" + (f" ({reused} batch(es) were already in the store)" if reused else ""))
+            ctx.emit(
+                "batch",
+                dtype,
+                f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} logged tokens rescored, "
+                f"{rate:,.0f} tokens/s{left}" + (f" ({reused} batch(es) were already in the store)" if reused else ""),
+            )
         if reused:
-            ctx.emit("cache", dtype, f"{reused} of {len(batches)} batches came from the store (an earlier rescore of this file "
-                     f"stopped before it finished); {len(batches) - reused} computed now")
+            ctx.emit(
+                "cache",
+                dtype,
+                f"{reused} of {len(batches)} batches came from the store (an earlier rescore of this file "
+                f"stopped before it finished); {len(batches) - reused} computed now",
+            )
         firsts = logged.read(range(n_first))
         full = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in firsts]
-        floors = _floors(ctx, dtype, lease, hreq, hf, full, [len(s.prompt_token_ids) for s in firsts],
-                         [first_hf[i] for i in range(n_first)], min(noise, len(logged)), timing)
+        floors = _floors(
+            ctx,
+            dtype,
+            lease,
+            hreq,
+            hf,
+            full,
+            [len(s.prompt_token_ids) for s in firsts],
+            [first_hf[i] for i in range(n_first)],
+            min(noise, len(logged)),
+            timing,
+        )
     timing.update(batches=len(batches), batches_from_store=reused)
     kl_words = "exact, every completion token of prefill_vs_hf" if not kl_why else "not computed: " + "; ".join(sorted(kl_why))
     engines = {"hf": hf.info or {}, "vllm": {**(vllm.info or {}), "kl_full": kl_words}}
     finish(p, logged, batches, dtype, rid, mml, floors, timing, engines, t_all)
 
 
-def _samples(tokenizer: Any, seqs: list[LoggedSequence], idx: list[int], pre: list[Any], got: list[dict[str, np.ndarray]]) -> list[Sample]:
+def _samples(
+    tokenizer: Any, seqs: list[LoggedSequence], idx: list[int], pre: list[Any], got: list[dict[str, np.ndarray]]
+) -> list[Sample]:
     """One batch's scorings as Samples beside the logged values (checked: both engines scored exactly
     the logged completion ids)."""
     out = []
@@ -216,22 +265,49 @@ def _samples(tokenizer: Any, seqs: list[LoggedSequence], idx: list[int], pre: li
         if [int(x) for x in a.token_ids[n0:]] != list(s.completion_token_ids) or len(h["logprob"]) != n:
             raise AssertionError(f"record {s.record}: the scorings did not score the logged completion ids")
         logged_lp = np.asarray(s.logprobs, dtype=np.float64)
-        lp = {"decode_raw": logged_lp, "decode_processed": logged_lp.copy(), "prefill": np.asarray(a.logprob[n0:], dtype=np.float64),
-              "hf": np.asarray(h["logprob"], dtype=np.float64), "hf_tempered": np.asarray(h["tempered"], dtype=np.float64),
-              "log_kept_mass": np.asarray(h["log_kept_mass"], dtype=np.float64)}
-        exact = {"kl_full": np.asarray(h.get("kl_full", np.full(n, np.nan)), dtype=np.float64),
-                 "same_top": (np.asarray(a.topk_ids[n0:, 0]) == np.asarray(h["top_id"])).astype(np.float64)}
+        lp = {
+            "decode_raw": logged_lp,
+            "decode_processed": logged_lp.copy(),
+            "prefill": np.asarray(a.logprob[n0:], dtype=np.float64),
+            "hf": np.asarray(h["logprob"], dtype=np.float64),
+            "hf_tempered": np.asarray(h["tempered"], dtype=np.float64),
+            "log_kept_mass": np.asarray(h["log_kept_mass"], dtype=np.float64),
+        }
+        exact = {
+            "kl_full": np.asarray(h.get("kl_full", np.full(n, np.nan)), dtype=np.float64),
+            "same_top": (np.asarray(a.topk_ids[n0:, 0]) == np.asarray(h["top_id"])).astype(np.float64),
+        }
         full = [*s.prompt_token_ids, *s.completion_token_ids]
-        out.append(Sample(prompt_index=i, seed=-1, prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
-                          pieces=tuple(decode_tail_pieces(tokenizer, full, n0)),
-                          finish_reason=f"logged record {s.record}" + (f", id {s.id}" if s.id else "") +
-                                        (f", step {s.step}" if s.step is not None else ""),
-                          logprob=lp, exact=exact, prompt_text=tokenizer.decode(list(s.prompt_token_ids))))
+        out.append(
+            Sample(
+                prompt_index=i,
+                seed=-1,
+                prompt_token_ids=s.prompt_token_ids,
+                completion_token_ids=s.completion_token_ids,
+                pieces=tuple(decode_tail_pieces(tokenizer, full, n0)),
+                finish_reason=f"logged record {s.record}"
+                + (f", id {s.id}" if s.id else "")
+                + (f", step {s.step}" if s.step is not None else ""),
+                logprob=lp,
+                exact=exact,
+                prompt_text=tokenizer.decode(list(s.prompt_token_ids)),
+            )
+        )
     return out
 
 
-def finish(p: Any, logged: LoggedIndex, batches: list[tuple[int, list[int]]], dtype: str, rid: str, mml: int,
-           floors: dict[str, Any], timing: dict[str, Any], engines: dict[str, dict[str, Any]], t_all: float) -> None:
+def finish(
+    p: Any,
+    logged: LoggedIndex,
+    batches: list[tuple[int, list[int]]],
+    dtype: str,
+    rid: str,
+    mml: int,
+    floors: dict[str, Any],
+    timing: dict[str, Any],
+    engines: dict[str, dict[str, Any]],
+    t_all: float,
+) -> None:
     """The stored rescore from its parts: the summary (two passes over the parts' columns), the
     verdict, and the file, written a window at a time in sequence order. Apart from the engines, so
     its cost can be measured alone (benchmarks/rescore_profile.py)."""
@@ -248,20 +324,49 @@ def finish(p: Any, logged: LoggedIndex, batches: list[tuple[int, list[int]]], dt
     summary = streamed_summary(parts, PAIRS, "prefill_vs_hf")
     timing["summary_s"] = time.perf_counter() - t
     temps, top_ps, top_ks = (sorted(set(a.tolist())) for a in (logged.temperature, logged.top_p, logged.top_k))
-    sampling = {"source": "logged", "file": logged.source, "records": len(logged), "samples": 1, "temperature": temps[0],
-                "top_p": top_ps[0], "top_k": top_ks[0], "max_tokens": int(logged.completion_len.max()),
-                "seed": None, "varies": len(temps) * len(top_ps) * len(top_ks) > 1, "digest": logged.digest}
+    sampling = {
+        "source": "logged",
+        "file": logged.source,
+        "records": len(logged),
+        "samples": 1,
+        "temperature": temps[0],
+        "top_p": top_ps[0],
+        "top_k": top_ks[0],
+        "max_tokens": int(logged.completion_len.max()),
+        "seed": None,
+        "varies": len(temps) * len(top_ps) * len(top_ks) > 1,
+        "digest": logged.digest,
+    }
     now = dt.datetime.now(dt.timezone.utc)
     v = versions()
     meta = RolloutMeta(
-        rollout_id=rid, created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(), model=p.model.name,
-        model_path=p.model.path, revision=p.model.revision, model_identity=p.model.identity, dtype=dtype, device=p.device,
-        bos=p.spec.bos, settings={**p.spec.settings.to_dict(), "max_model_len": mml}, sampling=sampling,
-        prompts=(), processed=PROCESSED_WORDS,
-        env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
-                   vllm_dist=v["vllm_dist"], hf_engine=engines["hf"], vllm_engine=engines["vllm"]),
-        timing={k: round(x, 3) for k, x in {**timing, "total_s": time.perf_counter() - t_all}.items()}, summary=summary,
-        floors=floors)
+        rollout_id=rid,
+        created=now.isoformat(timespec="seconds"),
+        created_ts=now.timestamp(),
+        model=p.model.name,
+        model_path=p.model.path,
+        revision=p.model.revision,
+        model_identity=p.model.identity,
+        dtype=dtype,
+        device=p.device,
+        bos=p.spec.bos,
+        settings={**p.spec.settings.to_dict(), "max_model_len": mml},
+        sampling=sampling,
+        prompts=(),
+        processed=PROCESSED_WORDS,
+        env=RunEnv(
+            device=device_name(p.device),
+            torch=v["torch"],
+            transformers=v["transformers"],
+            vllm=v["vllm"],
+            vllm_dist=v["vllm_dist"],
+            hf_engine=engines["hf"],
+            vllm_engine=engines["vllm"],
+        ),
+        timing={k: round(x, 3) for k, x in {**timing, "total_s": time.perf_counter() - t_all}.items()},
+        summary=summary,
+        floors=floors,
+    )
     meta = dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict())
 
     def tables() -> Any:
@@ -275,28 +380,52 @@ def finish(p: Any, logged: LoggedIndex, batches: list[tuple[int, list[int]]], dt
     store.write_rollout(meta, tables(), len(logged))
 
 
-def _floors(ctx: Any, dtype: str, lease: Any, hreq: LoadRequest, hf: Any, full: list[list[int]], starts: list[int],
-            one: list[np.ndarray], k: int, timing: dict[str, float]) -> dict[str, dict[str, Any]]:
+def _floors(
+    ctx: Any,
+    dtype: str,
+    lease: Any,
+    hreq: LoadRequest,
+    hf: Any,
+    full: list[list[int]],
+    starts: list[int],
+    one: list[np.ndarray],
+    k: int,
+    timing: dict[str, float],
+) -> dict[str, dict[str, Any]]:
     """HF's own noise on the first k logged sequences (`full`: the first few, `one`: HF's logprobs of
     the first k in the rescore): padded micro-batches, chunks through the KV cache, one token a
     forward (the trainer's ways of scoring). No decode floor: nothing is decoded here."""
     if k == 0:
         return {}
     t = time.perf_counter()
-    ctx.emit("noise", dtype, f"HF scores {k} logged sequence(s) in padded micro-batches, in chunks of {CHUNK} tokens, and token by token")
+    ctx.emit(
+        "noise",
+        dtype,
+        f"HF scores {k} logged sequence(s) in padded micro-batches, in chunks of {CHUNK} tokens, and token by token",
+    )
     with ctx.pool.device_turn(ctx.waiter(dtype), what="the noise floor"):
         mb = lease.call(hreq, lambda: hf.score(full[:MICRO_BATCH], 1, None, MICRO_BATCH))
         chunk = max(2, min(CHUNK, min(len(f) for f in full[:k]) // 2))
         chunked = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
         inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1, tail=INCREMENTAL_TOKENS))
     floors = {
-        "hf_micro_batch": {**floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one[: len(mb)]), "side": "hf",
-                           "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass"},
-        "hf_chunked": {**floor_stats([c["logprob"] for c in chunked], one[:k]), "side": "hf", "chunk": chunk,
-                       "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass"},
-        "hf_incremental": {**floor_stats([c["logprob"] for c in inc], [o[int(c["first"]) - s:] for c, o, s in zip(inc, one[:k], starts[:k])]),
-                           "side": "hf", "tokens": INCREMENTAL_TOKENS,
-                           "what": f"HF: one token a forward through the KV cache vs one pass, the last {INCREMENTAL_TOKENS} tokens"},
+        "hf_micro_batch": {
+            **floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one[: len(mb)]),
+            "side": "hf",
+            "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass",
+        },
+        "hf_chunked": {
+            **floor_stats([c["logprob"] for c in chunked], one[:k]),
+            "side": "hf",
+            "chunk": chunk,
+            "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass",
+        },
+        "hf_incremental": {
+            **floor_stats([c["logprob"] for c in inc], [o[int(c["first"]) - s :] for c, o, s in zip(inc, one[:k], starts[:k])]),
+            "side": "hf",
+            "tokens": INCREMENTAL_TOKENS,
+            "what": f"HF: one token a forward through the KV cache vs one pass, the last {INCREMENTAL_TOKENS} tokens",
+        },
     }
     timing["noise_s"] = time.perf_counter() - t
     return floors

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from logprob_parity.results.offpolicy import floor_stats, mismatch_metrics
 from logprob_parity.analysis.request import Context, Prepared, model_max_len, prepare
 from logprob_parity.analysis.verdict import rollout_verdict
 from logprob_parity.engines import fullvocab
@@ -31,8 +30,20 @@ from logprob_parity.env import device_name, resolve_device, versions
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.inputs.tokens import decode_tail_pieces
+from logprob_parity.results.offpolicy import floor_stats, mismatch_metrics
 from logprob_parity.results.records import RunEnv
-from logprob_parity.results.rollout import COLUMNS, MAIN_PAIR, PAIRS, ROLLOUT_SCHEMA, Rollout, RolloutMeta, Sample, Sampling, exact_stats, hf_floor
+from logprob_parity.results.rollout import (
+    COLUMNS,
+    MAIN_PAIR,
+    PAIRS,
+    ROLLOUT_SCHEMA,
+    Rollout,
+    RolloutMeta,
+    Sample,
+    Sampling,
+    exact_stats,
+    hf_floor,
+)
 
 RAW, PROCESSED = "raw_logprobs", "processed_logprobs"
 NOISE_SAMPLES = 2  # seeded samples re-decoded alone and rescored in chunks / token by token
@@ -50,10 +61,18 @@ STEPS_PER_DTYPE = 8  # progress steps: load, sample, (processed), prefill, hf, f
 def _identity(p: Prepared, sampling: Sampling, dtype: str, noise: int) -> dict[str, Any]:
     v = versions()
     return {
-        "schema": ROLLOUT_SCHEMA, "kind": "rollout", "model": p.model.identity, "dtype": dtype,
-        "settings": p.spec.settings.run_id_part(), "bos": p.spec.bos, "sampling": sampling.to_dict(), "noise": noise,
-        "versions": {k: v[k] for k in ("torch", "transformers", "vllm")}, "device": device_name(p.device),
-        "texts": list(p.spec.texts), "truncate": p.spec.truncate,
+        "schema": ROLLOUT_SCHEMA,
+        "kind": "rollout",
+        "model": p.model.identity,
+        "dtype": dtype,
+        "settings": p.spec.settings.run_id_part(),
+        "bos": p.spec.bos,
+        "sampling": sampling.to_dict(),
+        "noise": noise,
+        "versions": {k: v[k] for k in ("torch", "transformers", "vllm")},
+        "device": device_name(p.device),
+        "texts": list(p.spec.texts),
+        "truncate": p.spec.truncate,
     }
 
 
@@ -63,8 +82,9 @@ def rollout_id_for(p: Prepared, sampling: Sampling, dtype: str, noise: int) -> s
     return content_hash(_identity(p, sampling, dtype, noise))
 
 
-def rollout(spec: RunSpec, sampling: Sampling, ctx: Context | None = None, use_cache: bool = True,
-            noise_samples: int = NOISE_SAMPLES) -> list[Rollout]:
+def rollout(
+    spec: RunSpec, sampling: Sampling, ctx: Context | None = None, use_cache: bool = True, noise_samples: int = NOISE_SAMPLES
+) -> list[Rollout]:
     """One stored Rollout per dtype of `spec`, in order; stored ones come back without an engine."""
     ctx = ctx or Context.of()
     sampling.validate()
@@ -112,11 +132,15 @@ def _engines(p: Prepared, dtype: str, sampling: Sampling) -> tuple[LoadRequest, 
     longest = max(len(t.token_ids) for t in toks) + sampling.max_tokens
     limit = p.model.max_positions
     if limit is not None and longest > limit:
-        raise UserError(f"a prompt plus {sampling.max_tokens} new tokens is {longest} tokens, but {p.model.name} has {limit} "
-                        "positions; lower max tokens or shorten the prompt")
+        raise UserError(
+            f"a prompt plus {sampling.max_tokens} new tokens is {longest} tokens, but {p.model.name} has {limit} "
+            "positions; lower max tokens or shorten the prompt"
+        )
     mml = model_max_len(longest, limit)
-    return (LoadRequest("vllm", p.model.path, dtype, p.device, p.spec.settings, mml),
-            LoadRequest("hf", p.model.path, dtype, p.device, p.spec.settings, mml))
+    return (
+        LoadRequest("vllm", p.model.path, dtype, p.device, p.spec.settings, mml),
+        LoadRequest("hf", p.model.path, dtype, p.device, p.spec.settings, mml),
+    )
 
 
 def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise: int) -> Rollout:
@@ -133,21 +157,32 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     timing: dict[str, float] = {}
     with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
         for req in (vreq, hreq):
-            ctx.emit("load", dtype, f"{req.backend}: warm engine" if lease.warm(req) else
-                     f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)")
+            ctx.emit(
+                "load",
+                dtype,
+                f"{req.backend}: warm engine"
+                if lease.warm(req)
+                else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
+            )
         t = time.perf_counter()
         vllm, hf = lease.host(vreq), lease.host(hreq)
         timing["load_s"] = time.perf_counter() - t
         with ctx.pool.device_turn(ctx.waiter(dtype), what="rollout"):
-            ctx.emit("sample", dtype, f"vLLM samples {len(seeds)} completion(s) of up to {sampling.max_tokens} tokens, "
-                     f"all submitted together{' (raw, then processed with the same seeds)' if processes else ''}")
+            ctx.emit(
+                "sample",
+                dtype,
+                f"vLLM samples {len(seeds)} completion(s) of up to {sampling.max_tokens} tokens, "
+                f"all submitted together{' (raw, then processed with the same seeds)' if processes else ''}",
+            )
             t = time.perf_counter()
             samples = lease.call(vreq, lambda: vllm.sample(req_prompts, seeds, sdict, modes))
             timing["sample_s"] = time.perf_counter() - t
             for k, s in enumerate(samples):
                 if processes and s["tokens_by_mode"][PROCESSED] != s["tokens_by_mode"][RAW]:
-                    raise UserError(f"sample {k + 1} (seed {seeds[k]}) came out different in vLLM's second pass with the same seed: "
-                                    "its sampling is not reproducible here, so raw and processed logprobs cannot be paired")
+                    raise UserError(
+                        f"sample {k + 1} (seed {seeds[k]}) came out different in vLLM's second pass with the same seed: "
+                        "its sampling is not reproducible here, so raw and processed logprobs cannot be paired"
+                    )
             full = [list(pr) + s["completion_ids"] for pr, s in zip(req_prompts, samples)]
             starts = [len(pr) for pr in req_prompts]
             ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
@@ -161,13 +196,18 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
                 kl_why = ex.why
                 ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
                 t = time.perf_counter()
-                hf_scores = lease.call(hreq, lambda: hf.rollout_score(full, starts, sampling.temperature, sampling.top_k,
-                                                                          sampling.top_p, None, ex.hf_source))
+                hf_scores = lease.call(
+                    hreq,
+                    lambda: hf.rollout_score(
+                        full, starts, sampling.temperature, sampling.top_k, sampling.top_p, None, ex.hf_source
+                    ),
+                )
                 timing["hf_s"] = time.perf_counter() - t
             finally:
                 ex.close(vllm)
-            floors = _noise_floors(p, dtype, lease, vreq, hreq, req_prompts, seeds, samples, full, starts, hf_scores, sdict,
-                                   noise, timing)
+            floors = _noise_floors(
+                p, dtype, lease, vreq, hreq, req_prompts, seeds, samples, full, starts, hf_scores, sdict, noise, timing
+            )
     timing["total_s"] = time.perf_counter() - t_all
     tokenizer = p.tokenizer
     recs = []
@@ -187,35 +227,83 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             "log_kept_mass": np.asarray(h["log_kept_mass"], dtype=np.float64),
         }
         pieces = decode_tail_pieces(tokenizer, list(req_prompts[k]) + ids, n0)
-        exact = {"kl_full": np.asarray(h.get("kl_full", np.full(len(ids), np.nan)), dtype=np.float64),
-                 "same_top": (pre.topk_ids[n0:, 0] == h["top_id"]).astype(np.float64)}
-        recs.append(Sample(prompt_index=k // sampling.samples, seed=seeds[k], prompt_token_ids=tuple(req_prompts[k]),
-                           completion_token_ids=tuple(ids), pieces=tuple(pieces), finish_reason=s.get("finish_reason"),
-                           logprob=lp, exact=exact))
-    summary = {pair: mismatch_metrics([r.logprob[a] for r in recs], [r.logprob[b] for r in recs]) for pair, (a, b, _) in PAIRS.items()}
+        exact = {
+            "kl_full": np.asarray(h.get("kl_full", np.full(len(ids), np.nan)), dtype=np.float64),
+            "same_top": (pre.topk_ids[n0:, 0] == h["top_id"]).astype(np.float64),
+        }
+        recs.append(
+            Sample(
+                prompt_index=k // sampling.samples,
+                seed=seeds[k],
+                prompt_token_ids=tuple(req_prompts[k]),
+                completion_token_ids=tuple(ids),
+                pieces=tuple(pieces),
+                finish_reason=s.get("finish_reason"),
+                logprob=lp,
+                exact=exact,
+            )
+        )
+    summary = {
+        pair: mismatch_metrics([r.logprob[a] for r in recs], [r.logprob[b] for r in recs]) for pair, (a, b, _) in PAIRS.items()
+    }
     summary["prefill_vs_hf"].update(exact_stats(recs))
     now = dt.datetime.now(dt.timezone.utc)
     v = versions()
     meta = RolloutMeta(
-        rollout_id=rid, created=now.isoformat(timespec="seconds"), created_ts=now.timestamp(), model=p.model.name,
-        model_path=p.model.path, revision=p.model.revision, model_identity=p.model.identity, dtype=dtype, device=p.device,
-        bos=p.spec.bos, settings={**p.spec.settings.to_dict(), "max_model_len": vreq.max_model_len}, sampling=sdict,
+        rollout_id=rid,
+        created=now.isoformat(timespec="seconds"),
+        created_ts=now.timestamp(),
+        model=p.model.name,
+        model_path=p.model.path,
+        revision=p.model.revision,
+        model_identity=p.model.identity,
+        dtype=dtype,
+        device=p.device,
+        bos=p.spec.bos,
+        settings={**p.spec.settings.to_dict(), "max_model_len": vreq.max_model_len},
+        sampling=sdict,
         prompts=tuple(p.spec.texts),
-        processed=("vLLM's own pass in processed_logprobs mode, same seeds, same tokens" if processes else
-                   "equal to raw: at temperature 1 with no top-k/top-p, processing changes nothing (checked in the tests)"),
-        env=RunEnv(device=device_name(p.device), torch=v["torch"], transformers=v["transformers"], vllm=v["vllm"],
-                   vllm_dist=v["vllm_dist"], hf_engine=hf.info or {},
-                   vllm_engine={**(vllm.info or {}), "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None
-                                else f"not computed: {kl_why}"}),
-        timing={k: round(x, 3) for k, x in timing.items()}, summary=summary, floors=floors,
+        processed=(
+            "vLLM's own pass in processed_logprobs mode, same seeds, same tokens"
+            if processes
+            else "equal to raw: at temperature 1 with no top-k/top-p, processing changes nothing (checked in the tests)"
+        ),
+        env=RunEnv(
+            device=device_name(p.device),
+            torch=v["torch"],
+            transformers=v["transformers"],
+            vllm=v["vllm"],
+            vllm_dist=v["vllm_dist"],
+            hf_engine=hf.info or {},
+            vllm_engine={
+                **(vllm.info or {}),
+                "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None else f"not computed: {kl_why}",
+            },
+        ),
+        timing={k: round(x, 3) for k, x in timing.items()},
+        summary=summary,
+        floors=floors,
         samples=tuple(r.info() for r in recs),
     )
     return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
 
 
-def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: LoadRequest, req_prompts: list[list[int]],
-                  seeds: list[int], samples: list[dict], full: list[list[int]], starts: list[int], hf_scores: list[dict],
-                  sdict: dict[str, Any], noise: int, timing: dict[str, float]) -> dict[str, dict[str, Any]]:
+def _noise_floors(
+    p: Prepared,
+    dtype: str,
+    lease: Any,
+    vreq: LoadRequest,
+    hreq: LoadRequest,
+    req_prompts: list[list[int]],
+    seeds: list[int],
+    samples: list[dict],
+    full: list[list[int]],
+    starts: list[int],
+    hf_scores: list[dict],
+    sdict: dict[str, Any],
+    noise: int,
+    timing: dict[str, float],
+) -> dict[str, dict[str, Any]]:
     """How much each side moves when only the batch or the way of scoring changes."""
     ctx = p.ctx
     floors: dict[str, dict[str, Any]] = {}
@@ -226,8 +314,11 @@ def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: 
     t = time.perf_counter()
     n_dec = min(sdict["max_tokens"], NOISE_DECODE_TOKENS)
     short = {**sdict, "max_tokens": n_dec}
-    ctx.emit("noise", dtype, f"vLLM decodes {k} seeded sample(s) again, each alone (batch of 1 instead of {len(samples)}), "
-             f"their first {n_dec} tokens")
+    ctx.emit(
+        "noise",
+        dtype,
+        f"vLLM decodes {k} seeded sample(s) again, each alone (batch of 1 instead of {len(samples)}), their first {n_dec} tokens",
+    )
     alone_raw, batch_raw, same = [], [], 0
     for i in range(k):
         alone = lease.call(vreq, lambda i=i: vllm.sample([req_prompts[i]], [seeds[i]], short, (RAW,)))[0]
@@ -235,27 +326,42 @@ def _noise_floors(p: Prepared, dtype: str, lease: Any, vreq: LoadRequest, hreq: 
             same += 1
             alone_raw.append(alone["logprobs"][RAW])
             batch_raw.append(samples[i]["logprobs"][RAW][: len(alone["completion_ids"])])
-    floors["decode_batch"] = {**floor_stats(alone_raw, batch_raw), "same_tokens": same, "of": k, "side": "vllm",
-                              "what": f"vLLM decode: each sample alone vs in the batch of {len(samples)} "
-                                      f"(the first {n_dec} tokens)"}
-    ctx.emit("noise", dtype, f"HF scores in padded micro-batches of {MICRO_BATCH}, in chunks of {CHUNK} tokens, and token by token")
+    floors["decode_batch"] = {
+        **floor_stats(alone_raw, batch_raw),
+        "same_tokens": same,
+        "of": k,
+        "side": "vllm",
+        "what": f"vLLM decode: each sample alone vs in the batch of {len(samples)} (the first {n_dec} tokens)",
+    }
+    ctx.emit(
+        "noise", dtype, f"HF scores in padded micro-batches of {MICRO_BATCH}, in chunks of {CHUNK} tokens, and token by token"
+    )
     mb = lease.call(hreq, lambda: hf.score(full, 1, None, MICRO_BATCH))
     one = [h["logprob"] for h in hf_scores]
-    floors["hf_micro_batch"] = {**floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one), "side": "hf",
-                                "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass"}
+    floors["hf_micro_batch"] = {
+        **floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one),
+        "side": "hf",
+        "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass",
+    }
     # at least two chunks a sequence, so the KV cache carries something between them
     chunk = max(2, min(CHUNK, min(len(f) for f in full[:k]) // 2))
     chunked = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
-    floors["hf_chunked"] = {**floor_stats([c["logprob"] for c in chunked], one[:k]), "side": "hf", "chunk": chunk,
-                            "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass"}
+    floors["hf_chunked"] = {
+        **floor_stats([c["logprob"] for c in chunked], one[:k]),
+        "side": "hf",
+        "chunk": chunk,
+        "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass",
+    }
     inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1, tail=INCREMENTAL_TOKENS))
-    floors["hf_incremental"] = {**floor_stats([c["logprob"] for c in inc],
-                                              [o[int(c["first"]) - s:] for c, o, s in zip(inc, one[:k], starts[:k])]),
-                                "side": "hf", "tokens": INCREMENTAL_TOKENS,
-                                "what": f"HF: one token a forward through the KV cache (a per-prefix loop) vs one pass, "
-                                        f"the last {INCREMENTAL_TOKENS} tokens of each sample"}
+    floors["hf_incremental"] = {
+        **floor_stats([c["logprob"] for c in inc], [o[int(c["first"]) - s :] for c, o, s in zip(inc, one[:k], starts[:k])]),
+        "side": "hf",
+        "tokens": INCREMENTAL_TOKENS,
+        "what": f"HF: one token a forward through the KV cache (a per-prefix loop) vs one pass, "
+        f"the last {INCREMENTAL_TOKENS} tokens of each sample",
+    }
     timing["noise_s"] = time.perf_counter() - t
     return floors
 
 
-__all__ = ["COLUMNS", "MAIN_PAIR", "PAIRS", "Sampling", "rollout", "hf_floor"]
+__all__ = ["COLUMNS", "MAIN_PAIR", "PAIRS", "Sampling", "hf_floor", "rollout"]

@@ -92,17 +92,26 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
         return Verdict("differs", f"{dtype}: nothing was scored, so nothing can be said.", ())
     reasons = []
     if mx <= VLLM_TEST_TOL[0]:
-        reasons.append(f"Every token is within vLLM's own test tolerance: the largest gap is {mx:.2g} (a {percent_change(mx)} "
-                       f"change in one token's probability), at most {VLLM_TEST_TOL[0]:g} allowed.")
+        reasons.append(
+            f"Every token is within vLLM's own test tolerance: the largest gap is {mx:.2g} (a {percent_change(mx)} "
+            f"change in one token's probability), at most {VLLM_TEST_TOL[0]:g} allowed."
+        )
     elif mx <= VLLM_TEST_TOL[1]:
-        reasons.append(f"Every token is within vLLM's looser test tolerance: the largest gap is {mx:.2g} "
-                       f"({percent_change(mx)} in probability), at most {VLLM_TEST_TOL[1]:g} allowed.")
+        reasons.append(
+            f"Every token is within vLLM's looser test tolerance: the largest gap is {mx:.2g} "
+            f"({percent_change(mx)} in probability), at most {VLLM_TEST_TOL[1]:g} allowed."
+        )
     else:
-        reasons.append(f"Some tokens differ by more than vLLM's own tests allow: the largest gap is {mx:.2g} "
-                       f"({percent_change(mx)} in probability), above {VLLM_TEST_TOL[1]:g}. They are red in the token view.")
+        reasons.append(
+            f"Some tokens differ by more than vLLM's own tests allow: the largest gap is {mx:.2g} "
+            f"({percent_change(mx)} in probability), above {VLLM_TEST_TOL[1]:g}. They are red in the token view."
+        )
     ok_rl = mean <= RL_MEAN_ABS
-    reasons.append(f"On average a token's probability differs by {percent_change(mean)} (mean |Δ logp| {mean:.2g}): "
-                   + ("within" if ok_rl else "above") + f" the {RL_MEAN_ABS:g} RL trainers accept between trainer and rollout.")
+    reasons.append(
+        f"On average a token's probability differs by {percent_change(mean)} (mean |Δ logp| {mean:.2g}): "
+        + ("within" if ok_rl else "above")
+        + f" the {RL_MEAN_ABS:g} RL trainers accept between trainer and rollout."
+    )
     worst_ratio = math.exp(mx)
     if worst_ratio > RATIO_BANDS[1]:
         reasons.append(f"At least one token's probability differs by more than {RATIO_BANDS[1]:g}x ({worst_ratio:.3g}x).")
@@ -110,20 +119,28 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
         reasons.append(f"At least one token's probability differs by more than {RATIO_BANDS[0]:g}x ({worst_ratio:.3g}x).")
     agree = summary.get("argmax_agreement")
     if agree is not None and agree < 1:
-        reasons.append(f"The engines' most likely next token differs at {1 - agree:.1%} of positions: generated text can diverge.")
+        reasons.append(
+            f"The engines' most likely next token differs at {1 - agree:.1%} of positions: generated text can diverge."
+        )
 
     silent = ev.noise_ratio is None and ev.hf_noise == 0  # HF gave bit-identical values against itself
     systematic = (ev.noise_ratio is not None and ev.noise_ratio > SYSTEMATIC_NOISE_RATIO) or (silent and mean > 0)
     if silent:
-        reasons.append("HF gave identical values against itself (batched, padded or alone): its own noise measured 0, so "
-                       + ("any gap is above it: systematic." if mean > 0 else "and so is the gap."))
+        reasons.append(
+            "HF gave identical values against itself (batched, padded or alone): its own noise measured 0, so "
+            + ("any gap is above it: systematic." if mean > 0 else "and so is the gap.")
+        )
     elif ev.noise_ratio is not None:
         if systematic:
-            reasons.append(f"The gap is {ev.noise_ratio:.3g}x HF's own noise (HF against itself when only how it is run changes: "
-                           "batched, padded, another kernel): it is systematic, not run-to-run noise.")
+            reasons.append(
+                f"The gap is {ev.noise_ratio:.3g}x HF's own noise (HF against itself when only how it is run changes: "
+                "batched, padded, another kernel): it is systematic, not run-to-run noise."
+            )
         else:
-            reasons.append(f"The gap is {ev.noise_ratio:.2g}x HF's own noise (HF against itself when only how it is run changes): "
-                           "about what HF does to itself.")
+            reasons.append(
+                f"The gap is {ev.noise_ratio:.2g}x HF's own noise (HF against itself when only how it is run changes): "
+                "about what HF does to itself."
+            )
     side, side_clause = _reference_words(ev)
     if side:
         reasons.append(side)
@@ -144,10 +161,14 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
         head = f"{dtype}: within vLLM's test tolerance, but systematic: {times}."
     elif ev.noise_ratio is None and ev.hf_noise is None:
         level = "unmeasured"
-        head = (f"{dtype}: within vLLM's own test tolerance; HF's own noise is not yet measured, so whether the gap is "
-                "more than noise is not known (Diagnostics measures it).")
-        reasons.append("HF's own noise (HF against itself when batched or padded) was not measured for this comparison: "
-                       "the gap is not yet judged against it.")
+        head = (
+            f"{dtype}: within vLLM's own test tolerance; HF's own noise is not yet measured, so whether the gap is "
+            "more than noise is not known (Diagnostics measures it)."
+        )
+        reasons.append(
+            "HF's own noise (HF against itself when batched or padded) was not measured for this comparison: "
+            "the gap is not yet judged against it."
+        )
     else:
         level = "match"
         head = f"{dtype}: vLLM and HF agree, within vLLM's own test tolerance and HF's own noise."
@@ -171,12 +192,16 @@ def _reference_words(ev: Evidence) -> tuple[str | None, str | None]:
     r = _ref_ratio(ev)
     if r is None:
         return None, None
-    for far, near, x, far_d, near_d in (("vLLM", "HF", r, ev.vllm_to_ref, ev.hf_to_ref),
-                                         ("HF", "vLLM", 1 / r if r else math.inf, ev.hf_to_ref, ev.vllm_to_ref)):
+    for far, near, x, far_d, near_d in (
+        ("vLLM", "HF", r, ev.vllm_to_ref, ev.hf_to_ref),
+        ("HF", "vLLM", 1 / r if r else math.inf, ev.hf_to_ref, ev.vllm_to_ref),
+    ):
         if x >= REFERENCE_SIDE_RATIO:
-            return (f"Against a float64 reference, {far} is {x:.3g}x farther from it than {near} "
-                    f"({far_d:.2e} against {near_d:.2e}): the gap comes from {far}'s side.",
-                    f"{far} is {x:.3g}x farther from the float64 reference than {near}")
+            return (
+                f"Against a float64 reference, {far} is {x:.3g}x farther from it than {near} "
+                f"({far_d:.2e} against {near_d:.2e}): the gap comes from {far}'s side.",
+                f"{far} is {x:.3g}x farther from the float64 reference than {near}",
+            )
     return f"Both engines are about as far from a float64 reference (vLLM {ev.vllm_to_ref:.2e}, HF {ev.hf_to_ref:.2e}).", None
 
 
@@ -218,11 +243,17 @@ def hf_noise_of(runs: list[Any], diagnostics: Any = None) -> dict[str, dict[str,
     for r in runs:
         ev = evidence_for(r.dtype, r.run_id, diagnostics)
         if ev.hf_noise is not None:
-            out[r.dtype] = {"floor": ev.hf_noise, "ratio": ev.noise_ratio,
-                            "source": "batching, padding, attention, scoring through the KV cache: stored diagnostics"}
+            out[r.dtype] = {
+                "floor": ev.hf_noise,
+                "ratio": ev.noise_ratio,
+                "source": "batching, padding, attention, scoring through the KV cache: stored diagnostics",
+            }
         elif r.summary.get("hf_noise_mean") is not None:
-            out[r.dtype] = {"floor": r.summary["hf_noise_mean"], "ratio": r.summary.get("noise_ratio"),
-                            "source": "batching and padding, measured with this comparison"}
+            out[r.dtype] = {
+                "floor": r.summary["hf_noise_mean"],
+                "ratio": r.summary.get("noise_ratio"),
+                "source": "batching and padding, measured with this comparison",
+            }
     return out
 
 
@@ -247,8 +278,11 @@ def diagnosis_verdicts(diagnostics: Any) -> dict[str, Verdict]:
 
 def _summary_of(out: Any) -> dict[str, Any]:
     """The comparison summary a diagnosis carries (its gap), with the argmax agreement when stored."""
-    return {"max_abs_delta": out.gap.get("max"), "mean_abs_delta": out.gap.get("mean"),
-            "argmax_agreement": out.gap.get("argmax_agreement")}
+    return {
+        "max_abs_delta": out.gap.get("max"),
+        "mean_abs_delta": out.gap.get("mean"),
+        "argmax_agreement": out.gap.get("argmax_agreement"),
+    }
 
 
 def rollout_verdict(meta: Any) -> Verdict:
@@ -270,23 +304,30 @@ def rollout_verdict(meta: Any) -> Verdict:
         f"Importance ratio (trainer probability / rollout probability) per token: from {s['rollout_is_min']:.4g} to "
         f"{s['rollout_is_max']:.4g}; {s['frac_ratio_outside_0.8_1.25']:.1%} of tokens fall outside 0.8-1.25 and "
         f"{s['tis_clip_fraction']:.1%} would be clipped at the TIS cap of {s['tis_cap']:g}. Effective sample size "
-        f"{s['rollout_is_eff_sample_size']:.2%} of the tokens.")
+        f"{s['rollout_is_eff_sample_size']:.2%} of the tokens."
+    )
     dp = meta.summary.get("decode_vs_prefill") or {}
     if dp.get("mean_abs_delta") is not None:
         share = dp["mean_abs_delta"] / mean if mean else 0.0
         own = "a source of its own" if share >= 0.1 else "not where the gap comes from"
-        reasons.append(f"vLLM's decode path against its own prefill on the same tokens: mean gap {dp['mean_abs_delta']:.2g} "
-                       f"(largest {dp['max_abs_delta']:.2g}), {share:.0%} of the decode-HF gap: decoding is {own}.")
+        reasons.append(
+            f"vLLM's decode path against its own prefill on the same tokens: mean gap {dp['mean_abs_delta']:.2g} "
+            f"(largest {dp['max_abs_delta']:.2g}), {share:.0%} of the decode-HF gap: decoding is {own}."
+        )
     batch = (meta.floors or {}).get("decode_batch") or {}
     if batch.get("of"):
         moved = f"moved their logprobs by up to {batch['max']:.2g}" if batch.get("max") is not None else "could not be compared"
-        reasons.append(f"Decoding {batch['of']} sample(s) alone instead of in the batch gave the same tokens for "
-                       f"{batch['same_tokens']} of them and {moved}.")
+        reasons.append(
+            f"Decoding {batch['of']} sample(s) alone instead of in the batch gave the same tokens for "
+            f"{batch['same_tokens']} of them and {moved}."
+        )
     kept = meta.sampling
     if kept.get("top_p", 1) < 1 or kept.get("top_k", -1) > 0:
         pv = meta.summary.get("processed_vs_trainer") or {}
         if pv.get("mean_delta") is not None:
-            reasons.append(f"Top-k/top-p renormalise the rollout's probabilities over the tokens they keep: its processed "
-                           f"logprobs sit {pv['mean_delta']:.3g} above the trainer's on average, the log of the kept mass. "
-                           "A trainer that rescores without the cut sees this as mismatch.")
+            reasons.append(
+                f"Top-k/top-p renormalise the rollout's probabilities over the tokens they keep: its processed "
+                f"logprobs sit {pv['mean_delta']:.3g} above the trainer's on average, the log of the kept mass. "
+                "A trainer that rescores without the cut sees this as mismatch."
+            )
     return Verdict(base.level, "Rollout " + base.headline, tuple(reasons))

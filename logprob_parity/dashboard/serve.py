@@ -16,8 +16,9 @@ if str(ROOT) not in sys.path:
 
 
 def main(argv: list[str]) -> None:
-    from logprob_parity.analysis import prewarm
     from streamlit.web import cli
+
+    from logprob_parity.analysis import prewarm
 
     prewarm.start()
     sys.argv = ["streamlit", "run", str(Path(__file__).resolve().parent / "app.py"), *argv]

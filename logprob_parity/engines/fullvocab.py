@@ -30,6 +30,7 @@ Two ways for the rows to reach the HF host (`Exchange`), per batch of sequences:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -49,8 +50,10 @@ ENABLED = os.environ.get(ENABLED_ENV, "1") != "0"
 BACKGROUND_REMOVE_BYTES = 256 << 20  # a files batch this large is removed in the background
 TRANSPORT_ENV = "LPP_FULL_KL_TRANSPORT"  # auto (tensors on a GPU, files on a CPU), files or tensors
 GPU_ROWS_ENV = "LPP_GPU_ROWS_BYTES"  # rows a batch may keep on the GPU; default 15% of the card
-TRANSPORT_WORDS = {"files": "files on shared memory, read by the HF host",
-                   "tensors": "tensors shared with the HF host (CUDA IPC on a GPU), summed on the device"}
+TRANSPORT_WORDS = {
+    "files": "files on shared memory, read by the HF host",
+    "tensors": "tensors shared with the HF host (CUDA IPC on a GPU), summed on the device",
+}
 ERROR_FILE = "error.txt"
 RUNNER_FILE = "runner.txt"  # which vLLM model runner's path the rows came from: "v1" or "v2"
 PREFIX = "lpp-fullvocab-"  # then the creating process's pid
@@ -66,7 +69,7 @@ def new_folder(need_bytes: int = 0) -> str | None:
     """A private folder for the full logprobs: on /dev/shm when it has room for `need_bytes` (a
     container's /dev/shm is often 64 MiB, and a memory map past its end kills the process), else
     in the temp folder when that has room, else None."""
-    for base in ("/dev/shm", tempfile.gettempdir()):
+    for base in ("/dev/shm", tempfile.gettempdir()):  # noqa: S108 - per-process names, checked for room and removed
         try:
             if not os.access(base, os.W_OK):
                 continue
@@ -81,7 +84,7 @@ def new_folder(need_bytes: int = 0) -> str | None:
 def _remove_orphans(base: str) -> None:
     """Folders left by a process that was killed mid-comparison (its pid is in the name): gone."""
     for path in Path(base).glob(f"{PREFIX}*"):
-        pid = path.name[len(PREFIX):].split("-")[0]
+        pid = path.name[len(PREFIX) :].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
@@ -111,8 +114,10 @@ def fits(n_positions: int, vocab: int | None) -> str | None:
         return "the model's vocabulary size is unknown"
     need = need_bytes(n_positions, vocab)
     if need > MAX_BYTES:
-        return (f"{n_positions} positions x {vocab} vocabulary entries is {need / 2**30:.1f} GiB of float32, above "
-                f"LPP_FULL_KL_MAX_BYTES ({MAX_BYTES / 2**30:.1f} GiB)")
+        return (
+            f"{n_positions} positions x {vocab} vocabulary entries is {need / 2**30:.1f} GiB of float32, above "
+            f"LPP_FULL_KL_MAX_BYTES ({MAX_BYTES / 2**30:.1f} GiB)"
+        )
     return None
 
 
@@ -160,15 +165,22 @@ def _install_v2(worker: Any) -> str:
         return "v2"
     original = worker.compute_prompt_logprobs
 
-    def compute_prompt_logprobs(logits_fn: Any, hidden_states: Any, input_batch: Any, all_token_ids: Any,
-                                num_computed_tokens: Any, prompt_lens: Any, *args: Any, **kwargs: Any) -> Any:
+    def compute_prompt_logprobs(
+        logits_fn: Any,
+        hidden_states: Any,
+        input_batch: Any,
+        all_token_ids: Any,
+        num_computed_tokens: Any,
+        prompt_lens: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         if _capturing():
             try:
                 logits_fn = _capturing_v2(worker, logits_fn, input_batch, all_token_ids, prompt_lens)
             except Exception as exc:  # a vLLM whose input batch has other fields: say so, score on
                 _STATE["error"] = f"this vLLM build's v2 model runner could not be read ({type(exc).__name__}: {exc})"
-        return original(logits_fn, hidden_states, input_batch, all_token_ids, num_computed_tokens, prompt_lens,
-                        *args, **kwargs)
+        return original(logits_fn, hidden_states, input_batch, all_token_ids, num_computed_tokens, prompt_lens, *args, **kwargs)
 
     worker.compute_prompt_logprobs = compute_prompt_logprobs
     worker._lpp_fullvocab = True
@@ -253,8 +265,10 @@ def _rows_into(req_id: str, vocab: int, like: Any = None) -> Any:
                 arr = _arena(shape, like.device)
             except torch.OutOfMemoryError:
                 rows = max(shape[0], _STATE.get("rows") or 0)
-                _STATE["error"] = (f"no room on {like.device} for {rows} x {shape[1]} float32 rows "
-                                   f"({4 * rows * shape[1] / 2**30:.1f} GiB); lower {GPU_ROWS_ENV}")
+                _STATE["error"] = (
+                    f"no room on {like.device} for {rows} x {shape[1]} float32 rows "
+                    f"({4 * rows * shape[1] / 2**30:.1f} GiB); lower {GPU_ROWS_ENV}"
+                )
                 return None
         _STATE["files"][req_id] = (ids, path, arr)
     return arr
@@ -416,7 +430,7 @@ def problem(folder: str) -> str | None:
 
 
 def runner(folder: str) -> str | None:
-    """"v1" or "v2": the vLLM model runner whose prompt-logprob path the rows came from."""
+    """ "v1" or "v2": the vLLM model runner whose prompt-logprob path the rows came from."""
     f = Path(folder, RUNNER_FILE)
     return f.read_text() if f.exists() else None
 
@@ -439,7 +453,7 @@ def kl_rows(lh: Any, ref: np.ndarray) -> Any:
 
 
 def transport(device: str) -> str:
-    """"tensors" or "files": how vLLM's rows reach the HF host on this device (TRANSPORT_ENV)."""
+    """ "tensors" or "files": how vLLM's rows reach the HF host on this device (TRANSPORT_ENV)."""
     how = os.environ.get(TRANSPORT_ENV, "auto")
     if how in ("files", "tensors"):
         return how
@@ -517,10 +531,8 @@ class Exchange:
         elif self.folder:
             remove(self.folder)
         if self.token and vllm_host is not None:
-            try:
+            with contextlib.suppress(Exception):
                 vllm_host.release_rows(self.token)
-            except Exception:  # noqa: BLE001 - a host that died has freed its memory with it
-                pass
 
 
 _TOKENS = itertools.count()

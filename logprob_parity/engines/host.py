@@ -7,6 +7,7 @@ temp folder, with a random authkey handed over in the environment; only our own 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -33,19 +34,37 @@ LOG_TAIL_CHARS = 2000
 # backend; sample (vLLM) and rollout_score (HF) for rollouts; write_full (HF) for the frontier.
 # share_rows and release_rows (vLLM) hand the exact KL's full rows to the HF host (logprob_parity.engines.fullvocab);
 # bare_prefill (vLLM) and bare_forward (HF) time each engine's plain call, the benchmarks' yardstick.
-BACKEND_OPS = ("score", "generate", "sample", "rollout_score", "write_full", "share_rows", "release_rows", "bare_prefill",
-               "bare_forward")
+BACKEND_OPS = (
+    "score",
+    "generate",
+    "sample",
+    "rollout_score",
+    "write_full",
+    "share_rows",
+    "release_rows",
+    "bare_prefill",
+    "bare_forward",
+)
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
 # Root causes vLLM's engine core logs but does not raise to the caller, as (pattern, message).
 _LOG_CAUSES = (
-    (re.compile(r"(out of memory|less than requested memory|No available memory for the cache blocks|"
-                r"Reduce CPU memory|insufficient memory|Cannot allocate memory)", re.I),
-     "out of memory while starting the engine; lower gpu_memory_utilization, use a smaller model or free memory"),
-    (re.compile(r"Model architectures? \[[^\]]*\] (?:are|is) not supported", re.I),
-     "vLLM does not support this model's architecture"),
-    (re.compile(r"trust_remote_code=True", re.I),
-     "this model needs custom code: turn on trust_remote_code only if you trust its authors"),
+    (
+        re.compile(
+            r"(out of memory|less than requested memory|No available memory for the cache blocks|"
+            r"Reduce CPU memory|insufficient memory|Cannot allocate memory)",
+            re.I,
+        ),
+        "out of memory while starting the engine; lower gpu_memory_utilization, use a smaller model or free memory",
+    ),
+    (
+        re.compile(r"Model architectures? \[[^\]]*\] (?:are|is) not supported", re.I),
+        "vLLM does not support this model's architecture",
+    ),
+    (
+        re.compile(r"trust_remote_code=True", re.I),
+        "this model needs custom code: turn on trust_remote_code only if you trust its authors",
+    ),
 )
 
 
@@ -167,7 +186,7 @@ class HostClient:
         self._authkey = secrets.token_bytes(32)
         self.last_used = time.monotonic()
 
-    def start(self) -> "HostClient":
+    def start(self) -> HostClient:
         env = dict(os.environ, **self.extra_env)
         env[ADDRESS_ENV] = self.address
         env[AUTHKEY_ENV] = self._authkey.hex()
@@ -205,10 +224,8 @@ class HostClient:
     def _died(self, doing: str) -> EngineError:
         code = None
         if self.proc is not None:
-            try:  # the socket closes a moment before the exit status is there to read
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the socket closes a moment before the exit status
                 code = self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
         how = f"exit code {code}" if code is not None and code >= 0 else f"signal {-code}" if code else "no answer"
         return EngineError(f"{self.label} engine host died while {doing} ({how}). Last log lines:\n{self.log_tail()}")
 
@@ -301,23 +318,50 @@ class HostClient:
             LAST_START[(request.backend, kind)] = float(t.get("import_s", 0)) + float(t.get("init_s", 0))
         return self.info
 
-    def score(self, sequences: list[list[int]], top_k: int, gather_ids: Any = None, batch_size: int | None = None,
-              padding_side: str = "right", full: Any = None, timeout: float = 3600.0) -> Any:
-        return self._request(HostRequest("score", (sequences, top_k, gather_ids, batch_size, padding_side, full)), "scoring",
-                             timeout)
+    def score(
+        self,
+        sequences: list[list[int]],
+        top_k: int,
+        gather_ids: Any = None,
+        batch_size: int | None = None,
+        padding_side: str = "right",
+        full: Any = None,
+        timeout: float = 3600.0,
+    ) -> Any:
+        return self._request(
+            HostRequest("score", (sequences, top_k, gather_ids, batch_size, padding_side, full)), "scoring", timeout
+        )
 
     def generate(self, sequences: list[list[int]], max_new_tokens: int, timeout: float = 3600.0) -> list[list[int]]:
         return self._request(HostRequest("generate", (sequences, max_new_tokens)), "generating", timeout)
 
-    def sample(self, prompts: list[list[int]], seeds: list[int], sampling: dict[str, Any], modes: tuple[str, ...],
-               timeout: float = 3600.0) -> list[dict[str, Any]]:
+    def sample(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        sampling: dict[str, Any],
+        modes: tuple[str, ...],
+        timeout: float = 3600.0,
+    ) -> list[dict[str, Any]]:
         return self._request(HostRequest("sample", (prompts, seeds, sampling, modes)), "sampling", timeout)
 
-    def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
-                      top_p: float = 1.0, chunk: int | None = None, full: Any = None, tail: int | None = None,
-                      timeout: float = 3600.0) -> list[dict[str, Any]]:
-        return self._request(HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk, full, tail)),
-                             "scoring the rollout", timeout)
+    def rollout_score(
+        self,
+        sequences: list[list[int]],
+        starts: list[int],
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        chunk: int | None = None,
+        full: Any = None,
+        tail: int | None = None,
+        timeout: float = 3600.0,
+    ) -> list[dict[str, Any]]:
+        return self._request(
+            HostRequest("rollout_score", (sequences, starts, temperature, top_k, top_p, chunk, full, tail)),
+            "scoring the rollout",
+            timeout,
+        )
 
     def share_rows(self, token: str, timeout: float = 600.0) -> dict[str, Any]:
         return self._request(HostRequest("share_rows", (token,)), "sharing full logprobs", timeout)
@@ -335,20 +379,14 @@ class HostClient:
     def stop(self, grace: float = 20.0) -> None:
         """Ask the host to exit, then make sure it and its engine processes are gone."""
         if self.conn is not None:
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 self.conn.send(HostRequest("close"))
-            except (OSError, BrokenPipeError):
-                pass
         if self.proc is not None and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
         if self.proc is not None:
-            try:  # the whole process group: vLLM's engine-core children too
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the whole group: vLLM's engine-core children too
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             self.proc.wait()
         if self.conn is not None:
             self.conn.close()

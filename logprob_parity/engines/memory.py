@@ -122,7 +122,10 @@ def gpus() -> list[GPU]:
     try:
         out = subprocess.run(
             [exe, "--query-gpu=index,name,memory.total,memory.free", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []

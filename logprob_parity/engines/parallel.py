@@ -14,8 +14,9 @@ WEIGHT_SHARE = 0.7
 TP_SIZES = (1, 2, 4, 8)
 
 
-def resolve(settings: EngineSettings, model_path: str, dtype: str, device: str,
-            cards: list[memory.GPU] | None = None) -> EngineSettings:
+def resolve(
+    settings: EngineSettings, model_path: str, dtype: str, device: str, cards: list[memory.GPU] | None = None
+) -> EngineSettings:
     """Settings with tensor_parallel_size, pipeline_parallel_size and hf_device_map made concrete.
 
     Chosen from total (not free) memory, so the same request always gets the same plan and run id.
@@ -36,15 +37,20 @@ def resolve(settings: EngineSettings, model_path: str, dtype: str, device: str,
     cards = memory.gpu_cards() if cards is None else cards
     n = max(len(cards), 1)
     if (tp or 1) * (pp or 1) > n and not ray:  # a Ray cluster may hold more GPUs than this machine
-        raise UserError(f"tensor_parallel_size x pipeline_parallel_size = {(tp or 1) * (pp or 1)}, "
-                        f"but {n} GPU(s) are visible here (use distributed_executor_backend=ray for a cluster)")
+        raise UserError(
+            f"tensor_parallel_size x pipeline_parallel_size = {(tp or 1) * (pp or 1)}, "
+            f"but {n} GPU(s) are visible here (use distributed_executor_backend=ray for a cluster)"
+        )
     per_card = min((c.total for c in cards), default=0)
     weights = memory.weight_bytes(model_path, dtype)
     pp = pp or 1
     if tp is None:
         heads = memory.text_config(model_path, settings.trust_remote_code).num_attention_heads
-        fits = [t for t in TP_SIZES if t * pp <= n and heads % t == 0
-                and (not per_card or weights / (t * pp) <= WEIGHT_SHARE * per_card)]
+        fits = [
+            t
+            for t in TP_SIZES
+            if t * pp <= n and heads % t == 0 and (not per_card or weights / (t * pp) <= WEIGHT_SHARE * per_card)
+        ]
         if not fits:
             raise UserError(
                 f"{dtype} weights take {weights / memory.GIB:.1f} GiB; {n} GPU(s) of {per_card / memory.GIB:.0f} GiB "

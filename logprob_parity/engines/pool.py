@@ -38,15 +38,16 @@ def _quiet(message: str) -> None:
 
 def engine_bytes(request: LoadRequest) -> int:
     """What this engine will take on its device (per GPU), from the model's files."""
-    return memory.engine_bytes(request.backend, request.model_path, request.dtype, request.device,
-                               request.max_model_len, request.settings)
+    return memory.engine_bytes(
+        request.backend, request.model_path, request.dtype, request.device, request.max_model_len, request.settings
+    )
 
 
 class Lease:
     """Engines held for one request. `host(r)` waits until r's engine has loaded; leaving the
     `with` block (or `release()`) gives them back, warm."""
 
-    def __init__(self, pool: "EnginePool", hosts: dict[str, tuple[HostClient, bool]], owner: int) -> None:
+    def __init__(self, pool: EnginePool, hosts: dict[str, tuple[HostClient, bool]], owner: int) -> None:
         self._pool = pool
         self._hosts = hosts
         self._owner = owner
@@ -90,7 +91,7 @@ class Lease:
             self._released = True
             self._pool._release([h for h, _ in self._hosts.values()], self._owner)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -129,8 +130,10 @@ class EnginePool:
                 if not held:  # nothing will be released: go over the limits rather than wait forever
                     room = self._idle_locked()
                     break
-                message = (f"queued: waiting for {held} engine(s) held by other jobs to free room "
-                           f"(limit {self._cap()} warm engines and the device's free memory)")
+                message = (
+                    f"queued: waiting for {held} engine(s) held by other jobs to free room "
+                    f"(limit {self._cap()} warm engines and the device's free memory)"
+                )
                 now = time.monotonic()
                 if message != said or now - said_at >= 5:
                     on_wait(f"{message}, {now - t0:.0f} s so far")
@@ -144,7 +147,9 @@ class EnginePool:
                 key = r.key()
                 host = self._hosts.get(key)
                 if host is None:
-                    host = self._host_factory(r.label, extra_env=r.host_env(), device=r.device, need_bytes=engine_bytes(r)).start()
+                    host = self._host_factory(
+                        r.label, extra_env=r.host_env(), device=r.device, need_bytes=engine_bytes(r)
+                    ).start()
                     host.begin_load(r)
                     self._hosts[key] = host
                 host.leases += 1
@@ -178,8 +183,11 @@ class EnginePool:
         """Hosts no request holds, unused for `longer_than` seconds, least recently used first."""
         now = time.monotonic()
         return sorted(
-            (h for h in self._hosts.values()
-             if h.leases == 0 and now - h.last_used >= longer_than and (device is None or h.device == device)),
+            (
+                h
+                for h in self._hosts.values()
+                if h.leases == 0 and now - h.last_used >= longer_than and (device is None or h.device == device)
+            ),
             key=lambda h: h.last_used,
         )
 
@@ -247,7 +255,11 @@ class EnginePool:
         """Whether these engines fit in the device's free memory at once, counting idle hosts that
         could be stopped for them, and under the count cap."""
         with self._cond:
-            cold = [r for r in {r.key(): r for r in requests}.values() if r.key() not in self._hosts or not self._hosts[r.key()].alive()]
+            cold = [
+                r
+                for r in {r.key(): r for r in requests}.values()
+                if r.key() not in self._hosts or not self._hosts[r.key()].alive()
+            ]
             if not cold:
                 return True
             if len(cold) > self._cap():

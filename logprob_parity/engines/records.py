@@ -30,8 +30,16 @@ class LoadRequest:
         from logprob_parity.inputs.spec import canonical_json
 
         part = self.settings.hf_part() if self.backend == "hf" else self.settings.vllm_part()
-        return canonical_json({"backend": self.backend, "model_path": self.model_path, "dtype": self.dtype,
-                               "device": self.device, "max_model_len": self.max_model_len, "settings": part})
+        return canonical_json(
+            {
+                "backend": self.backend,
+                "model_path": self.model_path,
+                "dtype": self.dtype,
+                "device": self.device,
+                "max_model_len": self.max_model_len,
+                "settings": part,
+            }
+        )
 
     @property
     def label(self) -> str:
@@ -45,8 +53,13 @@ class LoadRequest:
 
     def backend_kwargs(self) -> dict[str, Any]:
         """The backend constructor's arguments."""
-        return {"model_path": self.model_path, "dtype": self.dtype, "device": self.device, "settings": self.settings,
-                "max_model_len": self.max_model_len}
+        return {
+            "model_path": self.model_path,
+            "dtype": self.dtype,
+            "device": self.device,
+            "settings": self.settings,
+            "max_model_len": self.max_model_len,
+        }
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ class TokenScores:
     kl_full: np.ndarray | None = None  # float64 [T]
 
     @classmethod
-    def empty(cls, token_ids: list[int], k: int) -> "TokenScores":
+    def empty(cls, token_ids: list[int], k: int) -> TokenScores:
         n = len(token_ids)
         return cls(
             token_ids=np.asarray(token_ids, dtype=np.int64),

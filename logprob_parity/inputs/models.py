@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from logprob_parity.inputs.demo import DEMO_NAME, build_demo_model, is_demo
 from logprob_parity.errors import UserError
+from logprob_parity.inputs.demo import DEMO_NAME, build_demo_model, is_demo
 from logprob_parity.paths import store_root
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py", "*.jinja"]

@@ -31,8 +31,18 @@ import numpy as np
 
 from logprob_parity.errors import UserError
 
-FIELDS = ("prompt_token_ids", "prompt", "token_ids", "completion_token_ids", "logprobs", "temperature", "top_p", "top_k",
-          "step", "id")
+FIELDS = (
+    "prompt_token_ids",
+    "prompt",
+    "token_ids",
+    "completion_token_ids",
+    "logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "step",
+    "id",
+)
 MAX_RECORDS = 100_000
 POSITIVE_SLACK = 1e-5  # float32 rounding can put a certain token's logprob a hair above 0, not more
 
@@ -86,15 +96,17 @@ def _records(source: bytes | Path, name: str) -> Iterator[dict[str, Any]]:
 
         try:
             f = pq.ParquetFile(io.BytesIO(source) if isinstance(source, bytes) else str(source))
-        except Exception as exc:  # noqa: BLE001 - any reader error is a bad file, said in words
+        except Exception as exc:
             raise UserError(f"{name} is not a readable Parquet file ({exc})") from None
         for batch in f.iter_batches(batch_size=4096):
             yield from batch.to_pylist()
         return
     if suffix not in (".jsonl", ".json"):
-        raise UserError(f"{name}: unsupported file type {suffix!r}; use .jsonl (one record a line), .parquet, or .json "
-                        "(the output of `logprob-parity rollout --json`)")
-    with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as f:
+        raise UserError(
+            f"{name}: unsupported file type {suffix!r}; use .jsonl (one record a line), .parquet, or .json "
+            "(the output of `logprob-parity rollout --json`)"
+        )
+    with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb") as f:
         if suffix == ".json":  # one object, the project's own output: read whole (a .jsonl streams)
             try:
                 obj = json.loads(_text(f.read(), name, None))
@@ -132,10 +144,15 @@ def _from_rollout_json(obj: Any, name: str) -> Iterator[dict[str, Any]]:
         raise UserError(f"{name} is JSON but not `logprob-parity rollout --json` output (no 'samples'); use .jsonl for records")
     sampling = first.get("sampling") or {}
     for s in first["samples"]:
-        yield {"prompt_token_ids": s.get("prompt_token_ids"), "completion_token_ids": s.get("completion_token_ids"),
-               "logprobs": [p["logprob"]["decode_raw"] for p in s.get("positions", [])],
-               "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p"), "top_k": sampling.get("top_k"),
-               "id": f"seed {s.get('seed')}"}
+        yield {
+            "prompt_token_ids": s.get("prompt_token_ids"),
+            "completion_token_ids": s.get("completion_token_ids"),
+            "logprobs": [p["logprob"]["decode_raw"] for p in s.get("positions", [])],
+            "temperature": sampling.get("temperature"),
+            "top_p": sampling.get("top_p"),
+            "top_k": sampling.get("top_k"),
+            "id": f"seed {s.get('seed')}",
+        }
 
 
 def _ids(rec: dict[str, Any], field: str, where: str) -> list[int]:
@@ -158,8 +175,9 @@ def _number(rec: dict[str, Any], field: str, default: Any, where: str, kind: typ
     return out
 
 
-def read_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str,
-                vocab: int | None) -> LoggedSet:
+def read_logged(
+    source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None
+) -> LoggedSet:
     """Every record of the file, mapped and checked, in memory (a few records; a rescore spools them,
     `spool_logged`)."""
     digest = hashlib.sha256()
@@ -167,8 +185,9 @@ def read_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokeni
     return LoggedSet(out, Path(name).name, digest.hexdigest()[:32])
 
 
-def iter_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None,
-                digest: Any) -> Iterator[LoggedSequence]:
+def iter_logged(
+    source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None, digest: Any
+) -> Iterator[LoggedSequence]:
     """The file's records one at a time, mapped and checked (UserError naming the record and field);
     each one's ids, logprobs and sampling go into `digest` (hashlib), the rescore's identity."""
     from logprob_parity.inputs.tokens import encode_texts
@@ -193,8 +212,10 @@ def iter_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokeni
             if math.isnan(x):
                 raise UserError(f"{where}: logprobs[{i}] is NaN")
             if x > POSITIVE_SLACK:
-                raise UserError(f"{where}: logprobs[{i}] is {x:g}, above 0; a log probability is never positive "
-                                "(is this column probabilities, or logits?)")
+                raise UserError(
+                    f"{where}: logprobs[{i}] is {x:g}, above 0; a log probability is never positive "
+                    "(is this column probabilities, or logits?)"
+                )
         if rec["completion_token_ids"] is not None:
             completion = _ids(rec, "completion_token_ids", where)
             if rec["prompt_token_ids"] is not None:
@@ -208,36 +229,56 @@ def iter_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokeni
         elif rec["token_ids"] is not None:
             whole = _ids(rec, "token_ids", where)
             if len(whole) <= len(lps):
-                raise UserError(f"{where}: token_ids has {len(whole)} ids, not more than its {len(lps)} logprobs: no prompt is left")
-            prompt, completion = whole[: len(whole) - len(lps)], whole[len(whole) - len(lps):]
+                raise UserError(
+                    f"{where}: token_ids has {len(whole)} ids, not more than its {len(lps)} logprobs: no prompt is left"
+                )
+            prompt, completion = whole[: len(whole) - len(lps)], whole[len(whole) - len(lps) :]
         else:
             raise UserError(f"{where} has no completion_token_ids or token_ids (map them with --map)")
         if len(completion) != len(lps):
-            raise UserError(f"{where}: logprobs has {len(lps)} values but completion_token_ids has {len(completion)} ids; "
-                            "they must be one a completion token")
+            raise UserError(
+                f"{where}: logprobs has {len(lps)} values but completion_token_ids has {len(completion)} ids; "
+                "they must be one a completion token"
+            )
         if not prompt:
             raise UserError(f"{where}: the prompt is empty; the first completion token needs a prompt before it")
         if vocab is not None:
             for field, ids in (("prompt_token_ids", prompt), ("completion_token_ids", completion)):
                 bad = next((i for i, x in enumerate(ids) if not 0 <= x < vocab), None)
                 if bad is not None:
-                    raise UserError(f"{where}: {field}[{bad}] = {ids[bad]} is outside this model's vocabulary ({vocab:,} "
-                                    "entries): these rollouts were not made with this model's tokenizer")
+                    raise UserError(
+                        f"{where}: {field}[{bad}] = {ids[bad]} is outside this model's vocabulary ({vocab:,} "
+                        "entries): these rollouts were not made with this model's tokenizer"
+                    )
         if rec["prompt"] is not None and rec["prompt_token_ids"] is not None and isinstance(rec["prompt"], str):
             (mine,), _ = encode_texts(tokenizer, [rec["prompt"]], "none")
-            if mine != prompt[len(prompt) - len(mine):]:
-                raise UserError(f"{where}: prompt_token_ids are not what this model's tokenizer makes of its prompt text: "
-                                "the rollouts were tokenized by another tokenizer")
+            if mine != prompt[len(prompt) - len(mine) :]:
+                raise UserError(
+                    f"{where}: prompt_token_ids are not what this model's tokenizer makes of its prompt text: "
+                    "the rollouts were tokenized by another tokenizer"
+                )
         temperature = _number(rec, "temperature", 1.0, where, float)
         top_p = _number(rec, "top_p", 1.0, where, float)
         top_k = _number(rec, "top_k", -1, where, int)
         if not temperature > 0 or not 0 < top_p <= 1:
             raise UserError(f"{where}: temperature must be above 0 and top_p in (0, 1] (got {temperature}, {top_p})")
         step = _number(rec, "step", None, where, int)
-        seq = LoggedSequence(n, None if rid is None else str(rid), step, tuple(prompt), tuple(completion), tuple(lps),
-                             temperature, top_p, top_k if top_k > 0 else -1)
-        digest.update(json.dumps([seq.prompt_token_ids, seq.completion_token_ids, seq.logprobs, seq.temperature, seq.top_p,
-                                  seq.top_k]).encode())
+        seq = LoggedSequence(
+            n,
+            None if rid is None else str(rid),
+            step,
+            tuple(prompt),
+            tuple(completion),
+            tuple(lps),
+            temperature,
+            top_p,
+            top_k if top_k > 0 else -1,
+        )
+        digest.update(
+            json.dumps(
+                [seq.prompt_token_ids, seq.completion_token_ids, seq.logprobs, seq.temperature, seq.top_p, seq.top_k]
+            ).encode()
+        )
         yield seq
     if not n:
         raise UserError(f"{name} holds no records")
@@ -282,31 +323,58 @@ class LoggedIndex:
             for b, members in by_batch.items():
                 rows = pa.Table.from_batches([reader.get_batch(b)]).take([i % SPOOL_ROWS for i in members]).to_pylist()
                 for i, r in zip(members, rows):
-                    out[i] = LoggedSequence(r["record"], r["id"], r["step"], tuple(r["prompt"]), tuple(r["completion"]),
-                                            tuple(r["logprobs"]), r["temperature"], r["top_p"], r["top_k"])
+                    out[i] = LoggedSequence(
+                        r["record"],
+                        r["id"],
+                        r["step"],
+                        tuple(r["prompt"]),
+                        tuple(r["completion"]),
+                        tuple(r["logprobs"]),
+                        r["temperature"],
+                        r["top_p"],
+                        r["top_k"],
+                    )
         return [out[i] for i in idx]
 
 
-def spool_logged(source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None,
-                 path: Path) -> LoggedIndex:
+def spool_logged(
+    source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None, path: Path
+) -> LoggedIndex:
     """Every record checked (`iter_logged`) and written to the Arrow file `path`, SPOOL_ROWS
     sequences a record batch; nothing of the file is kept in memory but a few numbers a sequence.
     A bad record raises before anything is scored, and the spool is removed."""
     import pyarrow as pa
 
-    schema = pa.schema([("record", pa.int64()), ("id", pa.string()), ("step", pa.int64()), ("prompt", pa.list_(pa.int64())),
-                        ("completion", pa.list_(pa.int64())), ("logprobs", pa.list_(pa.float64())),
-                        ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int64())])
+    schema = pa.schema(
+        [
+            ("record", pa.int64()),
+            ("id", pa.string()),
+            ("step", pa.int64()),
+            ("prompt", pa.list_(pa.int64())),
+            ("completion", pa.list_(pa.int64())),
+            ("logprobs", pa.list_(pa.float64())),
+            ("temperature", pa.float64()),
+            ("top_p", pa.float64()),
+            ("top_k", pa.int64()),
+        ]
+    )
     digest = hashlib.sha256()
     numbers: dict[str, list[Any]] = {k: [] for k in ("prompt_len", "completion_len", "temperature", "top_p", "top_k")}
     rows: list[LoggedSequence] = []
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def flush(w: Any) -> None:
-        cols = {"record": [r.record for r in rows], "id": [r.id for r in rows], "step": [r.step for r in rows],
-                "prompt": [r.prompt_token_ids for r in rows], "completion": [r.completion_token_ids for r in rows],
-                "logprobs": [r.logprobs for r in rows], "temperature": [r.temperature for r in rows],
-                "top_p": [r.top_p for r in rows], "top_k": [r.top_k for r in rows]}
+        cols = {
+            "record": [r.record for r in rows],
+            "id": [r.id for r in rows],
+            "step": [r.step for r in rows],
+            "prompt": [r.prompt_token_ids for r in rows],
+            "completion": [r.completion_token_ids for r in rows],
+            "logprobs": [r.logprobs for r in rows],
+            "temperature": [r.temperature for r in rows],
+            "top_p": [r.top_p for r in rows],
+            "top_k": [r.top_k for r in rows],
+        }
         w.write_batch(pa.RecordBatch.from_pydict(cols, schema=schema))
         rows.clear()
 
@@ -326,7 +394,13 @@ def spool_logged(source: bytes | Path, name: str, mapping: dict[str, str], token
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    return LoggedIndex(path, Path(name).name, digest.hexdigest()[:32],
-                       np.asarray(numbers["prompt_len"], dtype=np.int64), np.asarray(numbers["completion_len"], dtype=np.int64),
-                       np.asarray(numbers["temperature"], dtype=np.float64), np.asarray(numbers["top_p"], dtype=np.float64),
-                       np.asarray(numbers["top_k"], dtype=np.int64))
+    return LoggedIndex(
+        path,
+        Path(name).name,
+        digest.hexdigest()[:32],
+        np.asarray(numbers["prompt_len"], dtype=np.int64),
+        np.asarray(numbers["completion_len"], dtype=np.int64),
+        np.asarray(numbers["temperature"], dtype=np.float64),
+        np.asarray(numbers["top_p"], dtype=np.float64),
+        np.asarray(numbers["top_k"], dtype=np.int64),
+    )

@@ -54,9 +54,7 @@ class RunSpec:
         if not isinstance(self.top_k, int) or self.top_k < 1:
             raise UserError(f"top-k must be a positive integer (got {self.top_k})")
         if self.top_k > MAX_TOP_K:
-            raise UserError(
-                f"top-k {self.top_k} is above the maximum of {MAX_TOP_K} prompt logprobs this tool asks vLLM for"
-            )
+            raise UserError(f"top-k {self.top_k} is above the maximum of {MAX_TOP_K} prompt logprobs this tool asks vLLM for")
         self.settings.validate()
         if self.device not in DEVICES:
             raise UserError(f"unknown device {self.device!r}; choose from {', '.join(DEVICES)}")

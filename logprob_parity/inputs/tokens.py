@@ -278,7 +278,7 @@ def _decodes_bytes(tokenizer: Any, rust: Any) -> bool:
 
         try:
             dec = json.loads(rust.to_str()).get("decoder") or {}
-        except Exception:  # noqa: BLE001 - a tokenizer that cannot serialise itself takes the slow path
+        except Exception:
             dec = {}
         parts = dec.get("decoders") or [] if dec.get("type") == "Sequence" else [dec]
         known = tokenizer.__dict__["_lpp_byte_level"] = any(d.get("type") == "ByteLevel" for d in parts)

@@ -12,8 +12,19 @@ from logprob_parity.results.run import Run
 FLOOR = 1e-10  # |Δ| of exactly 0 drawn here on log axes
 
 
-COLUMNS = ["seq", "index", "token_id", "piece", "hf_logprob", "vllm_logprob", "delta", "abs_delta", "hf_prob", "prob_delta",
-           "kl_topk"]
+COLUMNS = [
+    "seq",
+    "index",
+    "token_id",
+    "piece",
+    "hf_logprob",
+    "vllm_logprob",
+    "delta",
+    "abs_delta",
+    "hf_prob",
+    "prob_delta",
+    "kl_topk",
+]
 # A chart of every position of a large prompt set would be millions of marks: past this many rows a
 # run's chart shows its largest gaps and an even sample of the rest (thinned() says how many).
 MAX_CHART_ROWS = 20_000
@@ -64,8 +75,12 @@ def histogram(df: pd.DataFrame) -> Any:
         .transform_calculate(log_abs="log(datum.abs_delta_plot) / LN10")
         .mark_bar(opacity=0.55, binSpacing=0)
         .encode(
-            x=alt.X("log_abs:Q", bin=alt.Bin(maxbins=40), title="gap between the engines, |Δ logp| (log scale)",
-                    axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')")),
+            x=alt.X(
+                "log_abs:Q",
+                bin=alt.Bin(maxbins=40),
+                title="gap between the engines, |Δ logp| (log scale)",
+                axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')"),
+            ),
             y=alt.Y("count():Q", stack=None, title="tokens"),
             color=dtype_color_encoding(df["dtype"]),
         )
@@ -108,8 +123,14 @@ def by_position(df: pd.DataFrame, floors: dict[str, float] | None = None) -> Any
     if not floors:
         return line
     band = pd.DataFrame([{"dtype": d, "floor": max(f, FLOOR)} for d, f in floors.items()])
-    rule = alt.Chart(band).mark_rule(strokeDash=[6, 4], size=2).encode(
-        y="floor:Q", color=dtype_color_encoding(df["dtype"]), tooltip=[alt.Tooltip("dtype:N"), alt.Tooltip("floor:Q", title="HF noise floor", format=".3e")]
+    rule = (
+        alt.Chart(band)
+        .mark_rule(strokeDash=[6, 4], size=2)
+        .encode(
+            y="floor:Q",
+            color=dtype_color_encoding(df["dtype"]),
+            tooltip=[alt.Tooltip("dtype:N"), alt.Tooltip("floor:Q", title="HF noise floor", format=".3e")],
+        )
     )
     return line + rule
 
@@ -142,14 +163,38 @@ def worst_tokens(runs: list[Run], n: int = 20, seq_index: int | None = None) -> 
             for seq, index in f[f["scored"]].nlargest(n, "abs_delta")[["seq", "index"]].itertuples(index=False):
                 s = r.sequences[int(seq)]
                 m = s.metrics
-                rows.append({"seq": int(seq), "index": int(index), "token_id": s.token_ids[index], "piece": s.pieces[index],
-                             "hf_logprob": s.hf.logprob[index], "vllm_logprob": s.vllm.logprob[index], "delta": m.delta[index],
-                             "abs_delta": m.abs_delta[index], "hf_prob": m.hf_prob[index], "prob_delta": m.prob_delta[index],
-                             "kl_topk": m.kl_topk[index], "dtype": r.dtype})
+                rows.append(
+                    {
+                        "seq": int(seq),
+                        "index": int(index),
+                        "token_id": s.token_ids[index],
+                        "piece": s.pieces[index],
+                        "hf_logprob": s.hf.logprob[index],
+                        "vllm_logprob": s.vllm.logprob[index],
+                        "delta": m.delta[index],
+                        "abs_delta": m.abs_delta[index],
+                        "hf_prob": m.hf_prob[index],
+                        "prob_delta": m.prob_delta[index],
+                        "kl_topk": m.kl_topk[index],
+                        "dtype": r.dtype,
+                    }
+                )
         df = pd.DataFrame(rows, columns=[*COLUMNS, "dtype"])
     else:
         df = chart_frame(runs, seq_index, max_rows=None)
     if df.empty:
         return df
-    cols = ["dtype", "seq", "index", "piece", "token_id", "hf_logprob", "vllm_logprob", "delta", "abs_delta", "prob_delta", "kl_topk"]
+    cols = [
+        "dtype",
+        "seq",
+        "index",
+        "piece",
+        "token_id",
+        "hf_logprob",
+        "vllm_logprob",
+        "delta",
+        "abs_delta",
+        "prob_delta",
+        "kl_topk",
+    ]
     return df.nlargest(n, "abs_delta")[cols].rename(columns={"piece": "token", "seq": "prompt", "index": "position"})

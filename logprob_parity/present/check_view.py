@@ -8,8 +8,13 @@ from typing import Any
 
 def junit_xml(result: Any) -> str:
     """One <testcase> a bound, a <failure> with its line when it fails (ElementTree escapes every text)."""
-    suite = ET.Element("testsuite", name="logprob-parity check", tests=str(len(result.outcomes)),
-                       failures=str(sum(not o.passed for o in result.outcomes)), errors="0")
+    suite = ET.Element(
+        "testsuite",
+        name="logprob-parity check",
+        tests=str(len(result.outcomes)),
+        failures=str(sum(not o.passed for o in result.outcomes)),
+        errors="0",
+    )
     for o in result.outcomes:
         case = ET.SubElement(suite, "testcase", classname=f"logprob-parity.{o.dtype}.{o.run_id[:12]}", name=o.words[5:])
         if not o.passed:
@@ -23,8 +28,10 @@ def markdown(result: Any) -> str:
     lines = [head, "", "| | dtype | run | measured | bound | what |", "|---|---|---|---|---|---|"]
     for o in result.outcomes:
         what = o.words.split(": ", 1)[1] if ": " in o.words else o.words
-        lines.append(f"| {'✅' if o.passed else '❌'} | {o.dtype} | `{o.run_id[:12]}` | {_n(o.key, o.value)} | {_n(o.key, o.limit)} | "
-                     f"{what.replace('|', '/')} |")
+        lines.append(
+            f"| {'✅' if o.passed else '❌'} | {o.dtype} | `{o.run_id[:12]}` | {_n(o.key, o.value)} | {_n(o.key, o.limit)} | "
+            f"{what.replace('|', '/')} |"
+        )
     lines += [f"- {n}" for n in result.notes]
     return "\n".join(lines) + "\n"
 

@@ -3,7 +3,6 @@ table, the HTML report), so `max_abs_delta` never reaches a page."""
 
 from __future__ import annotations
 
-
 # The summary keys (logprob_parity.results.metrics.summarize) in words, for tables people read.
 SUMMARY_LABELS = {
     "n_tokens": "tokens compared",
@@ -74,7 +73,7 @@ def cell_text(column: str, v: object) -> str:
     numbers in e-notation, nothing as a dash."""
     if v is None or (isinstance(v, float) and v != v):
         return "-"
-    if isinstance(v, bool) or isinstance(v, int):
+    if isinstance(v, (bool, int)):
         return str(v)
     if isinstance(v, float) and column.startswith("share"):
         return f"{v:.1%}"

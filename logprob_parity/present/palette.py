@@ -39,4 +39,3 @@ def dtype_color_encoding(dtypes: Any, field: str = "dtype", title: str | None = 
     shown = set(dtypes)
     domain = [d for d in DTYPE_COLOURS if d in shown] + sorted(shown - set(DTYPE_COLOURS))
     return alt.Color(f"{field}:N", title=title, scale=alt.Scale(domain=domain, range=[dtype_colour(d) for d in domain]))
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
+
 import numpy as np
 
 from logprob_parity.analysis.verdict import LEVEL_WORDS, RATIO_BANDS, VLLM_TEST_TOL
@@ -35,7 +36,7 @@ class Scale:
             return min(1.0, (math.log10(value) - math.log10(self.lo)) / (math.log10(self.hi) - math.log10(self.lo)))
         return min(1.0, max(0.0, (value - self.lo) / (self.hi - self.lo)))
 
-    def with_hi(self, hi: float) -> "Scale":
+    def with_hi(self, hi: float) -> Scale:
         return Scale(self.key, self.label, min(self.lo, hi / 10), hi, self.log)
 
     def rgb(self, value: float) -> tuple[int, int, int]:
@@ -189,8 +190,9 @@ def _piece_html(seq: SequenceResult, t: int) -> tuple[str, bool]:
     return out, special
 
 
-def sequence_row_html(label: str, seq: SequenceResult, scale: Scale | MeaningScale, threshold: float | None,
-                      start: int = 0, stop: int | None = None) -> str:
+def sequence_row_html(
+    label: str, seq: SequenceResult, scale: Scale | MeaningScale, threshold: float | None, start: int = 0, stop: int | None = None
+) -> str:
     """One row of tokens [start, stop) coloured by `scale` (a long text is shown a window at a time)."""
     vals = metric_values(seq, scale.key)
     stop = len(seq.token_ids) if stop is None else min(stop, len(seq.token_ids))
@@ -243,7 +245,8 @@ def meaning_legend_html(floors: dict[str, MeaningScale], threshold: float | None
     tight, loose = VLLM_TEST_TOL
     floor_txt = ", ".join(
         f"{html.escape(d)} ≤ {s.floor:.1e} ({'HF’s measured noise' if s.floor_source == 'measured' else 'one rounding step, assumed: run Diagnostics to measure'})"
-        for d, s in floors.items())
+        for d, s in floors.items()
+    )
     thr = f'<span class="lpp-key">outlined: |Δ logp| &gt; {threshold:.3g}</span>' if threshold is not None else ""
     return (
         '<div class="lpp-legend" data-scale="meaning"><b>Colour: how far apart the engines are</b>'
@@ -254,9 +257,17 @@ def meaning_legend_html(floors: dict[str, MeaningScale], threshold: float | None
     )
 
 
-def token_view_html(runs: list[Run], seq_index: int, metric: str = "abs_delta", threshold: float | None = None,
-                    scale_hi: float | None = None, *, raw: bool = False, floors: dict[str, float] | None = None,
-                    window: tuple[int, int] | None = None) -> str:
+def token_view_html(
+    runs: list[Run],
+    seq_index: int,
+    metric: str = "abs_delta",
+    threshold: float | None = None,
+    scale_hi: float | None = None,
+    *,
+    raw: bool = False,
+    floors: dict[str, float] | None = None,
+    window: tuple[int, int] | None = None,
+) -> str:
     """One row per dtype for one sequence, with the CSS inline (st.html and reports alike).
 
     |Δ logp| is coloured by meaning (noise floor, vLLM's tolerance) unless `raw`; `floors` are HF's
@@ -274,7 +285,7 @@ def token_view_html(runs: list[Run], seq_index: int, metric: str = "abs_delta", 
             scale = scale.with_hi(scale_hi)
         legend = legend_html(scale, threshold)
         rows = [sequence_row_html(r.dtype, r.sequences[seq_index], scale, threshold, start, stop) for r in live]
-    return f"<style>{CSS}</style><div class=\"lpp-tv\">{legend}{''.join(rows)}</div>"
+    return f'<style>{CSS}</style><div class="lpp-tv">{legend}{"".join(rows)}</div>'
 
 
 def windows(runs: list[Run], seq_index: int, size: int) -> list[tuple[int, int, float]]:
@@ -284,8 +295,10 @@ def windows(runs: list[Run], seq_index: int, size: int) -> list[tuple[int, int, 
     out = []
     for start in range(0, n, size):
         stop = min(start + size, n)
-        worst = max((float(np.nanmax(np.where(s.metrics.scored[start:stop], s.metrics.abs_delta[start:stop], -np.inf)))
-                     for s in seqs), default=0.0)
+        worst = max(
+            (float(np.nanmax(np.where(s.metrics.scored[start:stop], s.metrics.abs_delta[start:stop], -np.inf))) for s in seqs),
+            default=0.0,
+        )
         out.append((start, stop, worst if math.isfinite(worst) else 0.0))
     return sorted(out, key=lambda w: -w[2])
 

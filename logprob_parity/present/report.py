@@ -5,14 +5,14 @@ from __future__ import annotations
 import html
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+from logprob_parity.analysis.verdict import hf_noise_of, run_verdicts
 from logprob_parity.paths import write_text_atomic
 from logprob_parity.present.charts import CHARTS, chart_frame, worst_tokens
 from logprob_parity.present.labels import cell_text, summary_label, summary_value
 from logprob_parity.present.render import token_view_html, verdict_html
-from logprob_parity.analysis.verdict import hf_noise_of, run_verdicts
 from logprob_parity.results.records import DiagnosticsResult
 from logprob_parity.results.run import Run
 
@@ -109,26 +109,40 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
         ("top-k / BOS policy", f"{m.top_k} / {m.bos}"),
         ("engine settings", json.dumps(m.settings, sort_keys=True)),
     ] + [(f"run id ({r.dtype})", f"{r.run_id}  created {r.meta.created}") for r in runs]
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_PAGE_CSS}</style></head><body>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_PAGE_CSS}</style></head><body>"
+    ]
     parts.append(f"<h1>{_e(title)}</h1>")
-    parts.append("<table class='meta'>" + "".join(f"<tr><th class='l'>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in meta_rows) + "</table>")
+    parts.append(
+        "<table class='meta'>"
+        + "".join(f"<tr><th class='l'>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in meta_rows)
+        + "</table>"
+    )
 
     from logprob_parity.present.labels import quantized_words
 
     if quantized_words(m.settings):
         parts.append(f"<p><b>{_e(quantized_words(m.settings))}</b></p>")
     parts.append("<h2>Verdict</h2>" + verdict_html([v.to_dict() for v in run_verdicts(runs, diagnostics)]))
-    parts.append("<h2>Summary</h2><table><tr><th class='l'>metric</th>" + "".join(f"<th>{_e(r.dtype)}</th>" for r in runs) + "</tr>")
+    parts.append(
+        "<h2>Summary</h2><table><tr><th class='l'>metric</th>" + "".join(f"<th>{_e(r.dtype)}</th>" for r in runs) + "</tr>"
+    )
     for key in first.summary:
-        parts.append(f"<tr><td class='l'>{_e(summary_label(key))}</td>" + "".join(f"<td>{_e(summary_value(key, r.summary.get(key)))}</td>" for r in runs) + "</tr>")
+        parts.append(
+            f"<tr><td class='l'>{_e(summary_label(key))}</td>"
+            + "".join(f"<td>{_e(summary_value(key, r.summary.get(key)))}</td>" for r in runs)
+            + "</tr>"
+        )
     parts.append("</table>")
 
     df = chart_frame(runs)
     if not df.empty:
         parts.append("<h2>Charts</h2>")
         for d, n_all in df.attrs.get("thinned", {}).items():
-            parts.append(f"<p>{_e(d)}: {n_all:,} positions; the charts draw the largest gaps and an even sample of the rest "
-                         f"({int((df['dtype'] == d).sum()):,} points).</p>")
+            parts.append(
+                f"<p>{_e(d)}: {n_all:,} positions; the charts draw the largest gaps and an even sample of the rest "
+                f"({int((df['dtype'] == d).sum()):,} points).</p>"
+            )
         parts.append("<div class='charts'>")
         parts.extend(f"<div>{_svg(make(df).properties(width=480, height=260))}</div>" for make in CHARTS.values())
         parts.append("</div>")
@@ -137,7 +151,9 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
     if not worst.empty:
         parts.append("<h2>Worst 20 tokens</h2><table><tr>" + "".join(f"<th>{_e(c)}</th>" for c in worst.columns) + "</tr>")
         for _, row in worst.iterrows():
-            cells = "".join(f"<td class='l'>{_e(repr(v))}</td>" if c == "token" else f"<td>{_num(v)}</td>" for c, v in row.items())
+            cells = "".join(
+                f"<td class='l'>{_e(repr(v))}</td>" if c == "token" else f"<td>{_num(v)}</td>" for c, v in row.items()
+            )
             parts.append(f"<tr>{cells}</tr>")
         parts.append("</table>")
 
@@ -145,7 +161,9 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
         parts.append(diagnostics_section(diagnostics))
     floors = {d: x["floor"] for d, x in hf_noise_of(runs, diagnostics).items()} or None
     n = min(len(first.sequences), MAX_SEQUENCES)
-    parts.append(f"<h2>Tokens</h2><p>Hover a token for both logprobs, ranks and top-5 lists. Showing {n} of {len(first.sequences)} prompts.</p>")
+    parts.append(
+        f"<h2>Tokens</h2><p>Hover a token for both logprobs, ranks and top-5 lists. Showing {n} of {len(first.sequences)} prompts.</p>"
+    )
     for i in range(n):
         s = first.sequences[i]
         parts.append(f"<h3>Prompt {i + 1}</h3><pre>{_e(s.text)}</pre>")

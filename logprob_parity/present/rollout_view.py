@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from logprob_parity.results.offpolicy import MIS_BAND, RATIO_BANDS, TIS_CAP
 from logprob_parity.present.render import CSS, meaning_legend_html, meaning_scale
+from logprob_parity.results.offpolicy import MIS_BAND, RATIO_BANDS, TIS_CAP
 from logprob_parity.results.rollout import PAIRS, Rollout
 
 # The rollout metrics a reader sees, in words (key -> label, how to show it).
@@ -69,8 +69,12 @@ def shown_pairs(ro: Rollout) -> list[str]:
     return [p for p in PAIRS if p != "processed_vs_trainer" or ro.meta.processed.startswith("vLLM's own")]
 
 
-SHORT = {"decode_vs_hf": "decode vs HF", "decode_vs_prefill": "decode vs prefill", "prefill_vs_hf": "prefill vs HF",
-         "processed_vs_trainer": "processed vs trainer"}
+SHORT = {
+    "decode_vs_hf": "decode vs HF",
+    "decode_vs_prefill": "decode vs prefill",
+    "prefill_vs_hf": "prefill vs HF",
+    "processed_vs_trainer": "processed vs trainer",
+}
 
 
 def metrics_table(ro: Rollout) -> pd.DataFrame:
@@ -84,10 +88,16 @@ def metrics_table(ro: Rollout) -> pd.DataFrame:
 
 def floors_table(ro: Rollout) -> pd.DataFrame:
     rows = []
-    for name, f in ro.meta.floors.items():
-        rows.append({"what changes": f["what"], "mean |Δ logp|": fmt(f.get("mean"), "e"), "largest": fmt(f.get("max"), "e"),
-                     "tokens": fmt(f.get("n"), "d"),
-                     "same tokens": f"{f['same_tokens']} of {f['of']}" if "same_tokens" in f else ""})
+    for _name, f in ro.meta.floors.items():
+        rows.append(
+            {
+                "what changes": f["what"],
+                "mean |Δ logp|": fmt(f.get("mean"), "e"),
+                "largest": fmt(f.get("max"), "e"),
+                "tokens": fmt(f.get("n"), "d"),
+                "same tokens": f"{f['same_tokens']} of {f['of']}" if "same_tokens" in f else "",
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -126,18 +136,24 @@ def completion_html(ro: Rollout, i: int, pair: str = "decode_vs_hf", floor: floa
         piece = html.escape(s.pieces[t], quote=True).replace("\n", '<span class="lpp-nl">↵</span>\n')
         cls = "lpp-tok" + (" lpp-partial" if s.pieces[t] == "" else "")
         tip = html.escape(_tip(ro, i, t), quote=True)
-        spans.append(f'<span class="{cls}" style="{style}" data-index="{t}" data-value="{v!r}">{piece}'
-                     f'<span class="lpp-tip">{tip}</span></span>')
+        spans.append(
+            f'<span class="{cls}" style="{style}" data-index="{t}" data-value="{v!r}">{piece}'
+            f'<span class="lpp-tip">{tip}</span></span>'
+        )
     prompt = html.escape(ro.prompt_of(i), quote=True)
     label = html.escape(f"sample {i + 1}", quote=True)
     stop = {"length": "reached max tokens", "stop": "the model ended it"}.get(s.finish_reason or "", s.finish_reason or "")
-    note = html.escape(f"seed {s.seed} · {len(s.completion_token_ids)} tokens{' · ' + stop if stop else ''} · "
-                       "grey: the prompt (not compared)", quote=True)
+    note = html.escape(
+        f"seed {s.seed} · {len(s.completion_token_ids)} tokens{' · ' + stop if stop else ''} · grey: the prompt (not compared)",
+        quote=True,
+    )
     legend = meaning_legend_html({ro.dtype: scale}, None)
-    return (f"<style>{CSS}</style><div class=\"lpp-tv\" data-pair=\"{html.escape(pair)}\">{legend}"
-            f'<div class="lpp-row"><div class="lpp-label">{label}</div><div class="lpp-text">'
-            f'<span class="lpp-prompt" style="color:#6b7280">{prompt}</span>{"".join(spans)}</div></div>'
-            f'<div style="font-size:12px;color:#6b7280;margin:.2em 0 .6em">{note}</div></div>')
+    return (
+        f'<style>{CSS}</style><div class="lpp-tv" data-pair="{html.escape(pair)}">{legend}'
+        f'<div class="lpp-row"><div class="lpp-label">{label}</div><div class="lpp-text">'
+        f'<span class="lpp-prompt" style="color:#6b7280">{prompt}</span>{"".join(spans)}</div></div>'
+        f'<div style="font-size:12px;color:#6b7280;margin:.2em 0 .6em">{note}</div></div>'
+    )
 
 
 STRIP_SAMPLES = 40  # the ratio strip draws a row a sample: beyond this many, the ones furthest from 1
@@ -163,16 +179,29 @@ def token_frame(ro: Rollout, pair: str, samples: Any = None, pieces: bool = True
     else:
         part = [ro.samples[i] for i in samples]
         ns = np.array([len(s.completion_token_ids) for s in part], dtype=np.int64)
-        add(list(samples), ns, np.concatenate([np.asarray(s.delta(pair), dtype=np.float64) for s in part]) if part else np.zeros(0))
+        add(
+            list(samples),
+            ns,
+            np.concatenate([np.asarray(s.delta(pair), dtype=np.float64) for s in part]) if part else np.zeros(0),
+        )
         cols["piece"] = [p for s in part for p in s.pieces]
-    cat = {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64 if k != "delta" else np.float64)
-           for k, v in cols.items() if k != "piece"}
+    cat = {
+        k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64 if k != "delta" else np.float64)
+        for k, v in cols.items()
+        if k != "piece"
+    }
     d = cat["delta"]
-    return pd.DataFrame({
-        "sample": cat["sample"], "position": cat["position"],
-        **({"piece": cols["piece"]} if pieces else {}),
-        "delta": d, "abs_delta": np.abs(d), "ratio": np.exp(np.clip(-d, -20, 20)),
-        "abs_delta_plot": np.clip(np.abs(d), 1e-10, None)})
+    return pd.DataFrame(
+        {
+            "sample": cat["sample"],
+            "position": cat["position"],
+            **({"piece": cols["piece"]} if pieces else {}),
+            "delta": d,
+            "abs_delta": np.abs(d),
+            "ratio": np.exp(np.clip(-d, -20, 20)),
+            "abs_delta_plot": np.clip(np.abs(d), 1e-10, None),
+        }
+    )
 
 
 def strip_samples(ro: Rollout, worst: pd.DataFrame) -> tuple[list[int], str]:
@@ -182,7 +211,10 @@ def strip_samples(ro: Rollout, worst: pd.DataFrame) -> tuple[list[int], str]:
     if n <= STRIP_SAMPLES:
         return list(range(n)), "Importance ratio per token (trainer / rollout probability)"
     shown = sorted(int(i) for i in worst["sample"].head(STRIP_SAMPLES))
-    return shown, f"Importance ratio per token, the {STRIP_SAMPLES} of {n:,} sequences furthest from 1 (trainer / rollout probability)"
+    return (
+        shown,
+        f"Importance ratio per token, the {STRIP_SAMPLES} of {n:,} sequences furthest from 1 (trainer / rollout probability)",
+    )
 
 
 def ratio_strip(df: pd.DataFrame, title: str = "Importance ratio per token (trainer / rollout probability)") -> Any:
@@ -197,8 +229,13 @@ def ratio_strip(df: pd.DataFrame, title: str = "Importance ratio per token (trai
             x=alt.X("position:O", title="completion token", axis=alt.Axis(labels=False, ticks=False)),
             y=alt.Y("sample_no:O", title="sample", axis=alt.Axis(labelOverlap=False)),
             color=alt.Color("log_ratio:Q", title="log ratio", scale=alt.Scale(scheme="redblue", domain=[-lim, lim])),
-            tooltip=[alt.Tooltip("sample_no:Q", title="sample"), alt.Tooltip("position:Q"), alt.Tooltip("piece:N", title="token"),
-                     alt.Tooltip("ratio:Q", format=".6f"), alt.Tooltip("delta:Q", title="Δ logp", format=".3e")],
+            tooltip=[
+                alt.Tooltip("sample_no:Q", title="sample"),
+                alt.Tooltip("position:Q"),
+                alt.Tooltip("piece:N", title="token"),
+                alt.Tooltip("ratio:Q", format=".6f"),
+                alt.Tooltip("delta:Q", title="Δ logp", format=".3e"),
+            ],
         )
         .properties(height=alt.Step(20))
     )
@@ -216,16 +253,22 @@ def delta_histogram(df: pd.DataFrame) -> Any:
     import altair as alt
 
     x = np.log10(df["abs_delta_plot"].to_numpy(dtype=np.float64))
-    lo, hi = (float(np.floor(np.nanmin(x) * 10) / 10), float(np.ceil(np.nanmax(x) * 10) / 10)) if np.isfinite(x).any() else (-1.0, 0.0)
+    lo, hi = (
+        (float(np.floor(np.nanmin(x) * 10) / 10), float(np.ceil(np.nanmax(x) * 10) / 10)) if np.isfinite(x).any() else (-1.0, 0.0)
+    )
     step = next(s for s in (0.1, 0.2, 0.5, 1.0, 2.0, 5.0) if (hi - lo) / s <= 40)
     edges = np.arange(lo, max(hi, lo + step) + step / 2, step)
     return (
         alt.Chart(binned(x, edges), title="How big the gaps are: tokens per |Δ logp| (log scale)")
         .mark_bar(binSpacing=0, color="#0072B2")
-        .encode(x=alt.X("lo:Q", bin="binned", title="|Δ logp| (log scale)",
-                        axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')")),
-                x2="hi:Q", y=alt.Y("tokens:Q", title="tokens", axis=alt.Axis(tickMinStep=1)),
-                tooltip=[alt.Tooltip("tokens:Q")])
+        .encode(
+            x=alt.X(
+                "lo:Q", bin="binned", title="|Δ logp| (log scale)", axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')")
+            ),
+            x2="hi:Q",
+            y=alt.Y("tokens:Q", title="tokens", axis=alt.Axis(tickMinStep=1)),
+            tooltip=[alt.Tooltip("tokens:Q")],
+        )
     )
 
 
@@ -234,20 +277,32 @@ def ratio_histogram(df: pd.DataFrame, tis_cap: float = TIS_CAP, mis_band: tuple[
     MIS/IcePop band and the TIS cap."""
     import altair as alt
 
-    marks = pd.DataFrame([
-        {"x": RATIO_BANDS[0][0], "what": "0.8–1.25 band"}, {"x": RATIO_BANDS[0][1], "what": "0.8–1.25 band"},
-        {"x": mis_band[0], "what": f"MIS band {mis_band[0]:g}–{mis_band[1]:g}"},
-        {"x": mis_band[1], "what": f"MIS band {mis_band[0]:g}–{mis_band[1]:g}"},
-        {"x": tis_cap, "what": f"TIS cap {tis_cap:g}"},
-    ])
+    marks = pd.DataFrame(
+        [
+            {"x": RATIO_BANDS[0][0], "what": "0.8–1.25 band"},
+            {"x": RATIO_BANDS[0][1], "what": "0.8–1.25 band"},
+            {"x": mis_band[0], "what": f"MIS band {mis_band[0]:g}–{mis_band[1]:g}"},
+            {"x": mis_band[1], "what": f"MIS band {mis_band[0]:g}–{mis_band[1]:g}"},
+            {"x": tis_cap, "what": f"TIS cap {tis_cap:g}"},
+        ]
+    )
     lo = float(min(df["ratio"].min() if len(df) else 1.0, mis_band[0]) * 0.95)
     hi = float(max(df["ratio"].max() if len(df) else 1.0, tis_cap) * 1.05)
-    bars = (alt.Chart(binned(df["ratio"].to_numpy(dtype=np.float64), np.linspace(lo, hi, 61))).mark_bar(binSpacing=0, color="#CC79A7")
-            .encode(x=alt.X("lo:Q", bin="binned", title="importance ratio (trainer / rollout)", scale=alt.Scale(domain=[lo, hi])),
-                    x2="hi:Q", y=alt.Y("tokens:Q", title="tokens", axis=alt.Axis(tickMinStep=1)), tooltip=[alt.Tooltip("tokens:Q")]))
-    rules = (alt.Chart(marks).mark_rule(strokeDash=[4, 3], strokeWidth=2)
-             .encode(x="x:Q", color=alt.Color("what:N", title="thresholds",
-                                              scale=alt.Scale(range=["#E69F00", "#009E73", "#D55E00"]))))
+    bars = (
+        alt.Chart(binned(df["ratio"].to_numpy(dtype=np.float64), np.linspace(lo, hi, 61)))
+        .mark_bar(binSpacing=0, color="#CC79A7")
+        .encode(
+            x=alt.X("lo:Q", bin="binned", title="importance ratio (trainer / rollout)", scale=alt.Scale(domain=[lo, hi])),
+            x2="hi:Q",
+            y=alt.Y("tokens:Q", title="tokens", axis=alt.Axis(tickMinStep=1)),
+            tooltip=[alt.Tooltip("tokens:Q")],
+        )
+    )
+    rules = (
+        alt.Chart(marks)
+        .mark_rule(strokeDash=[4, 3], strokeWidth=2)
+        .encode(x="x:Q", color=alt.Color("what:N", title="thresholds", scale=alt.Scale(range=["#E69F00", "#009E73", "#D55E00"])))
+    )
     return alt.layer(bars, rules, title="Importance ratios, with the thresholds RL trainers clip or mask at")
 
 
@@ -261,40 +316,55 @@ def _svg(chart: Any) -> str:
 
 def _df_html(df: pd.DataFrame) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in df.itertuples(index=False))
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in df.itertuples(index=False)
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
-    from logprob_parity.results.rollout import hf_floor
-    from logprob_parity.present.report import _PAGE_CSS
     from logprob_parity.present.render import verdict_html
+    from logprob_parity.present.report import _PAGE_CSS
+    from logprob_parity.results.rollout import hf_floor
 
     m = ro.meta
     floor = hf_floor(m)
     df = token_frame(ro, "decode_vs_hf", pieces=False)
-    meta_rows = [("rollout", m.rollout_id), ("model", m.model), ("dtype", m.dtype), ("device", m.env.device),
-                 ("torch / transformers / vLLM", f"{m.env.torch} / {m.env.transformers} / {m.env.vllm}"),
-                 ("sampling", json.dumps(m.sampling)), ("decode_processed", m.processed), ("created", m.created)]
+    meta_rows = [
+        ("rollout", m.rollout_id),
+        ("model", m.model),
+        ("dtype", m.dtype),
+        ("device", m.env.device),
+        ("torch / transformers / vLLM", f"{m.env.torch} / {m.env.transformers} / {m.env.vllm}"),
+        ("sampling", json.dumps(m.sampling)),
+        ("decode_processed", m.processed),
+        ("created", m.created),
+    ]
     meta = "".join(f"<tr><th class=l>{html.escape(k)}</th><td class=l>{html.escape(str(v))}</td></tr>" for k, v in meta_rows)
     samples = "".join(completion_html(ro, i, "decode_vs_hf", floor) for i in range(min(len(ro.samples), max_samples)))
     charts = "".join(f"<div>{_svg(c)}</div>" for c in (delta_histogram(df), ratio_histogram(df)))
-    return (f"<!doctype html><html><head><meta charset=utf-8><title>logprob-parity rollout {html.escape(m.rollout_id)}</title>"
-            f"<style>{_PAGE_CSS}</style></head><body><h1>Rollout: {html.escape(m.model)} · {html.escape(m.dtype)}</h1>"
-            f"{verdict_html([m.verdict]) if m.verdict else ''}<table class=meta>{meta}</table>"
-            f"<h2>Three-way comparison</h2>{_df_html(metrics_table(ro))}<h2>Noise floors</h2>{_df_html(floors_table(ro))}"
-            f"<h2>Completions (coloured by vLLM decode vs HF)</h2>{samples}<h2>Distributions</h2><div class=charts>{charts}</div>"
-            "</body></html>")
+    return (
+        f"<!doctype html><html><head><meta charset=utf-8><title>logprob-parity rollout {html.escape(m.rollout_id)}</title>"
+        f"<style>{_PAGE_CSS}</style></head><body><h1>Rollout: {html.escape(m.model)} · {html.escape(m.dtype)}</h1>"
+        f"{verdict_html([m.verdict]) if m.verdict else ''}<table class=meta>{meta}</table>"
+        f"<h2>Three-way comparison</h2>{_df_html(metrics_table(ro))}<h2>Noise floors</h2>{_df_html(floors_table(ro))}"
+        f"<h2>Completions (coloured by vLLM decode vs HF)</h2>{samples}<h2>Distributions</h2><div class=charts>{charts}</div>"
+        "</body></html>"
+    )
 
 
 def write_rollout_report(ro: Rollout, out: Path) -> None:
     """.html (self-contained), .json (the --json shape) or .parquet (the stored table)."""
     from logprob_parity.present.report import write_by_suffix
 
-    write_by_suffix(out, {
-        ".html": lambda tmp: tmp.write_text(rollout_report_html(ro), encoding="utf-8"),
-        ".json": lambda tmp: _write_json(ro, tmp),
-        ".parquet": lambda tmp: ro.to_frame().to_parquet(tmp, index=False)})
+    write_by_suffix(
+        out,
+        {
+            ".html": lambda tmp: tmp.write_text(rollout_report_html(ro), encoding="utf-8"),
+            ".json": lambda tmp: _write_json(ro, tmp),
+            ".parquet": lambda tmp: ro.to_frame().to_parquet(tmp, index=False),
+        },
+    )
 
 
 def _write_json(ro: Rollout, path: Path) -> None:

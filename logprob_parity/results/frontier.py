@@ -32,11 +32,21 @@ class FrontierResult:
         rows = []
         for c in self.configs:
             g, h, t, m = c.get("ref_gap") or {}, c.get("hf_ref_gap") or {}, c.get("tokens_per_s") or {}, c.get("memory") or {}
-            rows.append({"configuration": c["name"], "gap_mean": g.get("mean"), "gap_max": g.get("max"), "kl_mean": g.get("kl_mean"),
-                         "hf_gap_mean": h.get("mean"), "prefill_tokens_per_s": t.get("prefill"),
-                         "generate_tokens_per_s": t.get("generate"), "weights_bytes": m.get("weights_bytes"),
-                         "kv_bytes_per_token": m.get("kv_bytes_per_token"), "on_front": c.get("pareto", False),
-                         "skipped": c.get("skipped")})
+            rows.append(
+                {
+                    "configuration": c["name"],
+                    "gap_mean": g.get("mean"),
+                    "gap_max": g.get("max"),
+                    "kl_mean": g.get("kl_mean"),
+                    "hf_gap_mean": h.get("mean"),
+                    "prefill_tokens_per_s": t.get("prefill"),
+                    "generate_tokens_per_s": t.get("generate"),
+                    "weights_bytes": m.get("weights_bytes"),
+                    "kv_bytes_per_token": m.get("kv_bytes_per_token"),
+                    "on_front": c.get("pareto", False),
+                    "skipped": c.get("skipped"),
+                }
+            )
         return pd.DataFrame(rows)
 
     def to_dict(self) -> dict[str, Any]:
@@ -45,7 +55,7 @@ class FrontierResult:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "FrontierResult":
+    def from_dict(cls, data: dict[str, Any]) -> FrontierResult:
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in data.items() if k in names}
         d["texts"], d["configs"] = tuple(d.get("texts", ())), tuple(d.get("configs", ()))

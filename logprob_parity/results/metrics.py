@@ -10,8 +10,17 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 # Percentiles of the exact full-vocabulary KL(HF || vLLM) per token, as llama.cpp reports them.
-KL_PERCENTILES = (("p99_9", 99.9), ("p99", 99.0), ("p95", 95.0), ("p90", 90.0), ("p50", 50.0), ("p10", 10.0), ("p5", 5.0),
-                  ("p1", 1.0), ("p0_1", 0.1))
+KL_PERCENTILES = (
+    ("p99_9", 99.9),
+    ("p99", 99.0),
+    ("p95", 95.0),
+    ("p90", 90.0),
+    ("p50", 50.0),
+    ("p10", 10.0),
+    ("p5", 5.0),
+    ("p1", 1.0),
+    ("p0_1", 0.1),
+)
 FULL_KL_KEYS = ("kl_full_mean", "kl_full_max", *(f"kl_full_{k}" for k, _ in KL_PERCENTILES))
 
 SUMMARY_KEYS = (
@@ -164,16 +173,23 @@ def _summary_rows(m: TokenMetrics, at: np.ndarray, n: int) -> list[dict[str, flo
     }
     lists = {k: v.tolist() for k, v in cols.items()}
     same = same_top_stats_rows(agree.astype(bool))
-    exact = exact_kl_stats_rows(m.kl_full[at].astype(np.float64, copy=False) if m.kl_full is not None else np.full((rows, n), np.nan))
+    exact = exact_kl_stats_rows(
+        m.kl_full[at].astype(np.float64, copy=False) if m.kl_full is not None else np.full((rows, n), np.nan)
+    )
     out = []
     for j in range(rows):
         if all_finite[j]:
             mean_kl = kl_mean[j]
         else:  # the mean over this row's finite values alone (an unusual row: one call)
             mean_kl = float(np.mean(kl[j][finite[j]])) if finite[j].any() else None
-        row: dict[str, float | int | None] = {"n_tokens": n, **{k: v[j] for k, v in lists.items()},
-                                               "mean_kl_topk": mean_kl, "pearson_prob": _pearson(hp[j], vp[j]),
-                                               **same[j], **exact[j]}
+        row: dict[str, float | int | None] = {
+            "n_tokens": n,
+            **{k: v[j] for k, v in lists.items()},
+            "mean_kl_topk": mean_kl,
+            "pearson_prob": _pearson(hp[j], vp[j]),
+            **same[j],
+            **exact[j],
+        }
         out.append({k: row[k] for k in SUMMARY_KEYS})
     return out
 
@@ -185,7 +201,9 @@ def llama_cpp_stats(m: TokenMetrics) -> dict[str, float | None]:
     its mean and RMS; and the perplexity ratio PPL(vLLM)/PPL(HF) = exp(mean(l_HF − l_vLLM)).
     (Part of `summarize`, which computes them.)"""
     s = summarize(m)
-    return {k: s[k] for k in (*FULL_KL_KEYS, "kl_full_mean_err", "same_top_p", "same_top_p_err", "dp_mean", "dp_rms", "ppl_ratio")}
+    return {
+        k: s[k] for k in (*FULL_KL_KEYS, "kl_full_mean_err", "same_top_p", "same_top_p_err", "dp_mean", "dp_rms", "ppl_ratio")
+    }
 
 
 def exact_kl_stats(kl: np.ndarray) -> dict[str, float | None]:
@@ -237,6 +255,7 @@ def _pearson(x: np.ndarray, y: np.ndarray) -> float | None:
 
 def concat(parts: list[TokenMetrics]) -> TokenMetrics:
     """All sequences' positions as one, for the run-level summary."""
+
     def col(p: TokenMetrics, name: str) -> np.ndarray:
         v = getattr(p, name)
         return np.full(len(p.scored), np.nan) if v is None else v

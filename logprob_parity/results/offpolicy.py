@@ -36,13 +36,34 @@ RATIO_BANDS = ((0.8, 1.25), (0.5, 2.0))
 # overflow the ratio statistics; Δ and the KL estimators k1/k2 use the unclamped values.
 
 METRIC_KEYS = (
-    "n_tokens", "n_sequences", "mean_abs_delta", "max_abs_delta", "p99_abs_delta", "mean_delta",
-    "kl", "k2_kl", "k3_kl", "chi2_token", "chi2_seq",
-    "rollout_is_mean", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
-    "frac_ratio_outside_0.8_1.25", "frac_ratio_outside_0.5_2",
-    "seq_log_ratio_mean", "seq_log_ratio_min", "seq_log_ratio_max",
-    "ppl_ratio", "training_ppl", "rollout_ppl", "token_mult_prob_error",
-    "tis_clip_fraction", "mis_mask_fraction", "dp_mean", "dp_rms",
+    "n_tokens",
+    "n_sequences",
+    "mean_abs_delta",
+    "max_abs_delta",
+    "p99_abs_delta",
+    "mean_delta",
+    "kl",
+    "k2_kl",
+    "k3_kl",
+    "chi2_token",
+    "chi2_seq",
+    "rollout_is_mean",
+    "rollout_is_min",
+    "rollout_is_max",
+    "rollout_is_eff_sample_size",
+    "frac_ratio_outside_0.8_1.25",
+    "frac_ratio_outside_0.5_2",
+    "seq_log_ratio_mean",
+    "seq_log_ratio_min",
+    "seq_log_ratio_max",
+    "ppl_ratio",
+    "training_ppl",
+    "rollout_ppl",
+    "token_mult_prob_error",
+    "tis_clip_fraction",
+    "mis_mask_fraction",
+    "dp_mean",
+    "dp_rms",
 )
 
 
@@ -51,8 +72,12 @@ def token_deltas(rollout: np.ndarray, trainer: np.ndarray) -> np.ndarray:
     return np.asarray(rollout, dtype=np.float64) - np.asarray(trainer, dtype=np.float64)
 
 
-def mismatch_metrics(rollout: Sequence[np.ndarray], trainer: Sequence[np.ndarray], tis_cap: float = TIS_CAP,
-                     mis_band: tuple[float, float] = MIS_BAND) -> dict[str, float | int | None]:
+def mismatch_metrics(
+    rollout: Sequence[np.ndarray],
+    trainer: Sequence[np.ndarray],
+    tis_cap: float = TIS_CAP,
+    mis_band: tuple[float, float] = MIS_BAND,
+) -> dict[str, float | int | None]:
     """The metrics of METRIC_KEYS over sequences (one array per sampled completion, same lengths
     on both sides). Empty input gives counts of 0 and None elsewhere."""
     pairs = [(np.asarray(r, dtype=np.float64), np.asarray(t, dtype=np.float64)) for r, t in zip(rollout, trainer) if len(r)]
@@ -63,14 +88,25 @@ def mismatch_metrics(rollout: Sequence[np.ndarray], trainer: Sequence[np.ndarray
     if not pairs:
         return out
     seq = lambda f: np.array([[f(r, t) for r, t in pairs]])  # noqa: E731 - [1, sequences]
-    rows = _rows(np.concatenate([r for r, _ in pairs])[None], np.concatenate([t for _, t in pairs])[None],
-                 seq(lambda r, t: float(np.sum(t - r))), seq(lambda r, t: r.mean()), seq(lambda r, t: t.mean()), tis_cap, mis_band)
+    rows = _rows(
+        np.concatenate([r for r, _ in pairs])[None],
+        np.concatenate([t for _, t in pairs])[None],
+        seq(lambda r, t: float(np.sum(t - r))),
+        seq(lambda r, t: r.mean()),
+        seq(lambda r, t: t.mean()),
+        tis_cap,
+        mis_band,
+    )
     out.update({k: float(v[0]) for k, v in rows.items()})
     return out
 
 
-def mismatch_metrics_each(rollout: Sequence[np.ndarray], trainer: Sequence[np.ndarray], tis_cap: float = TIS_CAP,
-                          mis_band: tuple[float, float] = MIS_BAND) -> list[dict[str, float | int | None]]:
+def mismatch_metrics_each(
+    rollout: Sequence[np.ndarray],
+    trainer: Sequence[np.ndarray],
+    tis_cap: float = TIS_CAP,
+    mis_band: tuple[float, float] = MIS_BAND,
+) -> list[dict[str, float | int | None]]:
     """[mismatch_metrics([r], [t]) for r, t in zip(rollout, trainer)], the same numbers computed for
     all sequences of one length at once: a rescore of 100,000 logged sequences writes each one's
     metrics into its --json, and one call a sequence took minutes."""
@@ -82,8 +118,9 @@ def mismatch_metrics_each(rollout: Sequence[np.ndarray], trainer: Sequence[np.nd
             raise ValueError(f"rollout and trainer logprobs differ in length: {r.shape} != {t.shape}")
     for n, idx in by_length(len(r) for r in rs).items():
         lr, lt = np.stack([rs[i] for i in idx]), np.stack([ts[i] for i in idx])  # [k, n]: row j is sequence idx[j]
-        rows = _rows(lr, lt, np.sum(lt - lr, axis=1)[:, None], lr.mean(axis=1)[:, None], lt.mean(axis=1)[:, None],
-                     tis_cap, mis_band)
+        rows = _rows(
+            lr, lt, np.sum(lt - lr, axis=1)[:, None], lr.mean(axis=1)[:, None], lt.mean(axis=1)[:, None], tis_cap, mis_band
+        )
         cols = {k: v.tolist() for k, v in rows.items()}
         for j, i in enumerate(idx):
             out[i] = {**_empty(1, n, tis_cap, mis_band), **{k: v[j] for k, v in cols.items()}}
@@ -108,8 +145,15 @@ def _empty(n_sequences: int, n_tokens: int, tis_cap: float, mis_band: tuple[floa
     return out
 
 
-def _rows(lr: np.ndarray, lt: np.ndarray, seq_log: np.ndarray, mean_r: np.ndarray, mean_t: np.ndarray, tis_cap: float,
-          mis_band: tuple[float, float]) -> dict[str, np.ndarray]:
+def _rows(
+    lr: np.ndarray,
+    lt: np.ndarray,
+    seq_log: np.ndarray,
+    mean_r: np.ndarray,
+    mean_t: np.ndarray,
+    tis_cap: float,
+    mis_band: tuple[float, float],
+) -> dict[str, np.ndarray]:
     """The metrics (but the counts) of each row: lr, lt [rows, tokens] are the two sides' logprobs,
     seq_log, mean_r, mean_t [rows, sequences] each sequence's Σ log ρ and mean logprobs. One row is a
     whole set (mismatch_metrics) or one sequence (mismatch_metrics_each): one definition for both."""

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from logprob_parity.results.metrics import TokenMetrics, summarize_each, token_metrics
-from logprob_parity.errors import TokenMismatchError
-from logprob_parity.results.records import SequenceInfo
 from logprob_parity.engines.scores import TokenScores
+from logprob_parity.errors import TokenMismatchError
+from logprob_parity.results.metrics import TokenMetrics, summarize_each, token_metrics
+from logprob_parity.results.records import SequenceInfo
 
 SIDES = ("hf", "vllm")
 
@@ -28,8 +28,10 @@ SIDES = ("hf", "vllm")
 def _check_ids(i: int, ids: np.ndarray, hf: TokenScores, vllm: TokenScores) -> None:
     for side, sc in (("hf", hf), ("vllm", vllm)):
         if not np.array_equal(sc.token_ids, ids):
-            raise TokenMismatchError(f"{side} scored ids {sc.token_ids.tolist()} but sequence {i} of the run has {ids.tolist()}: "
-                                     "the engines did not score the same tokens, so nothing is compared")
+            raise TokenMismatchError(
+                f"{side} scored ids {sc.token_ids.tolist()} but sequence {i} of the run has {ids.tolist()}: "
+                "the engines did not score the same tokens, so nothing is compared"
+            )
 
 
 def _fixed_list(values: np.ndarray) -> Any:
@@ -78,7 +80,7 @@ def batch_table(
     lengths = [len(t.token_ids) for t in toks]
     ids = np.concatenate([np.asarray(t.token_ids, dtype=np.int64) for t in toks])
     at = 0
-    for i, (t, h, v) in enumerate(zip(toks, hf, vllm)):
+    for i, (_t, h, v) in enumerate(zip(toks, hf, vllm)):
         _check_ids(seq_offset + i, ids[at : at + lengths[i]], h, v)
         at += lengths[i]
     if not (len(toks) == len(hf) == len(vllm)):
@@ -91,43 +93,48 @@ def batch_table(
     hf_lp, v_lp = cat(hf, "logprob"), cat(vllm, "logprob")
     hf_top, v_top = cat(hf, "topk_ids"), cat(vllm, "topk_ids")
     v_top_lp = cat(vllm, "topk_logprobs")
-    gathered = np.concatenate([s.gathered_logprobs if s.gathered_logprobs is not None else np.full((len(s.logprob), k), np.nan)
-                               for s in hf])
+    gathered = np.concatenate(
+        [s.gathered_logprobs if s.gathered_logprobs is not None else np.full((len(s.logprob), k), np.nan) for s in hf]
+    )
     kl_full = np.concatenate([s.kl_full if s.kl_full is not None else np.full(len(s.logprob), np.nan) for s in hf])
     m = token_metrics(hf_lp, v_lp, hf_top[:, 0], v_top[:, 0], v_top_lp, gathered, kl_full)
 
-    infos = [SequenceInfo(t.text, bool(t.bos_added), n, summary, getattr(t, "cut_from", None))
-             for t, n, summary in zip(toks, lengths, summarize_each(m, lengths))]
+    infos = [
+        SequenceInfo(t.text, bool(t.bos_added), n, summary, getattr(t, "cut_from", None))
+        for t, n, summary in zip(toks, lengths, summarize_each(m, lengths))
+    ]
     seq = np.repeat(np.arange(seq_offset, seq_offset + len(toks), dtype=np.int64), lengths)
     index = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
     strings = lambda name: pa.array(list(itertools.chain.from_iterable(getattr(t, name) for t in toks)), pa.string())  # noqa: E731
-    table = pa.table({
-        "seq": seq,
-        "index": index,
-        "token_id": ids,
-        "token": strings("tokens"),
-        "piece": strings("pieces"),
-        "scored": m.scored,
-        "hf_logprob": hf_lp,
-        "vllm_logprob": v_lp,
-        "hf_rank": cat(hf, "rank"),
-        "vllm_rank": cat(vllm, "rank"),
-        "hf_prob": m.hf_prob,
-        "vllm_prob": m.vllm_prob,
-        "delta": m.delta,
-        "abs_delta": m.abs_delta,
-        "prob_delta": m.prob_delta,
-        "kl_topk": m.kl_topk,
-        "kl_full": m.kl_full,
-        "argmax_agree": m.argmax_agree,
-        "hf_topk_ids": _fixed_list(hf_top),
-        "hf_topk_logprobs": _fixed_list(cat(hf, "topk_logprobs")),
-        "vllm_topk_ids": _fixed_list(v_top),
-        "vllm_topk_logprobs": _fixed_list(v_top_lp),
-        "hf_at_vllm_topk": _fixed_list(gathered),
-        "hf_topk_text": _text_lists(hf_top, decode_many),
-        "vllm_topk_text": _text_lists(v_top, decode_many),
-    })
+    table = pa.table(
+        {
+            "seq": seq,
+            "index": index,
+            "token_id": ids,
+            "token": strings("tokens"),
+            "piece": strings("pieces"),
+            "scored": m.scored,
+            "hf_logprob": hf_lp,
+            "vllm_logprob": v_lp,
+            "hf_rank": cat(hf, "rank"),
+            "vllm_rank": cat(vllm, "rank"),
+            "hf_prob": m.hf_prob,
+            "vllm_prob": m.vllm_prob,
+            "delta": m.delta,
+            "abs_delta": m.abs_delta,
+            "prob_delta": m.prob_delta,
+            "kl_topk": m.kl_topk,
+            "kl_full": m.kl_full,
+            "argmax_agree": m.argmax_agree,
+            "hf_topk_ids": _fixed_list(hf_top),
+            "hf_topk_logprobs": _fixed_list(cat(hf, "topk_logprobs")),
+            "vllm_topk_ids": _fixed_list(v_top),
+            "vllm_topk_logprobs": _fixed_list(v_top_lp),
+            "hf_at_vllm_topk": _fixed_list(gathered),
+            "hf_topk_text": _text_lists(hf_top, decode_many),
+            "vllm_topk_text": _text_lists(v_top, decode_many),
+        }
+    )
     return table, infos, m
 
 
@@ -137,5 +144,9 @@ METRIC_COLUMNS = tuple(f.name for f in fields(TokenMetrics))
 
 def metrics_of(table: Any) -> TokenMetrics:
     """A stored table's metric columns as TokenMetrics (for the summary over several parts)."""
-    return TokenMetrics(*(table.column(name).to_numpy(zero_copy_only=False) if name in table.column_names
-                          else np.full(table.num_rows, np.nan) for name in METRIC_COLUMNS))
+    return TokenMetrics(
+        *(
+            table.column(name).to_numpy(zero_copy_only=False) if name in table.column_names else np.full(table.num_rows, np.nan)
+            for name in METRIC_COLUMNS
+        )
+    )

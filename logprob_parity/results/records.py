@@ -29,7 +29,7 @@ class RunEnv:
     vllm_engine: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunEnv":
+    def from_dict(cls, data: dict[str, Any]) -> RunEnv:
         return cls(**_pick(cls, {"device": "", "torch": None, "transformers": None, "vllm": None, **data}))
 
 
@@ -44,7 +44,7 @@ class SequenceInfo:
     cut_from: int | None = None  # the prompt's token count before truncation cut it to n_positions
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SequenceInfo":
+    def from_dict(cls, data: dict[str, Any]) -> SequenceInfo:
         return cls(**_pick(cls, {"n_positions": 0, "summary": {}, **data}))
 
 
@@ -83,7 +83,7 @@ class RunMeta:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunMeta":
+    def from_dict(cls, data: dict[str, Any]) -> RunMeta:
         d = _pick(cls, data)
         d.setdefault("created", "")
         d.setdefault("created_ts", 0.0)
@@ -119,7 +119,7 @@ class DtypeDiagnosis:
         return {k: v for k, v in asdict(self).items() if v is not None or k in ratios}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DtypeDiagnosis":
+    def from_dict(cls, data: dict[str, Any]) -> DtypeDiagnosis:
         return cls(**_pick(cls, data))
 
 
@@ -143,17 +143,24 @@ class DiagnosticsResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = {
-            "diagnostics_id": self.diagnostics_id, "model": self.model, "device": self.device, "versions": self.versions,
-            "texts": list(self.texts), "parts": list(self.parts), "run_ids": self.run_ids,
-            "dtypes": {k: v.to_dict() for k, v in self.dtypes.items()}, "ablation": list(self.ablation),
-            "created": self.created, "created_ts": self.created_ts,
+            "diagnostics_id": self.diagnostics_id,
+            "model": self.model,
+            "device": self.device,
+            "versions": self.versions,
+            "texts": list(self.texts),
+            "parts": list(self.parts),
+            "run_ids": self.run_ids,
+            "dtypes": {k: v.to_dict() for k, v in self.dtypes.items()},
+            "ablation": list(self.ablation),
+            "created": self.created,
+            "created_ts": self.created_ts,
         }
         if self.mcq_dtype_flips is not None:
             d["mcq_dtype_flips"] = self.mcq_dtype_flips
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DiagnosticsResult":
+    def from_dict(cls, data: dict[str, Any]) -> DiagnosticsResult:
         d = _pick(cls, data)
         d["texts"] = tuple(d.get("texts", ()))
         d["parts"] = tuple(d.get("parts", ()))

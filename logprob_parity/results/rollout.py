@@ -44,8 +44,11 @@ PAIRS: dict[str, tuple[str, str, str]] = {
     "decode_vs_hf": ("decode_raw", "hf", "vLLM decode vs HF (what RL sees)"),
     "decode_vs_prefill": ("decode_raw", "prefill", "vLLM decode vs vLLM prefill (vLLM against itself)"),
     "prefill_vs_hf": ("prefill", "hf", "vLLM prefill vs HF (the Compare page's comparison)"),
-    "processed_vs_trainer": ("decode_processed", "hf_tempered",
-                             "vLLM's processed logprobs vs HF at the sampling temperature (the trainer's view of a tempered or truncated rollout)"),
+    "processed_vs_trainer": (
+        "decode_processed",
+        "hf_tempered",
+        "vLLM's processed logprobs vs HF at the sampling temperature (the trainer's view of a tempered or truncated rollout)",
+    ),
 }
 MAIN_PAIR = "decode_vs_hf"
 
@@ -68,7 +71,9 @@ class Sampling:
         if not isinstance(self.samples, int) or not 1 <= self.samples <= 1024:
             raise UserError(f"samples must be a whole number from 1 to 1024 (got {self.samples})")
         if not self.temperature > 0:
-            raise UserError(f"temperature must be above 0 (got {self.temperature}); a rollout samples, it does not decode greedily")
+            raise UserError(
+                f"temperature must be above 0 (got {self.temperature}); a rollout samples, it does not decode greedily"
+            )
         if not 0 < self.top_p <= 1:
             raise UserError(f"top-p must be in (0, 1] (got {self.top_p})")
         if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
@@ -90,17 +95,22 @@ class Sampling:
 
     def words(self) -> str:
         k = "all tokens" if self.top_k < 0 else f"top-k {self.top_k}"
-        return (f"{self.samples} sample(s) a prompt, temperature {self.temperature:g}, top-p {self.top_p:g}, {k}, "
-                f"up to {self.max_tokens} tokens, seed {self.seed}")
+        return (
+            f"{self.samples} sample(s) a prompt, temperature {self.temperature:g}, top-p {self.top_p:g}, {k}, "
+            f"up to {self.max_tokens} tokens, seed {self.seed}"
+        )
 
 
 def sampling_words(sampling: dict[str, Any]) -> str:
     """How a stored rollout's tokens were sampled, in words: by this tool (Sampling.words) or logged
     elsewhere and imported (logprob_parity.analysis.rescore)."""
     if sampling.get("source") == "logged":
-        how = ("temperatures and cuts vary by record" if sampling.get("varies") else
-               f"temperature {sampling.get('temperature', 1):g}, top-p {sampling.get('top_p', 1):g}"
-               + ("" if sampling.get("top_k", -1) < 0 else f", top-k {sampling['top_k']}"))
+        how = (
+            "temperatures and cuts vary by record"
+            if sampling.get("varies")
+            else f"temperature {sampling.get('temperature', 1):g}, top-p {sampling.get('top_p', 1):g}"
+            + ("" if sampling.get("top_k", -1) < 0 else f", top-k {sampling['top_k']}")
+        )
         return f"{sampling.get('records')} logged sequences from {sampling.get('file')} ({how})"
     names = {f.name for f in dataclasses.fields(Sampling)}
     return Sampling(**{k: v for k, v in sampling.items() if k in names}).words()
@@ -125,8 +135,13 @@ class Sample:
         return self.logprob[a] - self.logprob[b]
 
     def info(self) -> dict[str, Any]:
-        return {"prompt_index": self.prompt_index, "seed": self.seed, "prompt_token_ids": list(self.prompt_token_ids),
-                "finish_reason": self.finish_reason, "n_tokens": len(self.completion_token_ids)}
+        return {
+            "prompt_index": self.prompt_index,
+            "seed": self.seed,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "finish_reason": self.finish_reason,
+            "n_tokens": len(self.completion_token_ids),
+        }
 
 
 @dataclass(frozen=True)
@@ -161,7 +176,7 @@ class RolloutMeta:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RolloutMeta":
+    def from_dict(cls, data: dict[str, Any]) -> RolloutMeta:
         d = _pick(cls, data)
         d["env"] = RunEnv.from_dict(data.get("env", {}))
         d["prompts"] = tuple(d.get("prompts", ()))
@@ -208,8 +223,18 @@ class Rollout:
         rows = []
         for (i, t), dv in zip(where.tolist(), delta.tolist()):
             smp = self.samples[i]
-            rows.append({"sample": i, "position": t, "token": smp.pieces[t], "token_id": smp.completion_token_ids[t],
-                         a: float(smp.logprob[a][t]), b: float(smp.logprob[b][t]), "delta": dv, "ratio": float(np.exp(-dv))})
+            rows.append(
+                {
+                    "sample": i,
+                    "position": t,
+                    "token": smp.pieces[t],
+                    "token_id": smp.completion_token_ids[t],
+                    a: float(smp.logprob[a][t]),
+                    b: float(smp.logprob[b][t]),
+                    "delta": dv,
+                    "ratio": float(np.exp(-dv)),
+                }
+            )
         return pd.DataFrame(rows)
 
     def worst_sequences(self, pair: str = "decode_vs_hf", n: int = 20) -> pd.DataFrame:
@@ -232,9 +257,18 @@ class Rollout:
                 counted[at] = ok.sum(axis=1)
                 largest[at] = np.where(ok.any(axis=1), np.abs(np.where(ok, d, 0.0)).max(axis=1), np.nan)
         order = np.argsort(-np.abs(seq_log), kind="stable")[:n]
-        return pd.DataFrame([{"sample": int(i), "tokens": int(counted[i]), "seq_log_ratio": float(seq_log[i]),
-                              "largest |Δ|": None if np.isnan(largest[i]) else float(largest[i]),
-                              "what": self.samples[int(i)].finish_reason or ""} for i in order.tolist()])
+        return pd.DataFrame(
+            [
+                {
+                    "sample": int(i),
+                    "tokens": int(counted[i]),
+                    "seq_log_ratio": float(seq_log[i]),
+                    "largest |Δ|": None if np.isnan(largest[i]) else float(largest[i]),
+                    "what": self.samples[int(i)].finish_reason or "",
+                }
+                for i in order.tolist()
+            ]
+        )
 
     def prompt_of(self, i: int) -> str:
         """Sample i's prompt text."""
@@ -285,7 +319,7 @@ class Rollout:
             yield sample_table(part, range(lo, lo + len(part)))
 
     @classmethod
-    def from_frame(cls, meta: RolloutMeta, df: pd.DataFrame, from_store: bool = True) -> "Rollout":
+    def from_frame(cls, meta: RolloutMeta, df: pd.DataFrame, from_store: bool = True) -> Rollout:
         """The stored rows back into samples: sorted once and cut at each sample's bounds (linear in
         the rows, not rows x samples)."""
         order = np.lexsort((df["position"].to_numpy(), df["sample"].to_numpy()))
@@ -297,14 +331,18 @@ class Rollout:
         samples = []
         for i, info in enumerate(meta.samples):
             a, b = int(bounds[i]), int(bounds[i + 1])
-            samples.append(Sample(
-                prompt_index=int(info["prompt_index"]), seed=int(info["seed"]),
-                prompt_token_ids=tuple(int(x) for x in info["prompt_token_ids"]),
-                completion_token_ids=tuple(ids[a:b].tolist()), pieces=tuple(str(x) for x in pieces[a:b]),
-                finish_reason=info.get("finish_reason"),
-                logprob={c: values[c][a:b] for c in COLUMNS},
-                exact={c: values[c][a:b] for c in EXACT if c in values},
-            ))
+            samples.append(
+                Sample(
+                    prompt_index=int(info["prompt_index"]),
+                    seed=int(info["seed"]),
+                    prompt_token_ids=tuple(int(x) for x in info["prompt_token_ids"]),
+                    completion_token_ids=tuple(ids[a:b].tolist()),
+                    pieces=tuple(str(x) for x in pieces[a:b]),
+                    finish_reason=info.get("finish_reason"),
+                    logprob={c: values[c][a:b] for c in COLUMNS},
+                    exact={c: values[c][a:b] for c in EXACT if c in values},
+                )
+            )
         return cls(meta=meta, samples=tuple(samples), from_store=from_store)
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -323,8 +361,10 @@ class Rollout:
         from logprob_parity.results.offpolicy import mismatch_metrics_each
 
         for _, part in self.chunks(per):
-            each = {pair: mismatch_metrics_each([s.logprob[a] for s in part], [s.logprob[b] for s in part])
-                    for pair, (a, b, _) in PAIRS.items()}
+            each = {
+                pair: mismatch_metrics_each([s.logprob[a] for s in part], [s.logprob[b] for s in part])
+                for pair, (a, b, _) in PAIRS.items()
+            }
             exact = exact_stats_each(part)
             for j, s in enumerate(part):
                 metrics = {pair: each[pair][j] for pair in PAIRS}
@@ -361,8 +401,16 @@ class StoredSamples(Sequence):
         with self._lock:
             parts = [self._group(g) for g in self._groups_of(i)]
         if not parts:  # a sample without completion tokens has no rows
-            return Sample(prompt_index=i, seed=-1, prompt_token_ids=(), completion_token_ids=(), pieces=(), finish_reason=None,
-                          logprob={c: np.zeros(0) for c in COLUMNS}, exact={c: np.zeros(0) for c in EXACT})
+            return Sample(
+                prompt_index=i,
+                seed=-1,
+                prompt_token_ids=(),
+                completion_token_ids=(),
+                pieces=(),
+                finish_reason=None,
+                logprob={c: np.zeros(0) for c in COLUMNS},
+                exact={c: np.zeros(0) for c in EXACT},
+            )
         cols: dict[str, Any] = {}
         info: dict[str, Any] = {}
         for g in parts:
@@ -372,11 +420,17 @@ class StoredSamples(Sequence):
                     cols.setdefault(c, []).append(v[a:b])
             info = g["info"].get(i, info)
         col = {c: np.concatenate(v) if len(v) > 1 else v[0] for c, v in cols.items()}
-        return Sample(prompt_index=int(col["prompt"][0]) if len(col["prompt"]) else i, seed=int(info.get("seed") or -1),
-                      prompt_token_ids=tuple(info.get("prompt_token_ids") or ()),
-                      completion_token_ids=tuple(col["token_id"].tolist()), pieces=tuple(col["piece"].tolist()),
-                      finish_reason=info.get("finish_reason"), logprob={c: col[c] for c in COLUMNS},
-                      exact={c: col[c] for c in EXACT}, prompt_text=info.get("prompt_text"))
+        return Sample(
+            prompt_index=int(col["prompt"][0]) if len(col["prompt"]) else i,
+            seed=int(info.get("seed") or -1),
+            prompt_token_ids=tuple(info.get("prompt_token_ids") or ()),
+            completion_token_ids=tuple(col["token_id"].tolist()),
+            pieces=tuple(col["piece"].tolist()),
+            finish_reason=info.get("finish_reason"),
+            logprob={c: col[c] for c in COLUMNS},
+            exact={c: col[c] for c in EXACT},
+            prompt_text=info.get("prompt_text"),
+        )
 
     def column_chunks(self, column: str) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """(first sample, token counts of the consecutive samples from it, their `column` end to end),
@@ -457,8 +511,10 @@ def sample_table(samples: list[Sample], numbers: Any, info: bool = True) -> Any:
         "token_id": np.fromiter((t for x in samples for t in x.completion_token_ids), dtype=np.int64, count=total),
         "piece": pa.array([piece for x in samples for piece in x.pieces], pa.string()),
         **{c: cat([np.asarray(x.logprob[c], dtype=np.float64) for x in samples]) for c in COLUMNS},
-        **{c: cat([np.asarray(x.exact.get(c, np.full(len(x.completion_token_ids), np.nan)), dtype=np.float64)
-                   for x in samples]) for c in EXACT},
+        **{
+            c: cat([np.asarray(x.exact.get(c, np.full(len(x.completion_token_ids), np.nan)), dtype=np.float64) for x in samples])
+            for c in EXACT
+        },
         **{f"delta_{pair}": cat([np.asarray(x.delta(pair), dtype=np.float64) for x in samples]) for pair in PAIRS},
     }
     if info:
@@ -488,13 +544,19 @@ def _sample_json(s: Sample, metrics: dict[str, Any]) -> dict[str, Any]:
     lp = {c: _nums(s.logprob[c]) for c in COLUMNS}
     delta = {pair: _nums(s.delta(pair)) for pair in PAIRS}
     exact = {c: _nums(s.exact[c]) if c in s.exact else [None] * n for c in EXACT}
-    positions = [{
-        "position": t, "token_id": s.completion_token_ids[t], "piece": s.pieces[t],
-        "logprob": {k: lp[k][t] for k in ("decode_raw", "decode_processed", "prefill", "hf")},
-        "hf_tempered": lp["hf_tempered"][t], "log_kept_mass": lp["log_kept_mass"][t],
-        "delta": {pair: delta[pair][t] for pair in PAIRS},
-        "prefill_vs_hf": {c: exact[c][t] for c in EXACT},
-    } for t in range(n)]
+    positions = [
+        {
+            "position": t,
+            "token_id": s.completion_token_ids[t],
+            "piece": s.pieces[t],
+            "logprob": {k: lp[k][t] for k in ("decode_raw", "decode_processed", "prefill", "hf")},
+            "hf_tempered": lp["hf_tempered"][t],
+            "log_kept_mass": lp["log_kept_mass"][t],
+            "delta": {pair: delta[pair][t] for pair in PAIRS},
+            "prefill_vs_hf": {c: exact[c][t] for c in EXACT},
+        }
+        for t in range(n)
+    ]
     return {**s.info(), "completion_token_ids": list(s.completion_token_ids), "metrics": metrics, "positions": positions}
 
 

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from logprob_parity.errors import TokenMismatchError
-from logprob_parity.results.records import RunMeta
-from logprob_parity.results.metrics import TokenMetrics, summarize, token_metrics
 from logprob_parity.engines.scores import TokenScores
+from logprob_parity.errors import TokenMismatchError
+from logprob_parity.results.metrics import TokenMetrics, summarize, token_metrics
+from logprob_parity.results.records import RunMeta
 
 SCHEMA_VERSION = 1
 SIDES = ("hf", "vllm")
-LIST_COLUMNS = ("hf_topk_ids", "hf_topk_logprobs", "vllm_topk_ids", "vllm_topk_logprobs", "hf_at_vllm_topk",
-                "hf_topk_text", "vllm_topk_text")
+LIST_COLUMNS = (
+    "hf_topk_ids",
+    "hf_topk_logprobs",
+    "vllm_topk_ids",
+    "vllm_topk_logprobs",
+    "hf_at_vllm_topk",
+    "hf_topk_text",
+    "vllm_topk_text",
+)
 
 
 def table_columns(table: Any) -> dict[str, Any]:
@@ -37,8 +44,11 @@ def table_columns(table: Any) -> dict[str, Any]:
                 raise ValueError(f"column {name} has rows of different lengths")
             if name.endswith("_text"):  # each distinct string made once, then indexed
                 enc = flat.dictionary_encode() if not hasattr(flat, "dictionary") else flat
-                values = np.asarray(enc.dictionary.to_pylist(), dtype=object)[enc.indices.to_numpy(zero_copy_only=False)] \
-                    if len(enc) else np.asarray([], dtype=object)
+                values = (
+                    np.asarray(enc.dictionary.to_pylist(), dtype=object)[enc.indices.to_numpy(zero_copy_only=False)]
+                    if len(enc)
+                    else np.asarray([], dtype=object)
+                )
             else:
                 values = flat.to_numpy(zero_copy_only=False)
             cols[name] = values.reshape(n, width)
@@ -65,20 +75,21 @@ class SequenceResult:
     topk_text: dict[str, Any] | None = None
 
     @classmethod
-    def build(
-        cls, tok: Any, hf: TokenScores, vllm: TokenScores, decode: Callable[[int], str] | None = None
-    ) -> "SequenceResult":
+    def build(cls, tok: Any, hf: TokenScores, vllm: TokenScores, decode: Callable[[int], str] | None = None) -> SequenceResult:
         """Compare two sides' scores of the same ids; refuses scores of different ids."""
         ids = np.asarray(tok.token_ids, dtype=np.int64)
         for side, sc in (("hf", hf), ("vllm", vllm)):
             if not np.array_equal(sc.token_ids, ids):
-                raise TokenMismatchError(f"{side} scored ids {sc.token_ids.tolist()} but the run has {ids.tolist()}: "
-                                         "the engines did not score the same tokens, so nothing is compared")
+                raise TokenMismatchError(
+                    f"{side} scored ids {sc.token_ids.tolist()} but the run has {ids.tolist()}: "
+                    "the engines did not score the same tokens, so nothing is compared"
+                )
         gathered = hf.gathered_logprobs
         if gathered is None:
             gathered = np.full(vllm.topk_logprobs.shape, np.nan)
-        m = token_metrics(hf.logprob, vllm.logprob, hf.topk_ids[:, 0], vllm.topk_ids[:, 0], vllm.topk_logprobs, gathered,
-                          hf.kl_full)
+        m = token_metrics(
+            hf.logprob, vllm.logprob, hf.topk_ids[:, 0], vllm.topk_ids[:, 0], vllm.topk_logprobs, gathered, hf.kl_full
+        )
         text = None
         if decode is not None:
             text = {
@@ -123,7 +134,7 @@ class SequenceResult:
         )
 
     @classmethod
-    def from_columns(cls, cols: dict[str, Any], rows: slice, info: Any) -> "SequenceResult":
+    def from_columns(cls, cols: dict[str, Any], rows: slice, info: Any) -> SequenceResult:
         """One sequence's rows of a stored run, from whole-table columns (see `table_columns`):
         numpy slices, no per-row Python work, so reopening a large run stays fast."""
         ids = cols["token_id"][rows]
@@ -139,8 +150,9 @@ class SequenceResult:
             )
 
         # runs stored before the exact KL existed have no kl_full column: NaN there
-        metrics = TokenMetrics(**{f: cols[f][rows] if f in cols else np.full(len(ids), np.nan)
-                                  for f in TokenMetrics.__dataclass_fields__})
+        metrics = TokenMetrics(
+            **{f: cols[f][rows] if f in cols else np.full(len(ids), np.nan) for f in TokenMetrics.__dataclass_fields__}
+        )
         text = {side: cols[f"{side}_topk_text"][rows] for side in SIDES}
         return cls(
             text=info.text,
@@ -240,7 +252,9 @@ class StoredSequences(Sequence):
             if self._file is None:
                 self._file = pq.ParquetFile(self._path)
                 md = self._file.metadata
-                self._group_starts = np.concatenate([[0], np.cumsum([md.row_group(g).num_rows for g in range(md.num_row_groups)])])
+                self._group_starts = np.concatenate(
+                    [[0], np.cumsum([md.row_group(g).num_rows for g in range(md.num_row_groups)])]
+                )
             gs = self._group_starts
             first = int(np.searchsorted(gs, lo, side="right") - 1)
             last = int(np.searchsorted(gs, max(hi - 1, lo), side="right") - 1)

@@ -26,9 +26,28 @@ from logprob_parity.results.run import SCHEMA_VERSION, Run, StoredSequences
 
 META_KEY = b"logprob_parity_meta"
 REQUIRED_COLUMNS = {
-    "seq", "index", "token_id", "token", "piece", "scored", "hf_logprob", "vllm_logprob", "hf_rank", "vllm_rank",
-    "hf_prob", "vllm_prob", "delta", "abs_delta", "prob_delta", "kl_topk", "argmax_agree",
-    "hf_topk_ids", "hf_topk_logprobs", "vllm_topk_ids", "vllm_topk_logprobs", "hf_at_vllm_topk",
+    "seq",
+    "index",
+    "token_id",
+    "token",
+    "piece",
+    "scored",
+    "hf_logprob",
+    "vllm_logprob",
+    "hf_rank",
+    "vllm_rank",
+    "hf_prob",
+    "vllm_prob",
+    "delta",
+    "abs_delta",
+    "prob_delta",
+    "kl_topk",
+    "argmax_agree",
+    "hf_topk_ids",
+    "hf_topk_logprobs",
+    "vllm_topk_ids",
+    "vllm_topk_logprobs",
+    "hf_at_vllm_topk",
 }
 
 _SCHEMA = """
@@ -93,7 +112,8 @@ def dictionary_columns(schema: Any) -> list[str]:
         if pa.types.is_string(t) or pa.types.is_large_string(t):
             out.append(field.name)
         elif (pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t)) and (
-                pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)):
+            pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)
+        ):
             out.append(f"{field.name}.list.element")
     return out
 
@@ -103,8 +123,21 @@ def parquet_writer(f: Any, schema: Any) -> Any:
     import pyarrow.parquet as pq
 
     return pq.ParquetWriter(f, schema, use_dictionary=dictionary_columns(schema))
-ROLLOUT_COLUMNS = {"sample", "prompt", "position", "token_id", "piece", "decode_raw", "decode_processed", "prefill", "hf",
-                   "hf_tempered", "log_kept_mass"}
+
+
+ROLLOUT_COLUMNS = {
+    "sample",
+    "prompt",
+    "position",
+    "token_id",
+    "piece",
+    "decode_raw",
+    "decode_processed",
+    "prefill",
+    "hf",
+    "hf_tempered",
+    "log_kept_mass",
+}
 
 
 class Store:
@@ -279,7 +312,10 @@ class Store:
         if not prefix or not all(c in "0123456789abcdef" for c in prefix):
             raise UserError(f"{prefix!r} is not a {what} id (hex digits)")
         with closing(self._db()) as db:
-            rows = db.execute(f"SELECT {column}{extra} FROM {table} WHERE {column} LIKE ?", (prefix + "%",)).fetchall()
+            rows = db.execute(
+                f"SELECT {column}{extra} FROM {table} WHERE {column} LIKE ?",  # noqa: S608 - names are ours
+                (prefix + "%",),
+            ).fetchall()
         if not rows:
             raise UserError(f"no stored {what} with id {prefix!r} (see `logprob-parity runs`)")
         if len(rows) > 1:
@@ -317,11 +353,14 @@ class Store:
             import dataclasses
 
             counts = np.bincount(pq.read_table(path, columns=["seq"]).column("seq").to_numpy(), minlength=len(meta.sequences))
-            meta = dataclasses.replace(meta, sequences=tuple(dataclasses.replace(s, n_positions=int(c))
-                                                             for s, c in zip(meta.sequences, counts)))
+            meta = dataclasses.replace(
+                meta, sequences=tuple(dataclasses.replace(s, n_positions=int(c)) for s, c in zip(meta.sequences, counts))
+            )
         if sum(s.n_positions for s in meta.sequences) != rows:
-            raise UserError(f"stored run {run_id} holds {rows} positions but its sequences list "
-                            f"{sum(s.n_positions for s in meta.sequences)}; delete and re-run it")
+            raise UserError(
+                f"stored run {run_id} holds {rows} positions but its sequences list "
+                f"{sum(s.n_positions for s in meta.sequences)}; delete and re-run it"
+            )
         # sequences are read when first shown, a few row groups at a time (logprob_parity.results.run.StoredSequences)
         return Run(meta=meta, sequences=StoredSequences(path, meta.sequences), from_store=True)
 
@@ -343,8 +382,16 @@ class Store:
         with closing(self._db()) as db, db:
             db.execute(
                 "INSERT OR REPLACE INTO diagnostics VALUES (?,?,?,?,?,?,?,?)",
-                (result.diagnostics_id, result.created_ts or time.time(), result.model, ",".join(result.dtypes),
-                 ",".join(result.parts), json.dumps(result.run_ids), (result.texts[0] if result.texts else "")[:80], digest),
+                (
+                    result.diagnostics_id,
+                    result.created_ts or time.time(),
+                    result.model,
+                    ",".join(result.dtypes),
+                    ",".join(result.parts),
+                    json.dumps(result.run_ids),
+                    (result.texts[0] if result.texts else "")[:80],
+                    digest,
+                ),
             )
 
     def _index_legacy_diagnostics(self) -> None:
@@ -373,7 +420,9 @@ class Store:
     def load_diagnostics(self, diag_id: str) -> DiagnosticsResult:
         self._index_legacy_diagnostics()
         full, expected = self._by_prefix("diagnostics", "diagnostics_id", diag_id, "diagnostics", "results", ", sha256")
-        return DiagnosticsResult.from_dict(_checked_json(self.diagnostics_dir / f"{full}.json", expected, f"stored diagnostics {full}"))
+        return DiagnosticsResult.from_dict(
+            _checked_json(self.diagnostics_dir / f"{full}.json", expected, f"stored diagnostics {full}")
+        )
 
     def list_diagnostics(self) -> pd.DataFrame:
         self._index_legacy_diagnostics()
@@ -408,9 +457,18 @@ class Store:
         data = json.dumps(result.to_dict(), allow_nan=False).encode("utf-8")
         digest = _atomic_write(folder / f"{result.frontier_id}.json", lambda f: f.write(data))
         with closing(self._db()) as db, db:
-            db.execute("INSERT OR REPLACE INTO frontiers VALUES (?,?,?,?,?,?,?)",
-                       (result.frontier_id, result.created_ts or time.time(), result.model, len(result.configs),
-                        result.recommendation.get("name"), (result.texts[0] if result.texts else "")[:80], digest))
+            db.execute(
+                "INSERT OR REPLACE INTO frontiers VALUES (?,?,?,?,?,?,?)",
+                (
+                    result.frontier_id,
+                    result.created_ts or time.time(),
+                    result.model,
+                    len(result.configs),
+                    result.recommendation.get("name"),
+                    (result.texts[0] if result.texts else "")[:80],
+                    digest,
+                ),
+            )
 
     def resolve_frontier_id(self, prefix: str) -> str:
         return self._by_prefix("frontiers", "frontier_id", prefix, "frontier", "frontiers")[0]
@@ -419,12 +477,15 @@ class Store:
         from logprob_parity.results.frontier import FrontierResult
 
         full, expected = self._by_prefix("frontiers", "frontier_id", frontier_id, "frontier", "frontiers", ", sha256")
-        return FrontierResult.from_dict(_checked_json(self.root / "frontiers" / f"{full}.json", expected, f"stored frontier {full}"))
+        return FrontierResult.from_dict(
+            _checked_json(self.root / "frontiers" / f"{full}.json", expected, f"stored frontier {full}")
+        )
 
     def list_frontiers(self) -> pd.DataFrame:
         with closing(self._db()) as db:
-            rows = db.execute("SELECT frontier_id, created, model, n_configs, recommendation, first_text FROM frontiers "
-                              "ORDER BY created DESC").fetchall()
+            rows = db.execute(
+                "SELECT frontier_id, created, model, n_configs, recommendation, first_text FROM frontiers ORDER BY created DESC"
+            ).fetchall()
         df = pd.DataFrame(rows, columns=["frontier_id", "created", "model", "n_configs", "recommendation", "first_text"])
         df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
         return df
@@ -466,9 +527,21 @@ class Store:
         light["first_text"] = str((meta.get("prompts") or [_sampling_words(meta.get("sampling") or {})])[0])[:80]
         light["prompts"] = (meta.get("prompts") or [])[:1]
         with closing(self._db()) as db, db:
-            db.execute("INSERT OR REPLACE INTO rollouts VALUES (?,?,?,?,?,?,?,?,?,?)",
-                       (meta_obj.rollout_id, meta_obj.created_ts or time.time(), meta_obj.model, meta_obj.dtype, n_samples,
-                        int(s.get("n_tokens") or 0), s.get("max_abs_delta"), s.get("mean_abs_delta"), json.dumps(light), digest))
+            db.execute(
+                "INSERT OR REPLACE INTO rollouts VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (
+                    meta_obj.rollout_id,
+                    meta_obj.created_ts or time.time(),
+                    meta_obj.model,
+                    meta_obj.dtype,
+                    n_samples,
+                    int(s.get("n_tokens") or 0),
+                    s.get("max_abs_delta"),
+                    s.get("mean_abs_delta"),
+                    json.dumps(light),
+                    digest,
+                ),
+            )
 
     def has_rollout(self, rollout_id: str) -> bool:
         with closing(self._db()) as db:
@@ -520,8 +593,10 @@ class Store:
 
     def list_rollouts(self) -> pd.DataFrame:
         with closing(self._db()) as db:
-            rows = db.execute("SELECT rollout_id, created, model, dtype, n_samples, n_tokens, max_abs_delta, mean_abs_delta, meta "
-                              "FROM rollouts ORDER BY created DESC").fetchall()
+            rows = db.execute(
+                "SELECT rollout_id, created, model, dtype, n_samples, n_tokens, max_abs_delta, mean_abs_delta, meta "
+                "FROM rollouts ORDER BY created DESC"
+            ).fetchall()
         cols = ["rollout_id", "created", "model", "dtype", "n_samples", "n_tokens", "max_abs_delta", "mean_abs_delta"]
         df = pd.DataFrame([r[:-1] for r in rows], columns=cols)
         df["created"] = pd.to_datetime(df["created"], unit="s", utc=True)
@@ -614,9 +689,19 @@ def _comparison_key(meta: dict[str, Any]) -> str:
     from logprob_parity.inputs.spec import content_hash
 
     texts = [s.get("text", "") for s in meta.get("sequences") or []]
-    return content_hash({"model": meta.get("model"), "identity": meta.get("model_identity"), "settings": meta.get("settings"),
-                         "top_k": meta.get("top_k"), "bos": meta.get("bos"), "texts": texts, "device": meta.get("device"),
-                         "versions": {k: (meta.get("env") or {}).get(k) for k in ("torch", "transformers", "vllm")}}, 16)
+    return content_hash(
+        {
+            "model": meta.get("model"),
+            "identity": meta.get("model_identity"),
+            "settings": meta.get("settings"),
+            "top_k": meta.get("top_k"),
+            "bos": meta.get("bos"),
+            "texts": texts,
+            "device": meta.get("device"),
+            "versions": {k: (meta.get("env") or {}).get(k) for k in ("torch", "transformers", "vllm")},
+        },
+        16,
+    )
 
 
 def _first_text(meta: dict[str, Any]) -> str:

@@ -118,8 +118,26 @@ class _Moments:
 class PairTotals:
     """mismatch_metrics of one pair over parts of whole sequences."""
 
-    _SUMS = ("abs", "delta", "k2", "k3", "rho", "rho2", "out1", "out2", "exp_abs", "tis", "mis", "dp", "dp2",
-             "chi2_seq", "seq_log", "ppl_ratio", "training_ppl", "rollout_ppl")
+    _SUMS = (
+        "abs",
+        "delta",
+        "k2",
+        "k3",
+        "rho",
+        "rho2",
+        "out1",
+        "out2",
+        "exp_abs",
+        "tis",
+        "mis",
+        "dp",
+        "dp2",
+        "chi2_seq",
+        "seq_log",
+        "ppl_ratio",
+        "training_ppl",
+        "rollout_ppl",
+    )
 
     def __init__(self, tis_cap: float = TIS_CAP, mis_band: tuple[float, float] = MIS_BAND) -> None:
         self.tis_cap, self.mis_band = tis_cap, mis_band
@@ -144,12 +162,26 @@ class PairTotals:
         seq_log = np.add.reduceat(lt - lr, starts)
         mean_r, mean_t = np.add.reduceat(lr, starts) / lengths, np.add.reduceat(lt, starts) / lengths
         s = self.sums
-        for k, v in (("abs", ad), ("delta", delta), ("k2", 0.5 * log_rho**2), ("k3", rho - 1.0 - clipped), ("rho", rho),
-                     ("rho2", rho**2), ("out1", (rho < 0.8) | (rho > 1.25)), ("out2", (rho < 0.5) | (rho > 2.0)),
-                     ("exp_abs", np.exp(ad)), ("tis", rho > self.tis_cap),
-                     ("mis", (rho < self.mis_band[0]) | (rho > self.mis_band[1])), ("dp", dp), ("dp2", dp**2),
-                     ("chi2_seq", np.exp(2.0 * np.clip(seq_log, -SAFETY_BOUND, SAFETY_BOUND))), ("seq_log", seq_log),
-                     ("ppl_ratio", np.exp(mean_r - mean_t)), ("training_ppl", np.exp(-mean_t)), ("rollout_ppl", np.exp(-mean_r))):
+        for k, v in (
+            ("abs", ad),
+            ("delta", delta),
+            ("k2", 0.5 * log_rho**2),
+            ("k3", rho - 1.0 - clipped),
+            ("rho", rho),
+            ("rho2", rho**2),
+            ("out1", (rho < 0.8) | (rho > 1.25)),
+            ("out2", (rho < 0.5) | (rho > 2.0)),
+            ("exp_abs", np.exp(ad)),
+            ("tis", rho > self.tis_cap),
+            ("mis", (rho < self.mis_band[0]) | (rho > self.mis_band[1])),
+            ("dp", dp),
+            ("dp2", dp**2),
+            ("chi2_seq", np.exp(2.0 * np.clip(seq_log, -SAFETY_BOUND, SAFETY_BOUND))),
+            ("seq_log", seq_log),
+            ("ppl_ratio", np.exp(mean_r - mean_t)),
+            ("training_ppl", np.exp(-mean_t)),
+            ("rollout_ppl", np.exp(-mean_r)),
+        ):
             s[k] += float(np.sum(v, dtype=np.float64))
         e = self.ext
         e["max_abs"] = max(e["max_abs"], float(ad.max()))
@@ -169,17 +201,36 @@ class PairTotals:
             return out
         n, k, s, e = self.n_tokens, self.n_seq, self.sums, self.ext
         (p99,) = self.p99.values()
-        out.update({
-            "mean_abs_delta": s["abs"] / n, "max_abs_delta": e["max_abs"], "p99_abs_delta": p99, "mean_delta": s["delta"] / n,
-            "kl": s["delta"] / n, "k2_kl": s["k2"] / n, "k3_kl": s["k3"] / n, "chi2_token": s["rho2"] / n - 1.0,
-            "chi2_seq": s["chi2_seq"] / k - 1.0, "rollout_is_mean": s["rho"] / n, "rollout_is_min": e["rho_min"],
-            "rollout_is_max": e["rho_max"], "rollout_is_eff_sample_size": s["rho"] ** 2 / (n * s["rho2"]),
-            "frac_ratio_outside_0.8_1.25": s["out1"] / n, "frac_ratio_outside_0.5_2": s["out2"] / n,
-            "seq_log_ratio_mean": s["seq_log"] / k, "seq_log_ratio_min": e["seq_min"], "seq_log_ratio_max": e["seq_max"],
-            "ppl_ratio": s["ppl_ratio"] / k, "training_ppl": s["training_ppl"] / k, "rollout_ppl": s["rollout_ppl"] / k,
-            "token_mult_prob_error": s["exp_abs"] / n, "tis_clip_fraction": s["tis"] / n, "mis_mask_fraction": s["mis"] / n,
-            "dp_mean": s["dp"] / n, "dp_rms": float(np.sqrt(s["dp2"] / n)),
-        })
+        out.update(
+            {
+                "mean_abs_delta": s["abs"] / n,
+                "max_abs_delta": e["max_abs"],
+                "p99_abs_delta": p99,
+                "mean_delta": s["delta"] / n,
+                "kl": s["delta"] / n,
+                "k2_kl": s["k2"] / n,
+                "k3_kl": s["k3"] / n,
+                "chi2_token": s["rho2"] / n - 1.0,
+                "chi2_seq": s["chi2_seq"] / k - 1.0,
+                "rollout_is_mean": s["rho"] / n,
+                "rollout_is_min": e["rho_min"],
+                "rollout_is_max": e["rho_max"],
+                "rollout_is_eff_sample_size": s["rho"] ** 2 / (n * s["rho2"]),
+                "frac_ratio_outside_0.8_1.25": s["out1"] / n,
+                "frac_ratio_outside_0.5_2": s["out2"] / n,
+                "seq_log_ratio_mean": s["seq_log"] / k,
+                "seq_log_ratio_min": e["seq_min"],
+                "seq_log_ratio_max": e["seq_max"],
+                "ppl_ratio": s["ppl_ratio"] / k,
+                "training_ppl": s["training_ppl"] / k,
+                "rollout_ppl": s["rollout_ppl"] / k,
+                "token_mult_prob_error": s["exp_abs"] / n,
+                "tis_clip_fraction": s["tis"] / n,
+                "mis_mask_fraction": s["mis"] / n,
+                "dp_mean": s["dp"] / n,
+                "dp_rms": float(np.sqrt(s["dp2"] / n)),
+            }
+        )
         return out
 
 
@@ -232,8 +283,9 @@ class ExactTotals:
         return out
 
 
-def streamed_summary(parts: Callable[[], Iterator[dict[str, np.ndarray]]], pairs: dict[str, tuple[str, str, str]],
-                     main_exact: str) -> dict[str, dict[str, Any]]:
+def streamed_summary(
+    parts: Callable[[], Iterator[dict[str, np.ndarray]]], pairs: dict[str, tuple[str, str, str]], main_exact: str
+) -> dict[str, dict[str, Any]]:
     """{pair: mismatch metrics} (and the exact statistics on `main_exact`) of the parts `parts()`
     yields, twice: each a dict of token columns (float64, whole sequences) and "lengths" [sequences]."""
     totals = {pair: PairTotals() for pair in pairs}

@@ -7,15 +7,15 @@ import json
 import streamlit as st
 
 from logprob_parity.analysis.frontier import Config, default_grid, frontier, frontier_table, parse_configs
+from logprob_parity.dashboard.components.runner import run_job
+from logprob_parity.dashboard.components.spec_form import PRESETS
+from logprob_parity.dashboard.state import engines_available, get_store
 from logprob_parity.engines.host import start_words
 from logprob_parity.env import resolve_device
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.prompts import SEED_TEXT
 from logprob_parity.inputs.spec import RunSpec
 from logprob_parity.present.frontier_view import frontier_report_html, scatter
-from logprob_parity.dashboard.components.runner import run_job
-from logprob_parity.dashboard.components.spec_form import PRESETS
-from logprob_parity.dashboard.state import engines_available, get_store
 
 KEY = "frontier"
 
@@ -32,13 +32,26 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
         c1, c2 = st.columns([3, 2])
         preset = c1.selectbox("Model", list(PRESETS), key=f"{KEY}-preset")
         custom = c1.text_input("Hub id or local folder", key=f"{KEY}-custom", placeholder="org/name or /path/to/model")
-        tol = c2.number_input("Tolerance: largest mean |Δ logp| to float64 (0: twice HF's own float32 gap, measured)",
-                              0.0, 10.0, 0.0, format="%.2e", key=f"{KEY}-tol")
+        tol = c2.number_input(
+            "Tolerance: largest mean |Δ logp| to float64 (0: twice HF's own float32 gap, measured)",
+            0.0,
+            10.0,
+            0.0,
+            format="%.2e",
+            key=f"{KEY}-tol",
+        )
         text = st.text_area("Text", SEED_TEXT, key=f"{KEY}-text", height=80)
-        chosen = st.multiselect(f"Configurations (each starts its own vLLM engine: {start_words('vllm', device)})", runnable,
-                                default=runnable[:4], key=f"{KEY}-configs")
-        extra = st.text_input("More configurations: a dtype and setting=value pairs, ';' between them",
-                              key=f"{KEY}-extra", placeholder="float32 attention_backend=FLEX_ATTENTION; bfloat16 checkpoint=/path/to/its-gptq-checkpoint")
+        chosen = st.multiselect(
+            f"Configurations (each starts its own vLLM engine: {start_words('vllm', device)})",
+            runnable,
+            default=runnable[:4],
+            key=f"{KEY}-configs",
+        )
+        extra = st.text_input(
+            "More configurations: a dtype and setting=value pairs, ';' between them",
+            key=f"{KEY}-extra",
+            placeholder="float32 attention_backend=FLEX_ATTENTION; bfloat16 checkpoint=/path/to/its-gptq-checkpoint",
+        )
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     skipped = [c for c in grid if c.skip]
     if skipped:
@@ -63,8 +76,9 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
 
 
 def run_frontier(spec: RunSpec, configs: list[Config], tolerance: float | None):
-    return run_job(lambda ctx: frontier(spec, configs, ctx, tolerance), "Measuring each configuration",
-                   2 + len(configs), clear="frontier")
+    return run_job(
+        lambda ctx: frontier(spec, configs, ctx, tolerance), "Measuring each configuration", 2 + len(configs), clear="frontier"
+    )
 
 
 @st.cache_resource(max_entries=16)
@@ -91,32 +105,66 @@ def show_frontier(result) -> None:
         st.warning(f"**No recommendation.** {rec['why']}.", icon=":material/warning:")
     skipped = [c for c in result.configs if c["skipped"]]
     if skipped:  # one box, each with its reason: a long grid's failures must not push the result off screen
-        st.warning(f"**{len(skipped)} of {len(result.configs)} configurations did not run:**\n"
-                   + "\n".join(f"- **{c['name']}**: {c['skipped']}" for c in skipped), icon=":material/block:")
+        st.warning(
+            f"**{len(skipped)} of {len(result.configs)} configurations did not run:**\n"
+            + "\n".join(f"- **{c['name']}**: {c['skipped']}" for c in skipped),
+            icon=":material/block:",
+        )
     for c in result.configs:
         if (c["ref_gap"] or {}).get("kl_why"):
             st.info(f"**{c['name']}** has no exact KL: {c['ref_gap']['kl_why']}", icon=":material/info:")
-    st.caption(f"{result.model} · {result.device} · " + " · ".join(f"{k} {v}" for k, v in result.versions.items() if v)
-               + f" · {result.n_tokens} tokens · frontier `{result.frontier_id}`")
+    st.caption(
+        f"{result.model} · {result.device} · "
+        + " · ".join(f"{k} {v}" for k, v in result.versions.items() if v)
+        + f" · {result.n_tokens} tokens · frontier `{result.frontier_id}`"
+    )
     if any(not c["skipped"] for c in result.configs):
         st.altair_chart(scatter(result), width="stretch")
     table = [r for r in frontier_table(result) if not r["skipped"]]  # those that did not run are listed above, with why
-    st.dataframe(table, hide_index=True, width="stretch",
-                 column_config={**{k: st.column_config.NumberColumn(format="%.3e") for k in
-                                   ("mean |Δ logp| to float64", "max", "exact KL to float64", "HF in that dtype: mean |Δ|")},
-                                **{k: st.column_config.NumberColumn(format="localized", step=1) for k in
-                                   ("prefill tokens/s", "generate tokens/s", "KV bytes/token")},
-                                "weights GiB": st.column_config.NumberColumn(format="%.2f"),
-                                "engine start s": st.column_config.NumberColumn(format="%.1f")})
+    st.dataframe(
+        table,
+        hide_index=True,
+        width="stretch",
+        column_config={
+            **{
+                k: st.column_config.NumberColumn(format="%.3e")
+                for k in ("mean |Δ logp| to float64", "max", "exact KL to float64", "HF in that dtype: mean |Δ|")
+            },
+            **{
+                k: st.column_config.NumberColumn(format="localized", step=1)
+                for k in ("prefill tokens/s", "generate tokens/s", "KV bytes/token")
+            },
+            "weights GiB": st.column_config.NumberColumn(format="%.2f"),
+            "engine start s": st.column_config.NumberColumn(format="%.1f"),
+        },
+    )
     sp = result.speed or {}
-    how = (f"Speed: each configuration's vLLM engine, warm, on {sp['load']} of this model, timed {sp['repeats']} times: the "
-           "median, and the spread from the slowest to the fastest repeat; a configuration counts as faster only by more than "
-           "that spread. " if sp else "Speed: measured on the text above (stored before speeds were measured on a load). ")
-    st.caption("Every configuration scored the same token ids; the reference is HF in float64. The exact KL sums over the "
-               "whole vocabulary. " + how + "Prefill: scoring every token; generate: greedy tokens a second. Weights and KV "
-               "bytes a token: what the engine holds on the device (FP8 halves them).")
+    how = (
+        f"Speed: each configuration's vLLM engine, warm, on {sp['load']} of this model, timed {sp['repeats']} times: the "
+        "median, and the spread from the slowest to the fastest repeat; a configuration counts as faster only by more than "
+        "that spread. "
+        if sp
+        else "Speed: measured on the text above (stored before speeds were measured on a load). "
+    )
+    st.caption(
+        "Every configuration scored the same token ids; the reference is HF in float64. The exact KL sums over the "
+        "whole vocabulary. " + how + "Prefill: scoring every token; generate: greedy tokens a second. Weights and KV "
+        "bytes a token: what the engine holds on the device (FP8 halves them)."
+    )
     c1, c2, _ = st.columns([1, 1, 4])
-    c1.download_button("HTML report", lambda: frontier_report_html(result), f"frontier-{result.frontier_id}.html", "text/html",
-                       icon=":material/download:", key="frontier-html")
-    c2.download_button("JSON", lambda: json.dumps(result.to_dict(), indent=1, allow_nan=False), f"frontier-{result.frontier_id}.json",
-                       "application/json", icon=":material/download:", key="frontier-json")
+    c1.download_button(
+        "HTML report",
+        lambda: frontier_report_html(result),
+        f"frontier-{result.frontier_id}.html",
+        "text/html",
+        icon=":material/download:",
+        key="frontier-html",
+    )
+    c2.download_button(
+        "JSON",
+        lambda: json.dumps(result.to_dict(), indent=1, allow_nan=False),
+        f"frontier-{result.frontier_id}.json",
+        "application/json",
+        icon=":material/download:",
+        key="frontier-json",
+    )

@@ -9,19 +9,29 @@ from typing import Any
 import streamlit as st
 
 from logprob_parity.analysis.rollout import STEPS_PER_DTYPE, hf_floor, rollout
-from logprob_parity.errors import UserError
-from logprob_parity.inputs.settings import EngineSettings
-from logprob_parity.inputs.spec import BOS_POLICIES, DTYPES, RunSpec
-from logprob_parity.present.rollout_view import (
-    SHORT, completion_html, delta_histogram, floors_table, metrics_table, ratio_histogram, ratio_strip, rollout_report_html,
-    STRIP_SAMPLES, shown_pairs, strip_samples, token_frame,
-)
-from logprob_parity.results.rollout import PAIRS, Rollout, Sampling, sampling_words
 from logprob_parity.analysis.verdict import Verdict
 from logprob_parity.dashboard.components.run_view import verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
 from logprob_parity.dashboard.components.spec_form import PRESETS
 from logprob_parity.dashboard.state import dtype_reasons, engines_available, get_store, query_int, set_query
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.settings import EngineSettings
+from logprob_parity.inputs.spec import BOS_POLICIES, DTYPES, RunSpec
+from logprob_parity.present.rollout_view import (
+    SHORT,
+    STRIP_SAMPLES,
+    completion_html,
+    delta_histogram,
+    floors_table,
+    metrics_table,
+    ratio_histogram,
+    ratio_strip,
+    rollout_report_html,
+    shown_pairs,
+    strip_samples,
+    token_frame,
+)
+from logprob_parity.results.rollout import PAIRS, Rollout, Sampling, sampling_words
 
 KEY = "rollout"
 DEFAULT_PROMPTS = "The capital of France is\nWrite a haiku about the sea:"
@@ -48,8 +58,12 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
     with st.form(f"{KEY}-form"):
         c1, c2 = st.columns([3, 2])
         preset = c1.selectbox("Model", list(PRESETS), key=f"{KEY}-preset")
-        custom = c1.text_input("Hub id or local folder", key=f"{KEY}-custom", placeholder="org/name or /path/to/model",
-                               help="Used when the model above is 'Other'.")
+        custom = c1.text_input(
+            "Hub id or local folder",
+            key=f"{KEY}-custom",
+            placeholder="org/name or /path/to/model",
+            help="Used when the model above is 'Other'.",
+        )
         bos = c2.radio("BOS", BOS_POLICIES, key=f"{KEY}-bos", horizontal=True)
         text = st.text_area("Prompts, one a line", DEFAULT_PROMPTS, key=f"{KEY}-text", height=90)
         s1, s2, s3, s4, s5, s6 = st.columns(6)
@@ -60,9 +74,17 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
         top_k = s5.number_input("top-k (-1: all)", -1, 100_000, -1, key=f"{KEY}-topk")
         seed = s6.number_input("seed", 0, 2**31 - 1, 0, key=f"{KEY}-seed")
         st.markdown("**Dtypes**")
-        chosen = [d for col, d in zip(st.columns(len(DTYPES)), DTYPES)
-                  if col.checkbox(d, value=d in ("bfloat16", "float32") and reasons.get(d) is None, key=f"{KEY}-dt-{d}",
-                                  disabled=reasons.get(d) is not None, help=reasons.get(d) or f"roll out in {d}")]
+        chosen = [
+            d
+            for col, d in zip(st.columns(len(DTYPES)), DTYPES)
+            if col.checkbox(
+                d,
+                value=d in ("bfloat16", "float32") and reasons.get(d) is None,
+                key=f"{KEY}-dt-{d}",
+                disabled=reasons.get(d) is not None,
+                help=reasons.get(d) or f"roll out in {d}",
+            )
+        ]
         graphs = st.checkbox("CUDA graphs for decoding (GPU only; a CPU always runs eager)", True, key=f"{KEY}-graphs")
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     # One spot for this form's message. The run itself draws below the tabs, so without a placeholder
@@ -80,15 +102,26 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
     if not prompts:
         say.error("Enter at least one prompt: one a line, each a text the model continues.", icon=":material/error:")
         return None, None
-    sampling = Sampling(samples=int(samples), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                        max_tokens=int(max_tokens), seed=int(seed))
+    sampling = Sampling(
+        samples=int(samples),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        max_tokens=int(max_tokens),
+        seed=int(seed),
+    )
     try:
         sampling.validate()
         from logprob_parity.env import resolve_device
 
         eager = (not graphs) or resolve_device("auto") == "cpu"
-        spec = RunSpec(texts=prompts, model=model, dtypes=tuple(chosen), bos=bos,
-                       settings=dataclasses.replace(EngineSettings(), enforce_eager=eager))
+        spec = RunSpec(
+            texts=prompts,
+            model=model,
+            dtypes=tuple(chosen),
+            bos=bos,
+            settings=dataclasses.replace(EngineSettings(), enforce_eager=eager),
+        )
         spec.validate()
     except UserError as exc:
         say.error(str(exc), icon=":material/error:")
@@ -106,28 +139,40 @@ def import_form() -> tuple[Any, str, dict[str, str], RunSpec] | None:
     Rescore was pressed with usable input, else None (with the reason on the page)."""
     from pathlib import Path
 
+    from logprob_parity.dashboard.state import model_roots
     from logprob_parity.inputs.models import check_allowed
     from logprob_parity.inputs.prompts import MAX_UPLOAD_BYTES
     from logprob_parity.inputs.rollout_logs import parse_mapping
-    from logprob_parity.dashboard.state import model_roots
 
     blocked = engines_available()
     reasons = dtype_reasons()
     with st.form(f"{IMPORT_KEY}-form"):
-        st.markdown("**Rescore rollouts you already have**: one sequence a record, with your rollout engine's logprobs "
-                    "(`prompt_token_ids` or `prompt`, `completion_token_ids`, `logprobs`; JSONL, Parquet, or this page's "
-                    "JSON download)")
-        upload = st.file_uploader(f"Rollouts file, up to {MAX_UPLOAD_BYTES >> 20} MiB", type=["jsonl", "parquet", "json"],
-                                  key=f"{IMPORT_KEY}-file")
+        st.markdown(
+            "**Rescore rollouts you already have**: one sequence a record, with your rollout engine's logprobs "
+            "(`prompt_token_ids` or `prompt`, `completion_token_ids`, `logprobs`; JSONL, Parquet, or this page's "
+            "JSON download)"
+        )
+        upload = st.file_uploader(
+            f"Rollouts file, up to {MAX_UPLOAD_BYTES >> 20} MiB", type=["jsonl", "parquet", "json"], key=f"{IMPORT_KEY}-file"
+        )
         path = st.text_input("or a path on the server", key=f"{IMPORT_KEY}-path", placeholder="/data/rollouts/step-100.jsonl")
         c1, c2 = st.columns([3, 2])
         preset = c1.selectbox("Model (the one that wrote them)", list(PRESETS), key=f"{IMPORT_KEY}-preset")
         custom = c1.text_input("Hub id or local folder", key=f"{IMPORT_KEY}-custom", placeholder="org/name or /path/to/model")
-        mapping = c2.text_input("Other column names (FIELD=COLUMN, commas between)", key=f"{IMPORT_KEY}-map",
-                                placeholder="logprobs=rollout_log_probs")
-        chosen = [d for col, d in zip(st.columns(len(DTYPES)), DTYPES)
-                  if col.checkbox(d, value=d == "float32" and reasons.get(d) is None, key=f"{IMPORT_KEY}-dt-{d}",
-                                  disabled=reasons.get(d) is not None, help=reasons.get(d) or f"rescore in {d}")]
+        mapping = c2.text_input(
+            "Other column names (FIELD=COLUMN, commas between)", key=f"{IMPORT_KEY}-map", placeholder="logprobs=rollout_log_probs"
+        )
+        chosen = [
+            d
+            for col, d in zip(st.columns(len(DTYPES)), DTYPES)
+            if col.checkbox(
+                d,
+                value=d == "float32" and reasons.get(d) is None,
+                key=f"{IMPORT_KEY}-dt-{d}",
+                disabled=reasons.get(d) is not None,
+                help=reasons.get(d) or f"rescore in {d}",
+            )
+        ]
         submitted = st.form_submit_button("Rescore", type="primary", disabled=blocked is not None, icon=":material/upload_file:")
     say = st.empty()  # cleared on every submit, like the Run form's
     if not submitted:
@@ -159,13 +204,23 @@ def import_form() -> tuple[Any, str, dict[str, str], RunSpec] | None:
 def run_rescore(data: Any, name: str, mapping: dict[str, str], spec: RunSpec) -> list[Rollout] | None:
     from logprob_parity.analysis.rescore import rescore
 
-    return run_job(lambda ctx: rescore(data, name, spec, ctx, mapping=mapping), "Rescoring the logged rollouts",
-                   2 + 5 * max(1, len(spec.dtypes)), clear="rollout", progress_bar=True, dtypes=len(spec.dtypes))
+    return run_job(
+        lambda ctx: rescore(data, name, spec, ctx, mapping=mapping),
+        "Rescoring the logged rollouts",
+        2 + 5 * max(1, len(spec.dtypes)),
+        clear="rollout",
+        progress_bar=True,
+        dtypes=len(spec.dtypes),
+    )
 
 
 def run_rollout(spec: RunSpec, sampling: Sampling) -> list[Rollout] | None:
-    return run_job(lambda ctx: rollout(spec, sampling, ctx), "Sampling and rescoring",
-                   2 + STEPS_PER_DTYPE * max(1, len(spec.dtypes)), clear="rollout")
+    return run_job(
+        lambda ctx: rollout(spec, sampling, ctx),
+        "Sampling and rescoring",
+        2 + STEPS_PER_DTYPE * max(1, len(spec.dtypes)),
+        clear="rollout",
+    )
 
 
 @st.cache_resource(max_entries=32)
@@ -218,31 +273,56 @@ def pair_views(rollout_id: str, pair: str, _r: Rollout) -> dict[str, Any]:
     shown, title = strip_samples(_r, worst)
     every = token_frame(_r, pair, pieces=False)
     summary = _r.meta.summary[pair]
-    return {"seqs": worst.head(20), "toks": _r.worst_tokens(pair, 20),
-            "strip": ratio_strip(token_frame(_r, pair, shown), title), "deltas": delta_histogram(every),
-            "ratios": ratio_histogram(every, summary.get("tis_cap", 2.0), tuple(summary.get("mis_band", (0.5, 2.0))))}
+    return {
+        "seqs": worst.head(20),
+        "toks": _r.worst_tokens(pair, 20),
+        "strip": ratio_strip(token_frame(_r, pair, shown), title),
+        "deltas": delta_histogram(every),
+        "ratios": ratio_histogram(every, summary.get("tis_cap", 2.0), tuple(summary.get("mis_band", (0.5, 2.0)))),
+    }
 
 
 def worst_lists(r: Rollout, pair: str) -> None:
     """Where the importance ratio breaks most, worst first: sequences and tokens; clicking a row opens
     that sequence's coloured view above."""
-    with st.expander(f"Where the ratio breaks most ({r.dtype}): the sequences and tokens furthest from 1, worst first",
-                     expanded=r.meta.sampling.get("source") == "logged", icon=":material/sort:"):
+    with st.expander(
+        f"Where the ratio breaks most ({r.dtype}): the sequences and tokens furthest from 1, worst first",
+        expanded=r.meta.sampling.get("source") == "logged",
+        icon=":material/sort:",
+    ):
         c1, c2 = st.columns(2)
         views = pair_views(r.rollout_id, pair, r)
         seqs = views["seqs"]
         seqs = seqs.assign(sample=seqs["sample"] + 1) if not seqs.empty else seqs  # numbered as the Sample list numbers them
         c1.caption("Sequences by their whole-sequence log ratio Σ log ρ (0 is a perfect match)")
-        ev1 = c1.dataframe(seqs, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
-                           key=f"{KEY}-worst-seq", column_config={"seq_log_ratio": st.column_config.NumberColumn(format="%.3e"),
-                                                                  "largest |Δ|": st.column_config.NumberColumn(format="%.3e")})
+        ev1 = c1.dataframe(
+            seqs,
+            hide_index=True,
+            width="stretch",
+            on_select="rerun",
+            selection_mode=["single-row", "single-cell"],
+            key=f"{KEY}-worst-seq",
+            column_config={
+                "seq_log_ratio": st.column_config.NumberColumn(format="%.3e"),
+                "largest |Δ|": st.column_config.NumberColumn(format="%.3e"),
+            },
+        )
         toks = views["toks"]
         toks = toks.assign(sample=toks["sample"] + 1) if not toks.empty else toks
         c2.caption("Tokens by |Δ logp|; ratio = the trainer's probability / the rollout's")
-        ev2 = c2.dataframe(toks, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
-                           key=f"{KEY}-worst-tok",
-                           column_config={k: st.column_config.NumberColumn(format="%.3e") for k in toks.columns
-                                          if k not in ("sample", "position", "token_id", "token")})
+        ev2 = c2.dataframe(
+            toks,
+            hide_index=True,
+            width="stretch",
+            on_select="rerun",
+            selection_mode=["single-row", "single-cell"],
+            key=f"{KEY}-worst-tok",
+            column_config={
+                k: st.column_config.NumberColumn(format="%.3e")
+                for k in toks.columns
+                if k not in ("sample", "position", "token_id", "token")
+            },
+        )
         # a click on any cell opens that row's sequence, as does the row's checkbox
         rows1 = (list(ev1.selection.rows) + [c[0] for c in ev1.selection.cells]) if ev1 else []
         rows2 = (list(ev2.selection.rows) + [c[0] for c in ev2.selection.cells]) if ev2 else []
@@ -264,9 +344,9 @@ def sample_picker(r: Rollout) -> int:
     n = len(r.samples)
     current = query_int("sample", 0, 0, max(n - 1, 0))
     if n <= PICK_LIMIT:
-        return st.selectbox("Sample", range(n), index=current,
-                            format_func=lambda i: f"{i + 1}: {r.prompt_of(i)[:60]}",
-                            key=f"{KEY}-sample")
+        return st.selectbox(
+            "Sample", range(n), index=current, format_func=lambda i: f"{i + 1}: {r.prompt_of(i)[:60]}", key=f"{KEY}-sample"
+        )
     key = f"{KEY}-sample-no"
     goto = st.session_state.pop(GOTO, None)  # a click in the worst lists: the browser keeps the number otherwise
     if goto is not None or key not in st.session_state:
@@ -286,9 +366,11 @@ def json_text(r: Rollout) -> str:
 def show_rollouts(ros: list[Rollout]) -> None:
     verdict_cards([_verdict(r) for r in ros])
     m = ros[0].meta
-    st.caption(f"{m.model} · device {m.env.device} · torch {m.env.torch} · transformers {m.env.transformers} · "
-               f"vLLM {m.env.vllm} · {sampling_words(m.sampling)} · "
-               + " · ".join(f"{r.dtype}: rollout `{r.rollout_id}`, {_provenance(r)}" for r in ros))
+    st.caption(
+        f"{m.model} · device {m.env.device} · torch {m.env.torch} · transformers {m.env.transformers} · "
+        f"vLLM {m.env.vllm} · {sampling_words(m.sampling)} · "
+        + " · ".join(f"{r.dtype}: rollout `{r.rollout_id}`, {_provenance(r)}" for r in ros)
+    )
     pairs = shown_pairs(ros[0])
     pair = st.radio("Colour the tokens by", pairs, format_func=PAIR_WORDS.get, horizontal=True, key=f"{KEY}-pair")
     sample = sample_picker(ros[0])
@@ -306,22 +388,42 @@ def show_rollouts(ros: list[Rollout]) -> None:
             c1, c2 = st.columns(2)
             c1.altair_chart(views["deltas"], width="stretch")
             c2.altair_chart(views["ratios"], width="stretch")
-            st.markdown("**Three-way comparison**: " + "; ".join(f"*{SHORT[p]}*: {PAIR_WORDS[p]}" for p in shown_pairs(r))
-                        + ". Δ = the first side − the second; ratio = the second's probability / the first's. The exact KL "
-                        "and the same-top share need both sides' whole distribution, so only the prefill-vs-HF column has "
-                        "them (a decode keeps its sampled token's logprob alone; "
-                        f"{r.meta.env.vllm_engine.get('kl_full', 'exact KL: not recorded in this rollout')}).")
+            st.markdown(
+                "**Three-way comparison**: "
+                + "; ".join(f"*{SHORT[p]}*: {PAIR_WORDS[p]}" for p in shown_pairs(r))
+                + ". Δ = the first side − the second; ratio = the second's probability / the first's. The exact KL "
+                "and the same-top share need both sides' whole distribution, so only the prefill-vs-HF column has "
+                "them (a decode keeps its sampled token's logprob alone; "
+                f"{r.meta.env.vllm_engine.get('kl_full', 'exact KL: not recorded in this rollout')})."
+            )
             table = metrics_table(r)
             st.dataframe(table, hide_index=True, width="stretch", height=35 * (len(table) + 1) + 3)
             st.markdown("**Noise floors**: how much one side moves when only this changes")
             st.dataframe(floors_table(r), hide_index=True, width="stretch")
             d1, d2, d3 = st.columns(3)
-            d1.download_button("HTML report", lambda r=r: rollout_report_html(r), f"rollout-{r.rollout_id}.html", "text/html",
-                               icon=":material/download:", key=f"dl-html-{r.rollout_id}")
-            d2.download_button("JSON", lambda r=r: json_text(r),
-                               f"rollout-{r.rollout_id}.json", "application/json", icon=":material/download:",
-                               key=f"dl-json-{r.rollout_id}")
-            d3.download_button("Parquet", lambda r=r: r.to_frame().to_parquet(index=False), f"rollout-{r.rollout_id}.parquet",
-                               "application/octet-stream", icon=":material/download:", key=f"dl-pq-{r.rollout_id}")
+            d1.download_button(
+                "HTML report",
+                lambda r=r: rollout_report_html(r),
+                f"rollout-{r.rollout_id}.html",
+                "text/html",
+                icon=":material/download:",
+                key=f"dl-html-{r.rollout_id}",
+            )
+            d2.download_button(
+                "JSON",
+                lambda r=r: json_text(r),
+                f"rollout-{r.rollout_id}.json",
+                "application/json",
+                icon=":material/download:",
+                key=f"dl-json-{r.rollout_id}",
+            )
+            d3.download_button(
+                "Parquet",
+                lambda r=r: r.to_frame().to_parquet(index=False),
+                f"rollout-{r.rollout_id}.parquet",
+                "application/octet-stream",
+                icon=":material/download:",
+                key=f"dl-pq-{r.rollout_id}",
+            )
     with st.expander("What do these words mean?", icon=":material/help:"):
         st.markdown(GLOSSARY)

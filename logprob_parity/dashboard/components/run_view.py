@@ -9,13 +9,13 @@ from urllib.parse import urlencode
 import pandas as pd
 import streamlit as st
 
+from logprob_parity.analysis.verdict import Verdict, hf_noise_of, run_verdicts
+from logprob_parity.dashboard.state import query_float, query_int, query_metric, set_query
 from logprob_parity.present.charts import CHARTS, chart_frame, worst_tokens
 from logprob_parity.present.render import SCALES, token_view_html, windows
 from logprob_parity.present.report import report_html
 from logprob_parity.results.records import DiagnosticsResult
 from logprob_parity.results.run import Run
-from logprob_parity.analysis.verdict import Verdict, hf_noise_of, run_verdicts
-from logprob_parity.dashboard.state import query_float, query_int, query_metric, set_query
 
 METRIC_LABELS = {k: s.label for k, s in SCALES.items()}
 SCALE_MAXES = [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
@@ -25,13 +25,13 @@ WINDOW = 512  # positions drawn at once: a long text stays fast, worst part firs
 # One line of plain words for each term the page shows (the glossary in docs/architecture.md is longer).
 HELP = {
     "max": "The largest difference between the engines' log probability of one token. "
-           "0.01 means that token's probability differs by about 1% between vLLM and HF.",
+    "0.01 means that token's probability differs by about 1% between vLLM and HF.",
     "mean": "The average difference per token (mean |Δ logp|). RL trainers accept up to 0.1 between trainer and rollout.",
     "p95": "95% of tokens differ by less than this.",
     "argmax": "Share of positions where both engines rank the same token first: what greedy generation would pick.",
     "kl": "How different the two engines' top-k next-token choices are (KL divergence over the top-k tokens). 0 = identical.",
     "kl_full": "How different the two engines' whole next-token distributions are, over every vocabulary entry "
-               "(exact KL(HF‖vLLM), llama.cpp's measure). 0 = identical; tiny negative values are float32 rounding.",
+    "(exact KL(HF‖vLLM), llama.cpp's measure). 0 = identical; tiny negative values are float32 rounding.",
     "seq": "Difference in the log probability of the whole text (the sum over its tokens): what an evaluation harness compares.",
 }
 GLOSSARY = """
@@ -75,9 +75,13 @@ def metric_cards(runs: list[Run]) -> None:
             b.metric("whole-text Δ logp", _fmt(s["seq_logprob_delta"]), help=HELP["seq"])
 
 
-VERDICT_BOX = {"match": (st.success, ":material/check_circle:"), "unmeasured": (st.info, ":material/help:"),
-               "systematic": (st.warning, ":material/insights:"),
-               "close": (st.warning, ":material/warning:"), "differs": (st.error, ":material/error:")}
+VERDICT_BOX = {
+    "match": (st.success, ":material/check_circle:"),
+    "unmeasured": (st.info, ":material/help:"),
+    "systematic": (st.warning, ":material/insights:"),
+    "close": (st.warning, ":material/warning:"),
+    "differs": (st.error, ":material/error:"),
+}
 
 
 def verdict_cards(verdicts: list[Verdict]) -> None:
@@ -96,8 +100,11 @@ def noise_floors(runs: list[Run], found: DiagnosticsResult | None) -> dict | Non
     got = hf_noise_of(runs, found)
     if not got:
         return None
-    return {"hf": {d: x["floor"] for d, x in got.items()}, "ratios": {d: x["ratio"] for d, x in got.items()},
-            "source": {d: x["source"] for d, x in got.items()}}
+    return {
+        "hf": {d: x["floor"] for d, x in got.items()},
+        "ratios": {d: x["ratio"] for d, x in got.items()},
+        "source": {d: x["source"] for d, x in got.items()},
+    }
 
 
 def _provenance(run: Run) -> str:
@@ -121,8 +128,7 @@ def _header(runs: list[Run]) -> None:
     env = m.env
     st.caption(
         f"device {env.device} · torch {env.torch} · transformers {env.transformers} · vLLM {env.vllm} · "
-        f"top-k {m.top_k} · BOS {m.bos} · "
-        + " · ".join(f"{r.dtype}: run `{r.run_id}`, {_provenance(r)}" for r in runs)
+        f"top-k {m.top_k} · BOS {m.bos} · " + " · ".join(f"{r.dtype}: run `{r.run_id}`, {_provenance(r)}" for r in runs)
     )
 
 
@@ -133,7 +139,9 @@ def _share(runs: list[Run], seq: int, metric: str, thr: float | None, page: str,
     if thr:
         params["thr"] = thr
     base = (st.context.url or "").split("?")[0] if hasattr(st, "context") else ""
-    st.text_input("Share this view (anyone on this server opens it without recomputing)", f"{base}?{urlencode(params)}", key=f"share-{page}")
+    st.text_input(
+        "Share this view (anyone on this server opens it without recomputing)", f"{base}?{urlencode(params)}", key=f"share-{page}"
+    )
 
 
 def _window(runs: list[Run], seq: int, page: str) -> tuple[int, int] | None:
@@ -142,18 +150,23 @@ def _window(runs: list[Run], seq: int, page: str) -> tuple[int, int] | None:
     if n <= WINDOW:
         return None
     parts = windows(runs, seq, WINDOW)
-    pick = st.selectbox(f"This text has {n:,} tokens: it is shown {WINDOW} at a time, the part with the largest gap first",
-                        range(len(parts)), key=f"{page}-window-{seq}",
-                        format_func=lambda i: f"tokens {parts[i][0]:,}–{parts[i][1] - 1:,} (largest gap {parts[i][2]:.2e})")
+    pick = st.selectbox(
+        f"This text has {n:,} tokens: it is shown {WINDOW} at a time, the part with the largest gap first",
+        range(len(parts)),
+        key=f"{page}-window-{seq}",
+        format_func=lambda i: f"tokens {parts[i][0]:,}–{parts[i][1] - 1:,} (largest gap {parts[i][2]:.2e})",
+    )
     return parts[pick][0], parts[pick][1]
 
 
 def _cut_notice(runs: list[Run], seq: int) -> None:
     info = runs[0].meta.sequences[seq] if seq < len(runs[0].meta.sequences) else None
     if info is not None and info.cut_from:
-        st.warning(f"This text was cut from {info.cut_from:,} to {info.n_positions:,} tokens to fit the model "
-                   "('Truncate prompts longer than the model's positions' was ticked); only the first part was compared.",
-                   icon=":material/content_cut:")
+        st.warning(
+            f"This text was cut from {info.cut_from:,} to {info.n_positions:,} tokens to fit the model "
+            "('Truncate prompts longer than the model's positions' was ticked); only the first part was compared.",
+            icon=":material/content_cut:",
+        )
 
 
 def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = None) -> None:
@@ -173,38 +186,74 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
     else:
         seq = seq_fixed if seq_fixed is not None else 0
     metrics = list(METRIC_LABELS)
-    metric = c2.selectbox("Colour by", metrics, metrics.index(query_metric()), format_func=METRIC_LABELS.get, key=f"{page}-metric",
-                          help="|Δ logp|: the gap in log probability. |Δp|: the gap in probability. top-k KL: how different "
-                               "the lists of likely next tokens are. rank change: how many places the token moved.")
+    metric = c2.selectbox(
+        "Colour by",
+        metrics,
+        metrics.index(query_metric()),
+        format_func=METRIC_LABELS.get,
+        key=f"{page}-metric",
+        help="|Δ logp|: the gap in log probability. |Δp|: the gap in probability. top-k KL: how different "
+        "the lists of likely next tokens are. rank change: how many places the token moved.",
+    )
     raw = False
     hi = None
     if metric == "abs_delta":
-        raw = c3.toggle("Raw scale", value=st.query_params.get("scale") == "raw", key=f"{page}-raw",
-                        help="Off: colour by meaning (grey within the noise floor, red beyond vLLM's tolerance). "
-                             "On: a plain light-to-dark scale you can stretch.")
+        raw = c3.toggle(
+            "Raw scale",
+            value=st.query_params.get("scale") == "raw",
+            key=f"{page}-raw",
+            help="Off: colour by meaning (grey within the noise floor, red beyond vLLM's tolerance). "
+            "On: a plain light-to-dark scale you can stretch.",
+        )
     if metric != "abs_delta" or raw:
-        hi = c3.select_slider("Scale max", SCALE_MAXES if metric != "rank_change" else [1.0, 5.0, 10.0, 100.0, 1000.0],
-                              value=SCALES[metric].hi, key=f"{page}-hi-{metric}")
+        hi = c3.select_slider(
+            "Scale max",
+            SCALE_MAXES if metric != "rank_change" else [1.0, 5.0, 10.0, 100.0, 1000.0],
+            value=SCALES[metric].hi,
+            key=f"{page}-hi-{metric}",
+        )
     thr_q = query_float("thr", 0.0) or 0.0
-    thr = c4.select_slider("Outline tokens above", THRESHOLDS, value=min(THRESHOLDS, key=lambda t: abs(t - thr_q)), key=f"{page}-thr",
-                           format_func=lambda v: "off" if v == 0 else f"{v:g}")
+    thr = c4.select_slider(
+        "Outline tokens above",
+        THRESHOLDS,
+        value=min(THRESHOLDS, key=lambda t: abs(t - thr_q)),
+        key=f"{page}-thr",
+        format_func=lambda v: "off" if v == 0 else f"{v:g}",
+    )
     set_query(runs=",".join(r.run_id for r in runs), seq=seq, metric=metric, thr=thr or None, scale="raw" if raw else None)
 
     _cut_notice(runs, int(seq))
     window = _window(runs, int(seq), page)
     floors = noise_floors(runs, diag)
-    st.caption("Each token is coloured by how far apart the engines are. Hover a token for both engines' values, "
-               "ranks and their five most likely tokens (shown in a panel at the lower right).")
-    st.html(token_view_html(runs, int(seq), metric, thr or None, hi, raw=raw, floors=floors["hf"] if floors else None,
-                            window=window))
+    st.caption(
+        "Each token is coloured by how far apart the engines are. Hover a token for both engines' values, "
+        "ranks and their five most likely tokens (shown in a panel at the lower right)."
+    )
+    st.html(
+        token_view_html(runs, int(seq), metric, thr or None, hi, raw=raw, floors=floors["hf"] if floors else None, window=window)
+    )
 
     if floors:
-        st.caption("Noise floor: " + " · ".join(
-            f"{d}: the gap is {r:.3g}× HF's own noise ({floors['source'][d]})" if r is not None else
-            f"{d}: HF's own noise measured {floors['hf'][d]:.2g} ({floors['source'][d]})" for d, r in floors["ratios"].items()))
+        st.caption(
+            "Noise floor: "
+            + " · ".join(
+                f"{d}: the gap is {r:.3g}× HF's own noise ({floors['source'][d]})"
+                if r is not None
+                else f"{d}: HF's own noise measured {floors['hf'][d]:.2g} ({floors['source'][d]})"
+                for d, r in floors["ratios"].items()
+            )
+        )
     df = chart_frame(runs, int(seq))
-    tabs = st.tabs(["How big the gaps are", "vLLM against HF", "Gap along the text", "Gap against probability", "Worst 20 tokens",
-                    "All prompts"])
+    tabs = st.tabs(
+        [
+            "How big the gaps are",
+            "vLLM against HF",
+            "Gap along the text",
+            "Gap against probability",
+            "Worst 20 tokens",
+            "All prompts",
+        ]
+    )
     for tab, (name, make) in zip(tabs[:4], CHARTS.items()):
         with tab:
             if df.empty:
@@ -255,9 +304,30 @@ def _downloads(runs: list[Run], page: str, diag: DiagnosticsResult | None) -> No
         return buf.getvalue()
 
     c1, c2, c3 = st.columns(3)
-    c1.download_button("HTML report", lambda: _report_bytes(ids, diag_id), f"{stem}.html", "text/html", key=f"{page}-dl-html",
-                       icon=":material/description:", on_click="ignore")
-    c2.download_button("JSON", as_json, f"{stem}.json", "application/json", key=f"{page}-dl-json", icon=":material/data_object:",
-                       on_click="ignore")
-    c3.download_button("Parquet", as_parquet, f"{stem}.parquet", "application/octet-stream", key=f"{page}-dl-parquet",
-                       icon=":material/table:", on_click="ignore")
+    c1.download_button(
+        "HTML report",
+        lambda: _report_bytes(ids, diag_id),
+        f"{stem}.html",
+        "text/html",
+        key=f"{page}-dl-html",
+        icon=":material/description:",
+        on_click="ignore",
+    )
+    c2.download_button(
+        "JSON",
+        as_json,
+        f"{stem}.json",
+        "application/json",
+        key=f"{page}-dl-json",
+        icon=":material/data_object:",
+        on_click="ignore",
+    )
+    c3.download_button(
+        "Parquet",
+        as_parquet,
+        f"{stem}.parquet",
+        "application/octet-stream",
+        key=f"{page}-dl-parquet",
+        icon=":material/table:",
+        on_click="ignore",
+    )

@@ -11,14 +11,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import streamlit as st
 
 from logprob_parity.analysis.compare import compare
+from logprob_parity.dashboard.state import request_context, set_query
 from logprob_parity.errors import EngineError, UserError
 from logprob_parity.results.run import Run
-from logprob_parity.dashboard.state import request_context, set_query
 
 T = TypeVar("T")
 
@@ -49,8 +50,9 @@ def describe(stage: str, dtype: str | None, detail: str) -> str:
 PROGRESS = "__progress__"  # an on_progress call on the events queue
 
 
-def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool = False, clear: str = "runs",
-            dtypes: int = 1) -> T | None:
+def run_job(
+    job: Callable[[Any], T], title: str, steps: int, progress_bar: bool = False, clear: str = "runs", dtypes: int = 1
+) -> T | None:
     """Run job(ctx) with a live status; on failure show the message at once (outside the collapsed box)
     and clear the query key `clear`, so an older result does not stay on screen as if it were this one."""
     events: queue.Queue = queue.Queue()
@@ -58,9 +60,13 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
 
     def work() -> None:
         try:
-            box["result"] = job(request_context(lambda stage, d, detail: events.put((stage, d, detail)),
-                                                lambda d, n, total: events.put((PROGRESS, d, (n, total)))))
-        except BaseException as exc:  # noqa: BLE001 - handed to the page's thread, which shows it
+            box["result"] = job(
+                request_context(
+                    lambda stage, d, detail: events.put((stage, d, detail)),
+                    lambda d, n, total: events.put((PROGRESS, d, (n, total))),
+                )
+            )
+        except BaseException as exc:
             box["error"] = exc
         finally:
             events.put(None)  # done: the page stops waiting at once, not at its next tick
@@ -104,7 +110,9 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
         if failed is None:
             status.update(label=f"Done in {time.monotonic() - t0:.1f} s", state="complete", expanded=False)
         else:
-            status.update(label="Could not run" if isinstance(failed, UserError) else "An engine failed", state="error", expanded=False)
+            status.update(
+                label="Could not run" if isinstance(failed, UserError) else "An engine failed", state="error", expanded=False
+            )
     if failed is None:
         if bar is not None:
             bar.progress(1.0, text="done")
@@ -125,5 +133,6 @@ def run_job(job: Callable[[Any], T], title: str, steps: int, progress_bar: bool 
 
 def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
     """A comparison with live progress (2 steps to prepare, then 6 per dtype)."""
-    return run_job(lambda ctx: compare(spec, ctx), "Comparing", 2 + 6 * max(1, len(spec.dtypes)), progress_bar,
-                   dtypes=len(spec.dtypes))
+    return run_job(
+        lambda ctx: compare(spec, ctx), "Comparing", 2 + 6 * max(1, len(spec.dtypes)), progress_bar, dtypes=len(spec.dtypes)
+    )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import streamlit as st
 
-from logprob_parity.inputs.prompts import SEED_TEXT
-from logprob_parity.errors import UserError
-from logprob_parity.inputs.settings import EngineSettings
-from logprob_parity.inputs.spec import BOS_POLICIES, DTYPES, MAX_TOP_K, RunSpec
 from logprob_parity.dashboard.components.settings_form import settings_inputs, widget_state
 from logprob_parity.dashboard.state import dtype_reasons, engines_available
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.prompts import SEED_TEXT
+from logprob_parity.inputs.settings import EngineSettings
+from logprob_parity.inputs.spec import BOS_POLICIES, DTYPES, MAX_TOP_K, RunSpec
 
 SHOWN_KEY = "{key}-form-shows"  # the run ids the form was last filled from
 
@@ -34,11 +34,15 @@ def follow_view(key: str, runs: list, with_text: bool) -> None:
     labels = {v: k for k, v in PRESETS.items() if v is not None}
     other = next(k for k, v in PRESETS.items() if v is None)
     asked = "demo" if m.model.split(":")[0] == "demo" else m.model  # the demo model is named "demo:<name>" in runs
-    state = {f"{key}-preset": labels.get(asked, other), f"{key}-custom": "" if asked in labels else asked,
-             f"{key}-revision": m.revision if asked not in labels and m.revision and not asked.startswith("/") else "",
-             f"{key}-bos": m.bos, f"{key}-topk": int(m.top_k),
-             f"{key}-truncate": any(s.cut_from for s in m.sequences),
-             f"{key}-noise": m.summary.get("hf_noise_mean") is not None}
+    state = {
+        f"{key}-preset": labels.get(asked, other),
+        f"{key}-custom": "" if asked in labels else asked,
+        f"{key}-revision": m.revision if asked not in labels and m.revision and not asked.startswith("/") else "",
+        f"{key}-bos": m.bos,
+        f"{key}-topk": int(m.top_k),
+        f"{key}-truncate": any(s.cut_from for s in m.sequences),
+        f"{key}-noise": m.summary.get("hf_noise_mean") is not None,
+    }
     if with_text and m.sequences:
         state[f"{key}-text"] = m.sequences[0].text
     shown = {r.dtype for r in runs}
@@ -61,8 +65,12 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
     with st.form(f"{key}-form"):
         c1, c2, c3 = st.columns([3, 2, 1])
         preset = c1.selectbox("Model", list(PRESETS), key=f"{key}-preset")
-        custom = c1.text_input("Hub id or local folder", key=f"{key}-custom", placeholder="org/name or /path/to/model",
-                               help="Used when the model above is 'Other'.")
+        custom = c1.text_input(
+            "Hub id or local folder",
+            key=f"{key}-custom",
+            placeholder="org/name or /path/to/model",
+            help="Used when the model above is 'Other'.",
+        )
         revision = c2.text_input("Revision (Hub only)", key=f"{key}-revision", placeholder="main")
         bos = c3.radio("BOS", BOS_POLICIES, key=f"{key}-bos", help="auto: prepend the tokenizer's BOS when it has one")
         text = st.text_area("Text", SEED_TEXT, key=f"{key}-text", height=110) if with_text else ""
@@ -77,9 +85,13 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
         top_k = dcols[-1].number_input("top-k", 1, MAX_TOP_K, 5, key=f"{key}-topk")
         c4, c5 = st.columns(2)
         truncate = c4.checkbox("Truncate prompts longer than the model's positions", False, key=f"{key}-truncate")
-        noise = c5.checkbox("Measure each engine's own noise too (about a tenth more time)", True, key=f"{key}-noise",
-                            help="HF against itself (batched and padded) and vLLM against itself (alone and batched), on the "
-                                 "first texts: the verdict then says whether the gap is more than noise.")
+        noise = c5.checkbox(
+            "Measure each engine's own noise too (about a tenth more time)",
+            True,
+            key=f"{key}-noise",
+            help="HF against itself (batched and padded) and vLLM against itself (alone and batched), on the "
+            "first texts: the verdict then says whether the gap is more than noise.",
+        )
         st.caption("Backends: HF transformers and vLLM, on the same token ids.")
         with st.expander("Engine settings (recorded in the run id)"):
             values = settings_inputs(key)

@@ -9,8 +9,10 @@ from logprob_parity.dashboard.components.spec_form import follow_view, mark_show
 from logprob_parity.dashboard.state import current_runs, runs_from_query
 
 st.title("vLLM vs HF log probabilities")
-st.caption("Do vLLM and Hugging Face transformers give the same probabilities to the same text? Same model, same "
-           "tokens, every token compared. Press Run, then hover a token to see both engines' numbers.")
+st.caption(
+    "Do vLLM and Hugging Face transformers give the same probabilities to the same text? Same model, same "
+    "tokens, every token compared. Press Run, then hover a token to see both engines' numbers."
+)
 
 warming = st.empty()  # engines started with the server, still loading: said here, cleared once loaded
 if prewarm.status().words():

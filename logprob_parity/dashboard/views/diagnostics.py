@@ -1,6 +1,7 @@
 """Diagnostics page: is the gap more than the noise, which setting moves it, who is closer to float64,
 and does it change an answer?"""
 
+import contextlib
 import json
 
 import altair as alt
@@ -9,12 +10,12 @@ import streamlit as st
 
 from logprob_parity.analysis.diagnostics import MEAN, PARTS, ablation_table, diagnose, diagnostics_tables, knob_lines
 from logprob_parity.analysis.verdict import diagnosis_verdicts
-from logprob_parity.errors import UserError
-from logprob_parity.present.palette import dtype_color_encoding
 from logprob_parity.dashboard.components.run_view import GLOSSARY, verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
 from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
 from logprob_parity.dashboard.state import get_store, load_run, set_query
+from logprob_parity.errors import UserError
+from logprob_parity.present.palette import dtype_color_encoding
 
 PART_WORDS = {
     "noise": "noise floor: HF and vLLM each against themselves",
@@ -44,11 +45,17 @@ def log_bars(df: pd.DataFrame, value: str, label: str, title: str) -> alt.Chart:
     positive = df[value][df[value] > 0]
     floor = float(positive.min()) / 10 if len(positive) else 1e-10
     plot = df.assign(shown=df[value].clip(lower=floor), base=floor)
-    return alt.Chart(plot).mark_bar().encode(
-        x=alt.X("shown:Q", scale=alt.Scale(type="log"), title=title, axis=alt.Axis(format=".0e")), x2="base:Q",
-        y=alt.Y(f"{label}:N", title=None, sort=None, axis=alt.Axis(labelLimit=420)),
-        color=dtype_color_encoding(plot["dtype"]), yOffset="dtype:N",
-        tooltip=["dtype", label, alt.Tooltip(f"{value}:Q", format=".3e")],
+    return (
+        alt.Chart(plot)
+        .mark_bar()
+        .encode(
+            x=alt.X("shown:Q", scale=alt.Scale(type="log"), title=title, axis=alt.Axis(format=".0e")),
+            x2="base:Q",
+            y=alt.Y(f"{label}:N", title=None, sort=None, axis=alt.Axis(labelLimit=420)),
+            color=dtype_color_encoding(plot["dtype"]),
+            yOffset="dtype:N",
+            tooltip=["dtype", label, alt.Tooltip(f"{value}:Q", format=".3e")],
+        )
     )
 
 
@@ -66,13 +73,16 @@ if diag_id:
     except UserError as exc:
         st.warning(str(exc), icon=":material/warning:")
 if result is not None:  # the form shows what the page shows
-    try:
+    with contextlib.suppress(UserError):  # its runs were deleted; the diagnosis itself still shows
         follow_view("diag", [load_run(r) for r in result.run_ids.values()], with_text=True)
-    except UserError:
-        pass  # its runs were deleted; the diagnosis itself still shows
-parts = st.multiselect("Checks to run", PARTS, default=["noise", "reference", "downstream"], key="diag-parts",
-                       format_func=PART_WORDS.get, help="The setting-by-setting check starts one vLLM engine per setting "
-                                                        "and dtype (about 40 s each on a CPU).")
+parts = st.multiselect(
+    "Checks to run",
+    PARTS,
+    default=["noise", "reference", "downstream"],
+    key="diag-parts",
+    format_func=PART_WORDS.get,
+    help="The setting-by-setting check starts one vLLM engine per setting and dtype (about 40 s each on a CPU).",
+)
 spec, submitted = spec_form("diag", with_text=True)
 if submitted and spec is not None:
     steps = (3 + 4 * len(parts)) * max(1, len(spec.dtypes))
@@ -91,14 +101,19 @@ if result:
         st.markdown(GLOSSARY)
     tables = diagnostics_tables(result)
     if tables["noise"]:
-        st.markdown("**Noise floor**: the gap between vLLM and HF beside each engine's disagreement with itself. "
-                    "A gap far above HF's own noise is systematic: it has a cause.")
+        st.markdown(
+            "**Noise floor**: the gap between vLLM and HF beside each engine's disagreement with itself. "
+            "A gap far above HF's own noise is systematic: it has a cause."
+        )
         cols = st.columns(len(tables["ratios"]))
         for col, row in zip(cols, tables["ratios"]):
             r = row["gap ÷ HF's own noise"]
-            col.metric(f"{row['dtype']}: the gap is", "–" if r is None else f"{r:.3g}× HF's own noise",
-                       help="The mean gap between the engines divided by the largest mean gap HF shows against itself "
-                            "(batched, padded, or with another attention kernel).")
+            col.metric(
+                f"{row['dtype']}: the gap is",
+                "–" if r is None else f"{r:.3g}× HF's own noise",
+                help="The mean gap between the engines divided by the largest mean gap HF shows against itself "
+                "(batched, padded, or with another attention kernel).",
+            )
         df = pd.DataFrame(tables["noise"])
         st.dataframe(df, hide_index=True, width="stretch", column_config=columns(df))
         st.altair_chart(log_bars(df, MEAN, "what", "mean |Δ logp| (log scale)"), width="stretch")
@@ -107,8 +122,10 @@ if result:
         ref = pd.DataFrame(tables["reference"])
         st.dataframe(ref, hide_index=True, width="stretch", column_config=columns(ref))
     if tables["downstream"]:
-        st.markdown("**Downstream**: do the engines generate the same text, and pick the same multiple-choice answers "
-                    "(scored as the sum of each option's logprobs)?")
+        st.markdown(
+            "**Downstream**: do the engines generate the same text, and pick the same multiple-choice answers "
+            "(scored as the sum of each option's logprobs)?"
+        )
         down = pd.DataFrame(tables["downstream"])
         st.dataframe(down, hide_index=True, width="stretch", column_config=columns(down))
         if result.mcq_dtype_flips:
@@ -125,9 +142,15 @@ if result:
         st.dataframe(ab, hide_index=True, width="stretch", column_config=columns(ab))
         tried = ab.dropna(subset=[MEAN])
         if not tried.empty:
-            st.altair_chart(log_bars(tried, MEAN, "setting changed", "mean |Δ logp| with the setting changed (log scale)"),
-                            width="stretch")
-    st.download_button("Diagnostics JSON", json.dumps(result.to_dict(), indent=1, allow_nan=False), f"diagnostics-{result.diagnostics_id}.json",
-                       "application/json", icon=":material/download:")
+            st.altair_chart(
+                log_bars(tried, MEAN, "setting changed", "mean |Δ logp| with the setting changed (log scale)"), width="stretch"
+            )
+    st.download_button(
+        "Diagnostics JSON",
+        json.dumps(result.to_dict(), indent=1, allow_nan=False),
+        f"diagnostics-{result.diagnostics_id}.json",
+        "application/json",
+        icon=":material/download:",
+    )
 elif not submitted:
     st.info("Choose the checks and press Run, or open stored diagnostics from the Runs page.", icon=":material/info:")

@@ -4,17 +4,22 @@ import pandas as pd
 import streamlit as st
 
 from logprob_parity.analysis.diff import FACTOR, diff_runs
-from logprob_parity.errors import UserError
 from logprob_parity.dashboard.components.run_view import sci_columns
 from logprob_parity.dashboard.state import load_run
+from logprob_parity.errors import UserError
 
 st.title("What changed between two runs")
-st.caption("The same model and the same tokens, scored twice (another vLLM version, device, dtype or setting): how far apart "
-           "vLLM and HF were in each run, token by token, and what differs between the runs.")
+st.caption(
+    "The same model and the same tokens, scored twice (another vLLM version, device, dtype or setting): how far apart "
+    "vLLM and HF were in each run, token by token, and what differs between the runs."
+)
 ids = [x for x in (st.query_params.get("diff") or "").split(",") if x]
 if len(ids) != 2:
-    st.info("Pick two runs on the Runs page (tick one comparison with two dtypes, or two comparisons of the same texts) "
-            "and press Diff.", icon=":material/info:")
+    st.info(
+        "Pick two runs on the Runs page (tick one comparison with two dtypes, or two comparisons of the same texts) "
+        "and press Diff.",
+        icon=":material/info:",
+    )
     st.stop()
 try:
     a, b = load_run(ids[0]), load_run(ids[1])
@@ -26,18 +31,25 @@ box = st.warning if d.mean_b > d.mean_a * 1.05 else (st.success if d.mean_b < d.
 box(f"**{d.headline}**", icon=":material/difference:")
 c1, c2, c3 = st.columns(3)
 c1.metric(f"mean gap, A ({d.dtypes[0]})", f"{d.mean_a:.3e}")
-c2.metric(f"mean gap, B ({d.dtypes[1]})", f"{d.mean_b:.3e}",
-          help=f"B's mean gap is {d.mean_b / max(d.mean_a, 1e-300):.3g} times A's")
-c3.metric(f"tokens whose gap grew more than {FACTOR:g}x", f"{d.share_wider:.1%}",
-          help=f"and {d.share_narrower:.1%} shrank more than {FACTOR:g}x")
+c2.metric(
+    f"mean gap, B ({d.dtypes[1]})", f"{d.mean_b:.3e}", help=f"B's mean gap is {d.mean_b / max(d.mean_a, 1e-300):.3g} times A's"
+)
+c3.metric(
+    f"tokens whose gap grew more than {FACTOR:g}x",
+    f"{d.share_wider:.1%}",
+    help=f"and {d.share_narrower:.1%} shrank more than {FACTOR:g}x",
+)
 st.markdown("**What differs between the runs** (from their stored records)")
 if d.changes:
-    st.dataframe(pd.DataFrame([{"what": w, "run A": str(x), "run B": str(y)} for w, x, y in d.changes]), hide_index=True,
-                 width="stretch")
+    st.dataframe(
+        pd.DataFrame([{"what": w, "run A": str(x), "run B": str(y)} for w, x, y in d.changes]), hide_index=True, width="stretch"
+    )
 else:
     st.caption("Nothing recorded differs (the same versions, device and settings): the change is run-to-run noise.")
 st.markdown("**The tokens whose gap moved most**")
 movers = pd.DataFrame(list(d.movers)).rename(columns={"gap_a": "gap in A", "gap_b": "gap in B", "ratio": "B / A"})
 st.dataframe(movers, hide_index=True, width="stretch", column_config=sci_columns(movers, skip=("prompt", "position", "token_id")))
-st.caption(f"A: run `{d.a}` · B: run `{d.b}` · {d.n_tokens:,} tokens scored in both. A gap is |Δ logp| between vLLM and HF "
-           "at that token in that run.")
+st.caption(
+    f"A: run `{d.a}` · B: run `{d.b}` · {d.n_tokens:,} tokens scored in both. A gap is |Δ logp| between vLLM and HF "
+    "at that token in that run."
+)

@@ -6,8 +6,10 @@ from logprob_parity.dashboard.components.frontier_panel import frontier_form, fr
 from logprob_parity.dashboard.state import set_query
 
 st.title("Accuracy against speed")
-st.caption("Which engine configuration is both fast and accurate? Each one scores the same tokens; its error is measured "
-           "against HF in float64, its speed in tokens a second. The recommendation is the fastest one within the tolerance.")
+st.caption(
+    "Which engine configuration is both fast and accurate? Each one scores the same tokens; its error is measured "
+    "against HF in float64, its speed in tokens a second. The recommendation is the fastest one within the tolerance."
+)
 spec, configs, tolerance = frontier_form()
 if spec is not None and configs:
     done = run_frontier(spec, configs, tolerance)

@@ -5,18 +5,18 @@ from dataclasses import replace
 import pandas as pd
 import streamlit as st
 
-from logprob_parity.errors import UserError
-from logprob_parity.inputs.prompts import MAX_UPLOAD_BYTES, parse_prompts
-from logprob_parity.present.labels import summary_label, summary_value
 from logprob_parity.dashboard.components.run_view import sci_columns, show_runs
 from logprob_parity.dashboard.components.runner import run_with_status
 from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
 from logprob_parity.dashboard.state import current_runs, query_int, runs_from_query, set_query
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.prompts import MAX_UPLOAD_BYTES, parse_prompts
+from logprob_parity.present.labels import summary_label, summary_value
 
 st.title("Prompt set")
 st.caption("Many texts at once: the same comparison for each, a summary over all of them, and any one opened token by token.")
 upload = st.file_uploader(
-    f"Prompts: .txt (one a line), .jsonl ({{\"text\": ...}}) or .csv (a text column), up to {MAX_UPLOAD_BYTES >> 20} MiB",
+    f'Prompts: .txt (one a line), .jsonl ({{"text": ...}}) or .csv (a text column), up to {MAX_UPLOAD_BYTES >> 20} MiB',
     type=["txt", "jsonl", "csv"],
     key="ps-upload",
 )
@@ -45,21 +45,31 @@ runs = current_runs(just_run)
 if runs:
     st.subheader("Over all prompts, per dtype")
     keys = list(runs[0].summary)
-    agg = pd.DataFrame({r.dtype: [summary_value(k, r.summary.get(k)) for k in keys] for r in runs}, index=[summary_label(k) for k in keys])
+    agg = pd.DataFrame(
+        {r.dtype: [summary_value(k, r.summary.get(k)) for k in keys] for r in runs}, index=[summary_label(k) for k in keys]
+    )
     st.dataframe(agg, width="stretch")
     n = min(len(r.meta.sequences) for r in runs)
     st.subheader(f"Per prompt, the largest gap first: click a row to open it below ({n:,} prompts)")
     # from each run's per-prompt summaries (no prompt's positions are read until it is opened)
     infos = runs[0].meta.sequences[:n]
-    table = pd.DataFrame({"prompt": range(n), "text": [s.text[:120] for s in infos],
-                          "tokens": [s.summary["n_tokens"] for s in infos]})
+    table = pd.DataFrame(
+        {"prompt": range(n), "text": [s.text[:120] for s in infos], "tokens": [s.summary["n_tokens"] for s in infos]}
+    )
     for r in runs:
         table[f"largest gap {r.dtype}"] = [s.summary["max_abs_delta"] for s in r.meta.sequences[:n]]
         table[f"mean gap {r.dtype}"] = [s.summary["mean_abs_delta"] for s in r.meta.sequences[:n]]
     table = table.sort_values(f"largest gap {runs[0].dtype}", ascending=False, kind="stable", na_position="last")
     # a click on any cell opens that row's prompt (cell selection), as does the row's checkbox
-    event = st.dataframe(table, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
-                         key="ps-table", column_config=sci_columns(table, skip=("prompt", "tokens")))
+    event = st.dataframe(
+        table,
+        hide_index=True,
+        width="stretch",
+        on_select="rerun",
+        selection_mode=["single-row", "single-cell"],
+        key="ps-table",
+        column_config=sci_columns(table, skip=("prompt", "tokens")),
+    )
     picked = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
     picked = [int(table["prompt"].iloc[i]) for i in picked]  # the shown order is the largest gap first
     chosen = picked[0] if picked else query_int("seq", 0, 0, n - 1)

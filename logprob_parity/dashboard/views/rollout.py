@@ -4,13 +4,21 @@ HF (the trainer) rescore the same tokens; every token compared three ways."""
 import streamlit as st
 
 from logprob_parity.dashboard.components.rollout_panel import (
-    import_form, remember_computed, rollout_form, rollouts_from_query, run_rescore, run_rollout, show_rollouts,
+    import_form,
+    remember_computed,
+    rollout_form,
+    rollouts_from_query,
+    run_rescore,
+    run_rollout,
+    show_rollouts,
 )
 from logprob_parity.dashboard.state import set_query
 
 st.title("Rollout: vLLM's generation against the trainer")
-st.caption("In RL training, vLLM writes the text (a rollout) and a trainer rescores the same tokens. Do they agree? "
-           "vLLM samples, then vLLM (prefill) and HF transformers rescore exactly those tokens. Hover a token for every number.")
+st.caption(
+    "In RL training, vLLM writes the text (a rollout) and a trainer rescores the same tokens. Do they agree? "
+    "vLLM samples, then vLLM (prefill) and HF transformers rescore exactly those tokens. Hover a token for every number."
+)
 sample_tab, import_tab = st.tabs([":material/casino: Sample new rollouts", ":material/upload_file: Rescore logged rollouts"])
 with sample_tab:
     spec, sampling = rollout_form()

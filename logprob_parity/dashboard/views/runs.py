@@ -4,11 +4,13 @@ open any without recomputing, or delete."""
 import pandas as pd
 import streamlit as st
 
-from logprob_parity.errors import UserError
 from logprob_parity.dashboard.state import get_store, load_run
+from logprob_parity.errors import UserError
 
 st.title("Stored runs")
-st.caption("Every comparison, rollout, frontier and diagnosis run on this server is kept. Open one to see it again without recomputing.")
+st.caption(
+    "Every comparison, rollout, frontier and diagnosis run on this server is kept. Open one to see it again without recomputing."
+)
 store = get_store()
 df = store.list_runs()
 diags = store.list_diagnostics()
@@ -26,16 +28,19 @@ def comparisons(runs: pd.DataFrame) -> pd.DataFrame:
     runs = runs.sort_values("created", ascending=False).assign(nth=lambda d: d.groupby(["comparison", "dtype"]).cumcount())
     for _, g in runs.groupby(["comparison", "nth"], sort=False):
         g = g.sort_values("dtype")
-        rows.append({
-            "text": g["first_text"].iloc[0] + (f"  (+{int(g['n_sequences'].iloc[0]) - 1} more prompts)" if g["n_sequences"].iloc[0] > 1 else ""),
-            "model": g["model"].iloc[0],
-            "dtypes": ", ".join(g["dtype"]),
-            "largest gap": " · ".join(f"{d}: {v:.2e}" for d, v in zip(g["dtype"], g["max_abs_delta"]) if v is not None),
-            "tokens": int(g["n_tokens"].iloc[0]),
-            "created": g["created"].max(),
-            "run ids": ",".join(g["run_id"]),
-            "prompts": int(g["n_sequences"].iloc[0]),
-        })
+        rows.append(
+            {
+                "text": g["first_text"].iloc[0]
+                + (f"  (+{int(g['n_sequences'].iloc[0]) - 1} more prompts)" if g["n_sequences"].iloc[0] > 1 else ""),
+                "model": g["model"].iloc[0],
+                "dtypes": ", ".join(g["dtype"]),
+                "largest gap": " · ".join(f"{d}: {v:.2e}" for d, v in zip(g["dtype"], g["max_abs_delta"]) if v is not None),
+                "tokens": int(g["n_tokens"].iloc[0]),
+                "created": g["created"].max(),
+                "run ids": ",".join(g["run_id"]),
+                "prompts": int(g["n_sequences"].iloc[0]),
+            }
+        )
     return pd.DataFrame(rows).sort_values("created", ascending=False, ignore_index=True)
 
 
@@ -43,15 +48,29 @@ if not df.empty:
     table = comparisons(df)
     st.subheader("Comparisons")
     st.caption(f"{len(table)} comparisons ({len(df)} runs, one per dtype) in {store.root}. Tick rows to open or delete them.")
-    event = st.dataframe(table, hide_index=True, width="stretch", on_select="rerun", selection_mode=["multi-row", "single-cell"],
-                         key="runs-table",
-                         column_config={"text": st.column_config.TextColumn("text", width="large"),
-                                        "run ids": st.column_config.TextColumn("run ids", width="small"), "prompts": None})
+    event = st.dataframe(
+        table,
+        hide_index=True,
+        width="stretch",
+        on_select="rerun",
+        selection_mode=["multi-row", "single-cell"],
+        key="runs-table",
+        column_config={
+            "text": st.column_config.TextColumn("text", width="large"),
+            "run ids": st.column_config.TextColumn("run ids", width="small"),
+            "prompts": None,
+        },
+    )
     picked = sorted(set(event.selection.rows) | {c[0] for c in event.selection.cells}) if event else []
     selected = [rid for i in picked for rid in table.loc[i, "run ids"].split(",")][:8]
     c1, c2, c3 = st.columns(3)
-    if c3.button("Diff the two selected runs", disabled=len(selected) != 2, icon=":material/difference:", key="runs-diff",
-                 help="Tick one comparison with two dtypes, or two comparisons of the same texts: what changed, token by token"):
+    if c3.button(
+        "Diff the two selected runs",
+        disabled=len(selected) != 2,
+        icon=":material/difference:",
+        key="runs-diff",
+        help="Tick one comparison with two dtypes, or two comparisons of the same texts: what changed, token by token",
+    ):
         # A is the reference: the more precise dtype, else the older run; B what changed
         rank = {"float64": 0, "float32": 1, "float16": 2, "bfloat16": 3}
         meta = df.set_index("run_id")
@@ -60,7 +79,9 @@ if not df.empty:
     if c1.button("Open selected", disabled=not selected, type="primary", icon=":material/open_in_new:"):
         # a comparison of several prompts opens where all of them show (its form reruns them all)
         several = any(table.loc[i, "prompts"] > 1 for i in picked)
-        st.switch_page("views/prompt_set.py" if several else "views/compare.py", query_params={"runs": ",".join(selected), "seq": "0"})
+        st.switch_page(
+            "views/prompt_set.py" if several else "views/compare.py", query_params={"runs": ",".join(selected), "seq": "0"}
+        )
     if c2.button("Delete selected", disabled=not selected, icon=":material/delete:"):
         for rid in selected:
             try:
@@ -74,15 +95,43 @@ if not df.empty:
 if not ros.empty:
     st.subheader("Rollouts")
     st.caption("vLLM's generation path against the trainer's scoring: the gap shown is vLLM decode against HF.")
-    shown_ro = ros.rename(columns={"first_text": "prompt", "n_samples": "samples", "max_abs_delta": "largest gap",
-                                   "mean_abs_delta": "mean gap", "rollout_id": "id", "level": "verdict"})[
-        ["prompt", "model", "dtype", "sampling", "samples", "tokens" if "tokens" in ros else "n_tokens", "largest gap",
-         "mean gap", "verdict", "created", "id"]]
-    event = st.dataframe(shown_ro, hide_index=True, width="stretch", on_select="rerun",
-                         selection_mode=["multi-row", "single-cell"], key="rollout-table",
-                         column_config={"prompt": st.column_config.TextColumn("prompt", width="large"),
-                                        "largest gap": st.column_config.NumberColumn(format="%.2e"),
-                                        "mean gap": st.column_config.NumberColumn(format="%.2e")})
+    shown_ro = ros.rename(
+        columns={
+            "first_text": "prompt",
+            "n_samples": "samples",
+            "max_abs_delta": "largest gap",
+            "mean_abs_delta": "mean gap",
+            "rollout_id": "id",
+            "level": "verdict",
+        }
+    )[
+        [
+            "prompt",
+            "model",
+            "dtype",
+            "sampling",
+            "samples",
+            "tokens" if "tokens" in ros else "n_tokens",
+            "largest gap",
+            "mean gap",
+            "verdict",
+            "created",
+            "id",
+        ]
+    ]
+    event = st.dataframe(
+        shown_ro,
+        hide_index=True,
+        width="stretch",
+        on_select="rerun",
+        selection_mode=["multi-row", "single-cell"],
+        key="rollout-table",
+        column_config={
+            "prompt": st.column_config.TextColumn("prompt", width="large"),
+            "largest gap": st.column_config.NumberColumn(format="%.2e"),
+            "mean gap": st.column_config.NumberColumn(format="%.2e"),
+        },
+    )
     picked_ro = sorted(set(event.selection.rows) | {c[0] for c in event.selection.cells}) if event else []
     ids = [shown_ro.iloc[i]["id"] for i in picked_ro][:4]
     r1, r2 = st.columns(2)
@@ -98,9 +147,17 @@ if not frs.empty:
     st.subheader("Frontiers")
     frs["recommendation"] = frs["recommendation"].fillna("none within the tolerance")  # words, never "None"
     shown_fr = frs.rename(columns={"first_text": "text", "n_configs": "configurations", "frontier_id": "id"})[
-        ["text", "model", "configurations", "recommendation", "created", "id"]]
-    event = st.dataframe(shown_fr, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
-                         key="frontier-table", column_config={"text": st.column_config.TextColumn("text", width="large")})
+        ["text", "model", "configurations", "recommendation", "created", "id"]
+    ]
+    event = st.dataframe(
+        shown_fr,
+        hide_index=True,
+        width="stretch",
+        on_select="rerun",
+        selection_mode=["single-row", "single-cell"],
+        key="frontier-table",
+        column_config={"text": st.column_config.TextColumn("text", width="large")},
+    )
     rows_fr = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
     if st.button("Open frontier", disabled=not rows_fr, icon=":material/speed:", key="frontier-open"):
         st.switch_page("views/frontier.py", query_params={"frontier": shown_fr.iloc[rows_fr[0]]["id"]})
@@ -108,9 +165,17 @@ if not frs.empty:
 if not diags.empty:
     st.subheader("Diagnostics")
     shown = diags[["first_text", "model", "dtypes", "parts", "created", "diagnostics_id"]].rename(
-        columns={"first_text": "text", "parts": "checks", "diagnostics_id": "id"})
-    event = st.dataframe(shown, hide_index=True, width="stretch", on_select="rerun", selection_mode=["single-row", "single-cell"],
-                         key="diag-table", column_config={"text": st.column_config.TextColumn("text", width="large")})
+        columns={"first_text": "text", "parts": "checks", "diagnostics_id": "id"}
+    )
+    event = st.dataframe(
+        shown,
+        hide_index=True,
+        width="stretch",
+        on_select="rerun",
+        selection_mode=["single-row", "single-cell"],
+        key="diag-table",
+        column_config={"text": st.column_config.TextColumn("text", width="large")},
+    )
     rows = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
     if st.button("Open diagnostics", disabled=not rows, icon=":material/stethoscope:", key="diag-open"):
         st.switch_page("views/diagnostics.py", query_params={"diag": shown.iloc[rows[0]]["id"]})

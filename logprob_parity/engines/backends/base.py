@@ -6,8 +6,8 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any
 
-from logprob_parity.errors import UserError
 from logprob_parity.engines.scores import TokenScores
+from logprob_parity.errors import UserError
 from logprob_parity.inputs.spec import EngineSettings
 
 BACKEND_REGISTRY: dict[str, str] = {

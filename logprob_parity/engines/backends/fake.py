@@ -43,8 +43,15 @@ class FakeBackend(Backend):
         z = logits - logits.max()
         return z - np.log(np.exp(z).sum())
 
-    def score(self, sequences: list[list[int]], top_k: int, gather_ids: list[Any] | None = None,
-              batch_size: int | None = None, padding_side: str = "right", full: Any = None) -> list[TokenScores]:
+    def score(
+        self,
+        sequences: list[list[int]],
+        top_k: int,
+        gather_ids: list[Any] | None = None,
+        batch_size: int | None = None,
+        padding_side: str = "right",
+        full: Any = None,
+    ) -> list[TokenScores]:
         time.sleep(float(os.environ.get("LPP_FAKE_SCORE_S", "0")))
         out = []
         for i, ids in enumerate(sequences):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from functools import partial
 from typing import Any
 
@@ -133,20 +134,34 @@ class HFBackend(Backend):
         out = []
         for ids in sequences:
             x = torch.tensor([ids], dtype=torch.long, device=self.device)
-            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                    do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
+            y = self.model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
             out.append(y[0, len(ids) :].tolist())
         return out
 
-    def _from_rows(self, chunk: list[list[int]], rows: list[torch.Tensor], k: int,
-                   gathers: list[np.ndarray] | None, refs: list[np.ndarray] | None = None,
-                   clock: _Clock | None = None) -> list[TokenScores]:
+    def _from_rows(
+        self,
+        chunk: list[list[int]],
+        rows: list[torch.Tensor],
+        k: int,
+        gathers: list[np.ndarray] | None,
+        refs: list[np.ndarray] | None = None,
+        clock: _Clock | None = None,
+    ) -> list[TokenScores]:
         """The batch's rows, stacked, in blocks of ROW_CHUNK: float32 log_softmax is row-wise, so
         blocking changes no value, and the float32 [positions, vocab] array is never held whole."""
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
         dev = logits.device
         target = torch.tensor([t for ids in chunk for t in ids[1:]], dtype=torch.long, device=dev)
-        g_all = None if gathers is None else torch.as_tensor(np.concatenate([g[1:] for g in gathers]), dtype=torch.long, device=dev)
+        g_all = (
+            None if gathers is None else torch.as_tensor(np.concatenate([g[1:] for g in gathers]), dtype=torch.long, device=dev)
+        )
         n = logits.shape[0]
         lp_t = torch.empty(n, dtype=torch.float64, device=dev)
         rank = torch.empty(n, dtype=torch.long, device=dev)
@@ -176,7 +191,9 @@ class HFBackend(Backend):
             if kl is not None:
                 ref = _ref_rows(refs, spans, lo, hi)
                 clock.lap("exact KL: vLLM's rows")
-                kl[lo:hi] = fullvocab.kl_rows(torch.log_softmax(block if block.dtype == torch.float64 else block.float(), dim=-1), ref)
+                kl[lo:hi] = fullvocab.kl_rows(
+                    torch.log_softmax(block if block.dtype == torch.float64 else block.float(), dim=-1), ref
+                )
                 clock.lap("exact KL: sum")
         arrays = [a.cpu().numpy() for a in (lp_t, rank, top_lp, top_ids)]
         full_np = None if full is None else full.cpu().numpy()
@@ -213,9 +230,17 @@ class HFBackend(Backend):
         return len(sequences)
 
     @torch.inference_mode()
-    def rollout_score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0, top_k: int = -1,
-                      top_p: float = 1.0, chunk: int | None = None, full: Any = None,
-                      tail: int | None = None) -> list[dict[str, np.ndarray]]:
+    def rollout_score(
+        self,
+        sequences: list[list[int]],
+        starts: list[int],
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        chunk: int | None = None,
+        full: Any = None,
+        tail: int | None = None,
+    ) -> list[dict[str, np.ndarray]]:
         """The trainer's side of a rollout: teacher-forced logprobs of tokens [start, end) of each
         sequence (the completion), in passes of hf_batch_size sequences (default 1: no padding).
 
@@ -235,7 +260,7 @@ class HFBackend(Backend):
             return [self._incremental(ids, start, chunk, tail) for ids, start in zip(sequences, starts)]
         bs = self.batch_size  # the hf_batch_size setting: 1 (default) = one sequence a pass, no padding
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i])) if bs > 1 else list(range(len(sequences)))
-        cut = 0 < top_k or top_p < 1.0
+        cut = top_k > 0 or top_p < 1.0
         clock = _Clock(self.device)
         vrows = None if full is None else fullvocab.open_rows(full)
         clock.lap("open_rows")
@@ -254,12 +279,28 @@ class HFBackend(Backend):
                 tgt = target[a : a + self.ROW_CHUNK, None]
                 lp = torch.log_softmax(f32, dim=-1)
                 scaled = lp if temperature == 1.0 else torch.log_softmax(f32 / temperature, dim=-1)
-                kept = (_log_kept_mass(scaled, top_k, top_p) if cut and (top_p < 1.0 or top_k < lp.shape[-1])
-                        else torch.zeros(lp.shape[0], device=lp.device))
-                kl = (torch.full((lp.shape[0],), float("nan"), dtype=torch.float64, device=lp.device) if refs is None
-                      else fullvocab.kl_rows(lp, _rows_of(refs, a, a + lp.shape[0])))
-                got.append(torch.stack([lp.gather(1, tgt)[:, 0].double(), scaled.gather(1, tgt)[:, 0].double(), kept.double(),
-                                        kl, lp.argmax(dim=-1).double()], 1))
+                kept = (
+                    _log_kept_mass(scaled, top_k, top_p)
+                    if cut and (top_p < 1.0 or top_k < lp.shape[-1])
+                    else torch.zeros(lp.shape[0], device=lp.device)
+                )
+                kl = (
+                    torch.full((lp.shape[0],), float("nan"), dtype=torch.float64, device=lp.device)
+                    if refs is None
+                    else fullvocab.kl_rows(lp, _rows_of(refs, a, a + lp.shape[0]))
+                )
+                got.append(
+                    torch.stack(
+                        [
+                            lp.gather(1, tgt)[:, 0].double(),
+                            scaled.gather(1, tgt)[:, 0].double(),
+                            kept.double(),
+                            kl,
+                            lp.argmax(dim=-1).double(),
+                        ],
+                        1,
+                    )
+                )
             clock.lap("logprobs and KL")
         flat = torch.cat(got).cpu().numpy() if got else np.zeros((0, 5))
         clock.lap("read back")
@@ -269,7 +310,12 @@ class HFBackend(Backend):
         for i in order:
             n = len(sequences[i]) - starts[i]
             part = flat[at : at + n]
-            out[i] = {"logprob": part[:, 0], "tempered": part[:, 1], "log_kept_mass": part[:, 2], "top_id": part[:, 4].astype(np.int64)}
+            out[i] = {
+                "logprob": part[:, 0],
+                "tempered": part[:, 1],
+                "log_kept_mass": part[:, 2],
+                "top_id": part[:, 4].astype(np.int64),
+            }
             if full is not None:
                 out[i]["kl_full"] = part[:, 3]
             at += n
@@ -286,15 +332,17 @@ class HFBackend(Backend):
         # chunks of `chunk` from position 0, or with a tail: the prefix [0, first) at once, then chunks
         bounds = list(range(0, len(ids), chunk)) if tail is None else [0, *range(first, len(ids), chunk)]
         bounds = sorted(set(bounds)) + [len(ids)]
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             pos = torch.arange(lo, hi, device=self.device)[None]
             res = self.model(input_ids=x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=True)
             past = res.past_key_values
             rows.append(res.logits[0])
         f32 = torch.cat(rows)[first - 1 : len(ids) - 1]
         f32 = f32 if f32.dtype == torch.float64 else f32.float()
-        return {"logprob": torch.log_softmax(f32, dim=-1).gather(1, x[0, first:, None])[:, 0].double().cpu().numpy(),
-                "first": np.asarray(first)}
+        return {
+            "logprob": torch.log_softmax(f32, dim=-1).gather(1, x[0, first:, None])[:, 0].double().cpu().numpy(),
+            "first": np.asarray(first),
+        }
 
     def info(self) -> dict[str, Any]:
         dev = torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else "cpu"
@@ -334,7 +382,9 @@ class _Clock:
 
     def report(self, what: str, tokens: int) -> None:
         if self.on:
-            print(f"[lpp-timing] {what} {tokens} tokens: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.spent.items()), flush=True)
+            print(
+                f"[lpp-timing] {what} {tokens} tokens: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.spent.items()), flush=True
+            )
 
 
 def _rows_of(parts: list[Any], a: int, b: int) -> Any:

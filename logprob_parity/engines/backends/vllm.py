@@ -101,8 +101,9 @@ class VLLMBackend(Backend):
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
-    def sample(self, prompts: list[list[int]], seeds: list[int], sampling: dict[str, Any],
-               modes: tuple[str, ...] = ("raw_logprobs",)) -> list[dict[str, Any]]:
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], sampling: dict[str, Any], modes: tuple[str, ...] = ("raw_logprobs",)
+    ) -> list[dict[str, Any]]:
         """Rollout: one request per (prompt, seed), all submitted in one generate call as a rollout
         engine submits them (so they decode in one batch), each with logprobs=0: the sampled token's
         decode-time logprob. Each mode in `modes` ("raw_logprobs", "processed_logprobs") is one pass
@@ -139,9 +140,16 @@ class VLLMBackend(Backend):
     @staticmethod
     def _sampling_params(s: dict[str, Any], seed: int) -> SamplingParams:
         return SamplingParams(
-            n=1, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"] if s["top_k"] > 0 else 0,
-            max_tokens=s["max_tokens"], seed=seed, logprobs=0, ignore_eos=s.get("ignore_eos", False),
-            detokenize=False, flat_logprobs=True,
+            n=1,
+            temperature=s["temperature"],
+            top_p=s["top_p"],
+            top_k=s["top_k"] if s["top_k"] > 0 else 0,
+            max_tokens=s["max_tokens"],
+            seed=seed,
+            logprobs=0,
+            ignore_eos=s.get("ignore_eos", False),
+            detokenize=False,
+            flat_logprobs=True,
         )
 
     def _logprobs_mode(self, mode: str) -> None:
@@ -216,7 +224,7 @@ class VLLMBackend(Backend):
 
         try:
             w = int(self.llm.collective_rpc(weights)[0])
-        except Exception:  # noqa: BLE001 - a runner without .model: left out, not a failed start
+        except Exception:
             w = None
         kv_dtype = str(cfg.cache_config.cache_dtype)
         m = cfg.model_config
@@ -224,10 +232,14 @@ class VLLMBackend(Backend):
             per_elem = 1 if kv_dtype.startswith("fp8") else torch.empty(0, dtype=m.dtype).element_size()
             heads = m.get_num_kv_heads(cfg.parallel_config)
             per_token = 2 * m.get_num_layers(cfg.parallel_config) * heads * m.get_head_size() * per_elem
-        except Exception:  # noqa: BLE001
+        except Exception:
             per_token = None
-        return {"weights_bytes": w, "kv_cache_dtype": kv_dtype, "kv_bytes_per_token": per_token,
-                "kv_cache_bytes": self.engine_kwargs.get("kv_cache_memory_bytes")}
+        return {
+            "weights_bytes": w,
+            "kv_cache_dtype": kv_dtype,
+            "kv_bytes_per_token": per_token,
+            "kv_cache_bytes": self.engine_kwargs.get("kv_cache_memory_bytes"),
+        }
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
