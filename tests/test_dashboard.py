@@ -386,6 +386,8 @@ def test_frontier_page_refuses_a_bad_configuration_in_words(home):
     at.run()
     assert not at.exception
     assert any("known setting" in e.value for e in at.error), [e.value for e in at.error]
+    # it says what to type on the page, not a command-line pointer
+    assert any("attention_backend" in e.value and "e.g. 'float32" in e.value and "--help" not in e.value for e in at.error)
     assert at.query_params.get("frontier") is None
 
 

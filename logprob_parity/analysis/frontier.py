@@ -98,7 +98,12 @@ def parse_configs(text: str) -> list[Config]:
                 changes.append((CHECKPOINT, raw))
                 continue
             if not sep or name not in known:
-                raise UserError(f"configuration {part!r}: {w!r} is not setting=value with a known setting (see compare --help)")
+                # Words for both front ends: what to type, with the names to type, not a pointer to `--help`.
+                raise UserError(
+                    f"configuration {part!r}: {w!r} is not setting=value with a known setting. Type a dtype, then "
+                    f"setting=value pairs, e.g. 'float32 attention_backend=FLEX_ATTENTION'. The known settings: "
+                    f"{', '.join(sorted(known))}, and checkpoint=PATH."
+                )
             s = known[name]
             value: Any = raw
             if s.kind is bool:
