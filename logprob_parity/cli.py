@@ -480,9 +480,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"torch {m.env.torch}  transformers {m.env.transformers}  vllm {m.env.vllm}  created {m.created}")
     print(summary_table([run]))
     df = run.to_frame()
+    # the token as the pages show it (its decoded piece: "の", " capital"), not the tokenizer's byte-level form
     worst = df[df["scored"]].nlargest(10, "abs_delta")[
-        ["seq", "index", "token_id", "token", "hf_logprob", "vllm_logprob", "delta"]
+        ["seq", "index", "token_id", "piece", "hf_logprob", "vllm_logprob", "delta"]
     ]
+    worst = worst.assign(seq=worst["seq"] + 1).rename(columns={"seq": "prompt", "index": "position", "piece": "token"})
     print("\nworst tokens:")
     print(worst.to_string(index=False))
     return 0

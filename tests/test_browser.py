@@ -142,8 +142,6 @@ def test_compare_in_the_browser_and_share(server, tiny_bos):
         page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
         page.goto(server)
         page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
-        page.get_by_test_id("stSelectbox").first.click()
-        page.get_by_role("option", name="Other (Hub id or local folder)").click()
         page.get_by_role("textbox", name="Hub id or local folder").fill(str(tiny_bos))
         page.get_by_role("textbox", name="Text").fill(HOSTILE)
         page.get_by_text("bfloat16", exact=True).click()  # float32 only: one engine pair

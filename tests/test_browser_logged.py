@@ -12,7 +12,7 @@ from test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, docs_shot, server, 
 pytestmark = [pytest.mark.browser, pytest.mark.engine]
 
 
-def test_rescore_a_logged_file_open_the_worst_token_and_diff_two_runs(server, tiny_bos, home, tmp_path):  # noqa: F811
+def test_rescore_a_logged_file_open_the_worst_token_and_diff_two_runs(server, tiny_bos, home, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     from logprob_parity.analysis.compare import compare
@@ -47,8 +47,6 @@ def test_rescore_a_logged_file_open_the_worst_token_and_diff_two_runs(server, ti
         panel.locator('input[type="file"]').set_input_files(
             files=[{"name": "steps.jsonl", "mimeType": "application/json", "buffer": body}]
         )
-        panel.get_by_test_id("stSelectbox").first.click()
-        page.get_by_role("option", name="Other (Hub id or local folder)").click()
         panel.get_by_role("textbox", name="Hub id or local folder").fill(str(tiny_bos))
         panel.get_by_role("button", name="Rescore").click()
         expect(page.get_by_text("Where the ratio breaks most", exact=False)).to_be_visible(timeout=600_000)

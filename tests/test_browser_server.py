@@ -98,9 +98,7 @@ def _browser(p):
 
 def _choose_model(page, folder: str) -> None:
     settled(page)
-    page.get_by_test_id("stSelectbox").filter(has_text="Model").first.click()
-    page.get_by_role("option", name="Other (Hub id or local folder)").click()
-    page.get_by_role("textbox", name="Hub id or local folder").fill(folder)
+    page.get_by_role("textbox", name="Hub id or local folder").fill(folder)  # a filled field is the model that runs
 
 
 def test_beyond_localhost_diagnostics_refuse_a_local_folder_visibly(home, tiny_bos):

@@ -54,7 +54,7 @@ def test_view_state_from_the_url(home):
     at.run()
     assert not at.exception
     assert at.selectbox(key="compare-metric").value == "kl_topk"
-    assert at.number_input(key="compare-seq").value == 1
+    assert at.number_input(key="compare-seq").value == 2  # ?seq=1 is the second text, numbered from 1 for people
     assert "top-k KL" in _html(at)
 
 
@@ -68,7 +68,7 @@ def test_malformed_or_unknown_run_ids_warn(home, runs):
         assert at.warning and ("no stored run" in at.warning[0].value or "not a run id" in at.warning[0].value)
 
 
-def test_runs_page_lists_and_deletes(home):
+def test_runs_page_deletes_after_asking_then_says_so_with_the_selection_cleared(home):
     store = Store(home)
     store.save(make_run("abc111"))
     store.save(make_run("abc222"))
@@ -82,12 +82,22 @@ def test_runs_page_lists_and_deletes(home):
     assert set(df["run ids"]) == {"abc111", "abc222"}
     assert [b.label for b in at.button] == ["Open selected", "Delete selected", "Diff the two selected runs"]
     row = list(df["run ids"]).index("abc111")
-    at.session_state["runs-table"] = {"selection": {"rows": [row], "columns": [], "cells": []}}
+    at.session_state["runs-table-0"] = {"selection": {"rows": [row], "columns": [], "cells": []}}
     at.run()
-    at.button[1].click().run()
+    at.button(key="runs-table-delete").click().run()
+    assert not at.exception
+    assert store.has("abc111")  # asked first: nothing is deleted yet
+    assert any("Delete 1 run of 1 comparison" in w.value and "cannot be undone" in w.value for w in at.warning)
+    at.button(key="runs-table-cancel").click().run()
+    assert store.has("abc111") and not at.warning  # cancelled: kept, and the question gone
+    at.button(key="runs-table-delete").click().run()
+    at.button(key="runs-table-yes").click().run()
     assert not at.exception
     assert not store.has("abc111") and store.has("abc222")
     assert set(at.dataframe[0].value["run ids"]) == {"abc222"}
+    assert any("Deleted 1 run" in s.value and "abc111" in s.value for s in at.success)
+    assert "runs-table-0" not in at.session_state and "runs-table-1" in at.session_state  # a new table: no tick left
+    assert not at.session_state["runs-table-1"]["selection"]["rows"]
 
 
 def test_runs_page_lists_a_comparison_in_two_dtypes_as_one_row(home):
@@ -119,14 +129,36 @@ def test_prompt_set_page_shows_aggregates(home):
     gaps = list(tables[1]["largest gap float32"])
     assert gaps == sorted(gaps, reverse=True)  # the prompt with the largest gap first
     assert " &lt;b&gt;bo" in _html(at) and "ld&lt;/b&gt;" in _html(at)  # prompt 1 (from ?seq=1), escaped
+    assert sorted(tables[1]["prompt"]) == [1, 2]  # numbered from 1 for people
+
+
+def test_a_prompt_of_a_set_shows_its_own_verdict_and_numbers_and_the_sets_are_labelled(home):
+    """Under "Prompt 1" the cards are prompt 1's (its largest gap is half the set's here), and the whole
+    set's verdict is labelled as the set's."""
+    run = make_run("beef02", texts=("first prompt", "second prompt, with larger gaps"))
+    Store(home).save(run)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.switch_page("views/prompt_set.py")
+    at.query_params.update({"runs": "beef02", "seq": "0"})
+    at.run()
+    assert not at.exception
+    heads = [h.value for h in at.subheader]
+    assert any(h.startswith("The whole set: all 2 prompts") for h in heads), heads
+    assert any(h.startswith("Prompt 1 of 2") for h in heads), heads
+    own, whole = run.meta.sequences[0].summary["max_abs_delta"], run.summary["max_abs_delta"]
+    assert own < whole
+    largest = [m.value for m in at.metric if m.label == "largest gap, |Δ logp|"]
+    assert largest == [f"{own:.3e}"], (largest, own, whole)
+    verdicts = [s.value for kind in (at.success, at.info, at.warning, at.error) for s in kind if "float32:" in s.value]
+    assert len(verdicts) == 2  # the set's and the prompt's
 
 
 @pytest.mark.engine
 def test_compare_page_runs_the_real_engines(home, tiny_bos):
     at = AppTest.from_file(APP, default_timeout=900)
     at.run()
-    at.selectbox(key="compare-preset").set_value("Other (Hub id or local folder)")
-    at.text_input(key="compare-custom").input(str(tiny_bos))
+    at.text_input(key="compare-custom").input(str(tiny_bos))  # typed, the preset left on the demo: the typed one runs
     at.text_area(key="compare-text").input("Shall I compare thee to a summer's day? <script>alert(1)</script>")
     at.checkbox(key="compare-dt-bfloat16").uncheck()
     at.button[0].click()
@@ -179,8 +211,7 @@ def test_a_local_folder_or_demo_run_fills_the_model_choice(home):
     Store(home).save(make_run("f01d", model="/models/mine", texts=("other",)))
     at.query_params["runs"] = "f01d"
     at.run()
-    assert at.selectbox(key="compare-preset").value.startswith("Other")
-    assert at.text_input(key="compare-custom").value == "/models/mine"
+    assert at.text_input(key="compare-custom").value == "/models/mine"  # the field that wins when filled
 
 
 def test_a_long_truncated_text_says_so_and_is_drawn_a_window_at_a_time(home):
@@ -210,7 +241,7 @@ def test_runs_page_opens_a_comparison_where_all_its_prompts_show(home, texts, pa
     at.run()
     at.switch_page("views/runs.py")
     at.run()
-    at.session_state["runs-table"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
+    at.session_state["runs-table-0"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
     at.run()
     at.button[0].click().run()
     assert not at.exception

@@ -237,8 +237,13 @@ def test_demo_tour(home):
             grid.scroll_into_view_if_needed()
             box = grid.bounding_box()
             page.mouse.click(box["x"] + box["width"] * 0.4, box["y"] + 35 * 2 + 17)  # a cell of the second row
-            expect(page.get_by_text(f"Prompt {second}", exact=True)).to_be_visible(timeout=60_000)
+            expect(page.get_by_text(f"Prompt {second + 1} of 3", exact=False)).to_be_visible(timeout=60_000)
             settled(page)
+            # under the prompt's heading, its own numbers: this prompt's largest gap, not the set's
+            own = f"{run.meta.sequences[second].summary['max_abs_delta']:.3e}"
+            largest = " ".join(page.get_by_test_id("stMetric").filter(has_text="largest gap").all_inner_texts())
+            assert own in largest, (own, largest)
+            assert page.get_by_text("The whole set: all 3 prompts", exact=False).count() == 1
             want = PROMPTS.splitlines()[second]
             assert want.split()[0] in page.locator(".lpp-row .lpp-text").first.inner_text()
             tour.shot("prompt-set", full=True)

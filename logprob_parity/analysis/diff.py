@@ -124,7 +124,7 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
         s, t = int(seq[i]), int(idx[i])
         movers.append(
             {
-                "prompt": s,
+                "prompt": s + 1,  # as people number prompts, from 1
                 "position": t,
                 "token_id": int(tid[i]),
                 "token": a.sequences[s].pieces[t],

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from logprob_parity.analysis.request import Context, Prepared, model_max_len, prepare
-from logprob_parity.engines import fullvocab
+from logprob_parity.engines import build, fullvocab
 from logprob_parity.engines.host import start_words
 from logprob_parity.engines.records import LoadRequest
 from logprob_parity.env import device_name, versions
@@ -122,8 +122,22 @@ def parse_configs(text: str) -> list[Config]:
     return out
 
 
+def with_build_skip(c: Config) -> Config:
+    """The configuration, listed as skipped with the reason when this vLLM build cannot run its settings
+    (asked of the build: logprob_parity.engines.build), so it is neither offered as runnable nor started."""
+    if c.skip:
+        return c
+    why = next((w for (name, value), w in build.unsupported().items() if (name, value) in c.changes), None)
+    return dataclasses.replace(c, skip=why) if why else c
+
+
 def default_grid(device: str) -> list[Config]:
-    """What the platform can run, with what it cannot listed and why."""
+    """What the platform can run, with what it cannot listed and why (the platform's limits here, the
+    vLLM build's from the build itself)."""
+    return [with_build_skip(c) for c in _grid(device)]
+
+
+def _grid(device: str) -> list[Config]:
     gpu = device != "cpu"
     grid = [Config(d) for d in ("float16", "bfloat16", "float32")]
     grid += [
@@ -264,7 +278,7 @@ def frontier(
             "does not hold; give the unquantized model as the model and this folder as a configuration, "
             f"'bfloat16 checkpoint={p.model.path}'"
         )
-    configs = configs or default_grid(p.device)
+    configs = [with_build_skip(c) for c in (configs or default_grid(p.device))]
     checkpoints = {c.checkpoint: _checkpoint(p, c.checkpoint) for c in configs if c.checkpoint and not c.skip}
     configs = [
         dataclasses.replace(c, changes=tuple((k, checkpoints[x].path if k == CHECKPOINT else x) for k, x in c.changes))

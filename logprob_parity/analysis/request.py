@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from logprob_parity.engines import parallel
+from logprob_parity.engines import build, parallel
 from logprob_parity.engines.memory import ELEM_BYTES
 from logprob_parity.engines.pool import POOL, EnginePool
 from logprob_parity.engines.records import LoadRequest
@@ -194,6 +194,9 @@ def prepare(spec: RunSpec, ctx: Context) -> Prepared:
         reason = dtype_support(d, device)
         if reason:
             raise UserError(f"{d} cannot run on this device: {reason}")
+    refused = build.refusal(spec.settings)  # before any engine starts, not as a kernel error after
+    if refused:
+        raise UserError(refused)
     ctx.emit("resolve", None, f"model {spec.model or 'demo'}")
     model = resolve_model(spec.model, spec.revision, spec.settings.trust_remote_code, ctx.model_roots)
     widest = max(spec.dtypes, key=ELEM_BYTES.__getitem__)  # one parallel plan for every dtype of the request

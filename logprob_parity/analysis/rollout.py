@@ -216,7 +216,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         n0 = starts[k]
         pre_ids = [int(x) for x in pre.token_ids[n0:]]
         if pre_ids != ids or len(h["logprob"]) != len(ids):
-            raise AssertionError(f"sample {k}: the three scorings did not score the same completion ids")
+            raise AssertionError(f"sample {k + 1}: the three scorings did not score the same completion ids")
         raw = np.asarray(s["logprobs"][RAW], dtype=np.float64)
         lp = {
             "decode_raw": raw,

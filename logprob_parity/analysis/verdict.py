@@ -32,6 +32,9 @@ REFERENCE_SIDE_RATIO = 2.0
 # A knob "removes the gap" when changing it alone cuts the mean gap by at least this share.
 KNOB_SHARE = 0.5
 
+# The reason that opens with these words names tokens beyond the tolerance; a page adds where they are.
+BEYOND_WORDS = "Some tokens differ by more than vLLM's own tests allow"
+
 LEVELS = ("match", "unmeasured", "systematic", "close", "differs")  # from best to worst
 LEVEL_WORDS = {
     "match": "Match",
@@ -103,8 +106,7 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
         )
     else:
         reasons.append(
-            f"Some tokens differ by more than vLLM's own tests allow: the largest gap is {mx:.2g} "
-            f"({percent_change(mx)} in probability), above {VLLM_TEST_TOL[1]:g}. They are red in the token view."
+            f"{BEYOND_WORDS}: the largest gap is {mx:.2g} ({percent_change(mx)} in probability), above {VLLM_TEST_TOL[1]:g}."
         )
     ok_rl = mean <= RL_MEAN_ABS
     reasons.append(
@@ -261,12 +263,28 @@ def run_verdicts(runs: list[Any], diagnostics: Any = None) -> list[Verdict]:
     """The verdict of each run, with the evidence of the stored diagnostics built on it when any, and
     otherwise the noise floor the comparison measured itself (logprob_parity.analysis.floors). The one place
     the CLI, the Compare page, the Diagnostics page and the HTML report get verdicts."""
+    return [verdict(r.summary, r.dtype, _run_evidence(r, diagnostics)) for r in runs]
+
+
+def _run_evidence(run: Any, diagnostics: Any) -> Evidence:
+    ev = evidence_for(run.dtype, run.run_id, diagnostics)
+    if ev.noise_ratio is None and ev.hf_noise is None:
+        ev = replace(ev, noise_ratio=run.summary.get("noise_ratio"), hf_noise=run.summary.get("hf_noise_mean"))
+    return ev
+
+
+def prompt_verdicts(runs: list[Any], seq: int, diagnostics: Any = None) -> list[Verdict]:
+    """The verdict of one prompt of each run: its own gap (the sequence's stored summary), judged
+    against the same noise floor as the whole set, since HF's noise is measured once a comparison. What a
+    diagnosis found for the set (a setting that removes the gap, the side closer to float64) is left out:
+    it was measured on the set, not on this prompt."""
     out = []
     for r in runs:
-        ev = evidence_for(r.dtype, r.run_id, diagnostics)
-        if ev.noise_ratio is None and ev.hf_noise is None:
-            ev = replace(ev, noise_ratio=r.summary.get("noise_ratio"), hf_noise=r.summary.get("hf_noise_mean"))
-        out.append(verdict(r.summary, r.dtype, ev))
+        summary = r.meta.sequences[seq].summary
+        ev = _run_evidence(r, diagnostics)
+        mean = summary.get("mean_abs_delta")
+        ratio = mean / ev.hf_noise if ev.hf_noise and mean is not None else None
+        out.append(verdict(summary, r.dtype, Evidence(noise_ratio=ratio, hf_noise=ev.hf_noise)))
     return out
 
 

@@ -47,7 +47,13 @@ def chart_frame(runs: list[Run], seq_index: int | None = None, max_rows: int | N
             step = max(1, len(rest) // (max_rows - len(worst)))
             thinned[r.dtype] = len(df)
             df = pd.concat([worst, rest.iloc[::step]]).sort_index()
-        frames.append(df[COLUMNS].assign(dtype=r.dtype, abs_delta_plot=lambda d: d["abs_delta"].clip(lower=FLOOR)))
+        frames.append(
+            df[COLUMNS].assign(
+                dtype=r.dtype,
+                abs_delta_plot=lambda d: d["abs_delta"].clip(lower=FLOOR),
+                prompt_no=lambda d: d["seq"] + 1,  # the prompt as people number it
+            )
+        )
     out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     out.attrs["thinned"] = thinned
     return out
@@ -58,7 +64,7 @@ def _tooltip() -> list[Any]:
 
     return [
         alt.Tooltip("dtype:N"),
-        alt.Tooltip("seq:Q", title="prompt"),
+        alt.Tooltip("prompt_no:Q", title="prompt"),
         alt.Tooltip("index:Q", title="position"),
         alt.Tooltip("piece:N", title="token"),
         alt.Tooltip("hf_logprob:Q", title="HF logprob", format=".9f"),
@@ -197,4 +203,5 @@ def worst_tokens(runs: list[Run], n: int = 20, seq_index: int | None = None) -> 
         "prob_delta",
         "kl_topk",
     ]
-    return df.nlargest(n, "abs_delta")[cols].rename(columns={"piece": "token", "seq": "prompt", "index": "position"})
+    out = df.nlargest(n, "abs_delta")[cols].rename(columns={"piece": "token", "seq": "prompt", "index": "position"})
+    return out.assign(prompt=out["prompt"] + 1)  # people count prompts from 1 (the stored index stays 0-based)

@@ -7,8 +7,9 @@ import json
 import streamlit as st
 
 from logprob_parity.analysis.frontier import Config, default_grid, frontier, frontier_table, parse_configs
+from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.runner import run_job
-from logprob_parity.dashboard.components.spec_form import PRESETS
 from logprob_parity.dashboard.state import engines_available, get_store
 from logprob_parity.engines.host import start_words
 from logprob_parity.env import resolve_device
@@ -30,8 +31,7 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
     runnable = [c.name for c in grid if not c.skip]
     with st.form(f"{KEY}-form"):
         c1, c2 = st.columns([3, 2])
-        preset = c1.selectbox("Model", list(PRESETS), key=f"{KEY}-preset")
-        custom = c1.text_input("Hub id or local folder", key=f"{KEY}-custom", placeholder="org/name or /path/to/model")
+        preset, typed = model_inputs(c1, KEY)
         tol = c2.number_input(
             "Tolerance: largest mean |Δ logp| to float64 (0: twice HF's own float32 gap, measured)",
             0.0,
@@ -60,24 +60,26 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
         st.info(blocked)
     if not submitted:
         return None, None, None
-    model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
+    model = chosen_model(preset, typed)
     try:
-        if PRESETS[preset] is None and not custom.strip():
-            raise UserError("Enter a Hub id or a local folder for 'Other'.")
         configs = [c for c in grid if c.name in chosen] + (parse_configs(extra) if extra.strip() else [])
         if not configs:
             raise UserError("Choose at least one configuration.")
         spec = RunSpec(texts=(text,), model=model)
         spec.validate()
     except UserError as exc:
-        st.error(str(exc), icon=":material/error:")
+        show_error(str(exc))
         return None, None, None
     return spec, configs, (tol or None)
 
 
 def run_frontier(spec: RunSpec, configs: list[Config], tolerance: float | None):
     return run_job(
-        lambda ctx: frontier(spec, configs, ctx, tolerance), "Measuring each configuration", 2 + len(configs), clear="frontier"
+        lambda ctx: frontier(spec, configs, ctx, tolerance),
+        "Measuring each configuration",
+        2 + len(configs),
+        clear="frontier",
+        model=spec.model,
     )
 
 

@@ -10,9 +10,10 @@ import streamlit as st
 
 from logprob_parity.analysis.rollout import STEPS_PER_DTYPE, hf_floor, rollout
 from logprob_parity.analysis.verdict import Verdict
+from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.run_view import verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
-from logprob_parity.dashboard.components.spec_form import PRESETS
 from logprob_parity.dashboard.state import dtype_reasons, engines_available, get_store, query_int, set_query
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.settings import EngineSettings
@@ -57,13 +58,7 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
     reasons = dtype_reasons()
     with st.form(f"{KEY}-form"):
         c1, c2 = st.columns([3, 2])
-        preset = c1.selectbox("Model", list(PRESETS), key=f"{KEY}-preset")
-        custom = c1.text_input(
-            "Hub id or local folder",
-            key=f"{KEY}-custom",
-            placeholder="org/name or /path/to/model",
-            help="Used when the model above is 'Other'.",
-        )
+        preset, typed = model_inputs(c1, KEY)
         bos = c2.radio("BOS", BOS_POLICIES, key=f"{KEY}-bos", horizontal=True)
         text = st.text_area("Prompts, one a line", DEFAULT_PROMPTS, key=f"{KEY}-text", height=90)
         s1, s2, s3, s4, s5, s6 = st.columns(6)
@@ -94,13 +89,10 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
         say.info(blocked)
     if not submitted:
         return None, None
-    model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
-    if PRESETS[preset] is None and not custom.strip():
-        say.error("Enter a Hub id or a local folder for 'Other'.", icon=":material/error:")
-        return None, None
+    model = chosen_model(preset, typed)
     prompts = tuple(line for line in text.splitlines() if line.strip())
     if not prompts:
-        say.error("Enter at least one prompt: one a line, each a text the model continues.", icon=":material/error:")
+        show_error("Enter at least one prompt: one a line, each a text the model continues.", say)
         return None, None
     sampling = Sampling(
         samples=int(samples),
@@ -124,7 +116,7 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
         )
         spec.validate()
     except UserError as exc:
-        say.error(str(exc), icon=":material/error:")
+        show_error(str(exc), say)
         return None, None
     return spec, sampling
 
@@ -157,8 +149,7 @@ def import_form() -> tuple[Any, str, dict[str, str], RunSpec] | None:
         )
         path = st.text_input("or a path on the server", key=f"{IMPORT_KEY}-path", placeholder="/data/rollouts/step-100.jsonl")
         c1, c2 = st.columns([3, 2])
-        preset = c1.selectbox("Model (the one that wrote them)", list(PRESETS), key=f"{IMPORT_KEY}-preset")
-        custom = c1.text_input("Hub id or local folder", key=f"{IMPORT_KEY}-custom", placeholder="org/name or /path/to/model")
+        preset, typed = model_inputs(c1, IMPORT_KEY, "Model (the one that wrote them)")
         mapping = c2.text_input(
             "Other column names (FIELD=COLUMN, commas between)", key=f"{IMPORT_KEY}-map", placeholder="logprobs=rollout_log_probs"
         )
@@ -190,14 +181,12 @@ def import_form() -> tuple[Any, str, dict[str, str], RunSpec] | None:
             data, name = p, p.name
         else:
             raise UserError("Upload a rollouts file or give a path on the server.")
-        model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
-        if PRESETS[preset] is None and not custom.strip():
-            raise UserError("Enter a Hub id or a local folder for 'Other'.")
+        model = chosen_model(preset, typed)
         spec = RunSpec(texts=("logged rollouts",), model=model, dtypes=tuple(chosen))
         spec.validate()
         return data, name, parse_mapping(mapping), spec
     except UserError as exc:
-        say.error(str(exc), icon=":material/error:")
+        show_error(str(exc), say)
         return None
 
 
@@ -211,6 +200,7 @@ def run_rescore(data: Any, name: str, mapping: dict[str, str], spec: RunSpec) ->
         clear="rollout",
         progress_bar=True,
         dtypes=len(spec.dtypes),
+        model=spec.model,
     )
 
 
@@ -220,6 +210,7 @@ def run_rollout(spec: RunSpec, sampling: Sampling) -> list[Rollout] | None:
         "Sampling and rescoring",
         2 + STEPS_PER_DTYPE * max(1, len(spec.dtypes)),
         clear="rollout",
+        model=spec.model,
     )
 
 

@@ -9,7 +9,7 @@ from urllib.parse import urlencode
 import pandas as pd
 import streamlit as st
 
-from logprob_parity.analysis.verdict import Verdict, hf_noise_of, run_verdicts
+from logprob_parity.analysis.verdict import BEYOND_WORDS, Verdict, hf_noise_of, prompt_verdicts, run_verdicts
 from logprob_parity.dashboard.state import query_float, query_int, query_metric, set_query
 from logprob_parity.present.charts import CHARTS, chart_frame, worst_tokens
 from logprob_parity.present.render import SCALES, token_view_html, windows
@@ -57,22 +57,23 @@ def _fmt(v: object, pct: bool = False) -> str:
     return f"{v:.2%}" if pct else f"{v:.3e}"
 
 
-def metric_cards(runs: list[Run]) -> None:
+def metric_cards(runs: list[Run], seq: int | None = None) -> None:
+    """The numbers of each run: the whole run's, or one prompt's own (`seq`) from its stored summary."""
     cols = st.columns(len(runs))
     for col, r in zip(cols, runs):
-        s = r.summary
+        s = r.summary if seq is None else r.meta.sequences[seq].summary
         with col.container(border=True):
             st.markdown(f"**{r.dtype}** · {s['n_tokens']} tokens")
             a, b = st.columns(2)
-            a.metric("largest gap, |Δ logp|", _fmt(s["max_abs_delta"]), help=HELP["max"])
-            b.metric("mean gap, |Δ logp|", _fmt(s["mean_abs_delta"]), help=HELP["mean"])
-            a.metric("95% of tokens below", _fmt(s["p95_abs_delta"]), help=HELP["p95"])
-            b.metric("same top token", _fmt(s["argmax_agreement"], pct=True), help=HELP["argmax"])
+            a.metric("largest gap, |Δ logp|", _fmt(s.get("max_abs_delta")), help=HELP["max"])
+            b.metric("mean gap, |Δ logp|", _fmt(s.get("mean_abs_delta")), help=HELP["mean"])
+            a.metric("95% of tokens below", _fmt(s.get("p95_abs_delta")), help=HELP["p95"])
+            b.metric("same top token", _fmt(s.get("argmax_agreement"), pct=True), help=HELP["argmax"])
             if s.get("kl_full_mean") is not None:
                 a.metric("KL, whole vocabulary (mean)", _fmt(s["kl_full_mean"]), help=HELP["kl_full"])
             else:
-                a.metric("top-k KL (mean)", _fmt(s["mean_kl_topk"]), help=HELP["kl"])
-            b.metric("whole-text Δ logp", _fmt(s["seq_logprob_delta"]), help=HELP["seq"])
+                a.metric("top-k KL (mean)", _fmt(s.get("mean_kl_topk")), help=HELP["kl"])
+            b.metric("whole-text Δ logp", _fmt(s.get("seq_logprob_delta")), help=HELP["seq"])
 
 
 VERDICT_BOX = {
@@ -89,8 +90,10 @@ def verdict_cards(verdicts: list[Verdict]) -> None:
     cols = st.columns(len(verdicts))
     for col, v in zip(cols, verdicts):
         box, icon = VERDICT_BOX.get(v.level, (st.info, ":material/info:"))
+        # where those tokens are: on a page, the red ones of the token view (the CLI's words have no view to point to)
+        beyond = [" They are red in the token view." if r.startswith(BEYOND_WORDS) else "" for r in v.reasons]
         with col:
-            box(f"**{v.title}.** {v.headline}\n\n" + "\n".join(f"- {r}" for r in v.reasons), icon=icon)
+            box(f"**{v.title}.** {v.headline}\n\n" + "\n".join(f"- {r}{b}" for r, b in zip(v.reasons, beyond)), icon=icon)
     if verdicts:
         st.caption("Thresholds: " + "; ".join(verdicts[0].thresholds))
 
@@ -173,16 +176,24 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
     from logprob_parity.dashboard.state import get_store
 
     diag = get_store().diagnostics_for_run(runs[0].run_id)  # once per render: verdict, noise band, report
-    st.subheader(f"Result: {runs[0].meta.model}, {', '.join(r.dtype for r in runs)}")
-    verdict_cards(run_verdicts(runs, diag))
+    n_seq = min(len(r.sequences) for r in runs)
+    one_prompt = seq_fixed is not None and n_seq > 1  # a prompt of a set: its own verdict and numbers
+    dtypes = ", ".join(r.dtype for r in runs)
+    if one_prompt:
+        st.subheader(f"Prompt {seq_fixed + 1} of {n_seq:,}: {runs[0].meta.model}, {dtypes}")
+        st.caption("This prompt's own verdict and numbers, judged against the same noise floor as the whole set.")
+        verdict_cards(prompt_verdicts(runs, seq_fixed, diag))
+    else:
+        st.subheader(f"Result: {runs[0].meta.model}, {dtypes}" + (f" (all {n_seq:,} texts)" if n_seq > 1 else ""))
+        verdict_cards(run_verdicts(runs, diag))
     _header(runs)
-    metric_cards(runs)
+    metric_cards(runs, seq_fixed if one_prompt else None)
     with st.expander("What do these words mean?", icon=":material/help:"):
         st.markdown(GLOSSARY)
-    n_seq = min(len(r.sequences) for r in runs)
     c1, c2, c3, c4 = st.columns([2, 3, 2, 3])
-    if seq_fixed is None and n_seq > 1:
-        seq = c1.number_input("Prompt", 0, n_seq - 1, query_int("seq", 0, 0, n_seq - 1), key=f"{page}-seq")
+    if seq_fixed is None and n_seq > 1:  # numbered from 1 for people; the URL keeps the stored index
+        shown = c1.number_input("Text", 1, n_seq, query_int("seq", 0, 0, n_seq - 1) + 1, key=f"{page}-seq")
+        seq = int(shown) - 1
     else:
         seq = seq_fixed if seq_fixed is not None else 0
     metrics = list(METRIC_LABELS)

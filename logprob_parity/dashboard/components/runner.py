@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import streamlit as st
 
 from logprob_parity.analysis.compare import compare
+from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.dashboard.components.model_field import model_words
 from logprob_parity.dashboard.state import request_context, set_query
 from logprob_parity.errors import EngineError, UserError
 from logprob_parity.results.run import Run
@@ -51,10 +53,18 @@ PROGRESS = "__progress__"  # an on_progress call on the events queue
 
 
 def run_job(
-    job: Callable[[Any], T], title: str, steps: int, progress_bar: bool = False, clear: str = "runs", dtypes: int = 1
+    job: Callable[[Any], T],
+    title: str,
+    steps: int,
+    progress_bar: bool = False,
+    clear: str = "runs",
+    dtypes: int = 1,
+    *,
+    model: str | None,
 ) -> T | None:
-    """Run job(ctx) with a live status; on failure show the message at once (outside the collapsed box)
-    and clear the query key `clear`, so an older result does not stay on screen as if it were this one."""
+    """Run job(ctx) with a live status that names `model` (the spec's, as typed) before anything starts
+    and on every line after; on failure show the message at once (outside the collapsed box) and clear
+    the query key `clear`, so an older result does not stay on screen as if it were this one."""
     events: queue.Queue = queue.Queue()
     box: dict[str, Any] = {}
 
@@ -77,7 +87,9 @@ def run_job(
     tokens: dict[str | None, tuple[int, int]] = {}  # dtype -> (tokens scored, tokens in all), from batches
     last = "starting"
     bar = st.progress(0.0, text="starting") if progress_bar else None
-    with st.status(f"{title}…", expanded=True) as status:
+    who = model_words(model)
+    with st.status(f"{title} {who}…", expanded=True) as status:
+        status.write(f"Model: {who}")
         worker.start()
         while True:
             try:
@@ -98,20 +110,22 @@ def run_job(
                 n_done = sum(n for n, _ in tokens.values())
                 n_all = max(tokens.values(), key=lambda x: x[1])[1] * max(1, dtypes)
                 frac = n_done / n_all if n_all else 0.0
-                label = f"{n_done:,} of {n_all:,} tokens scored · {last} · {elapsed:.0f} s"
+                label = f"{who} · {n_done:,} of {n_all:,} tokens scored · {last} · {elapsed:.0f} s"
             else:
                 frac = done / steps
-                label = f"Step {min(done, steps)} of about {steps} · {last} · {elapsed:.0f} s"
+                label = f"{who} · step {min(done, steps)} of about {steps} · {last} · {elapsed:.0f} s"
             status.update(label=label)
             if bar is not None:
                 bar.progress(min(frac, 1.0), text=label)
         worker.join()
         failed = box.get("error")
         if failed is None:
-            status.update(label=f"Done in {time.monotonic() - t0:.1f} s", state="complete", expanded=False)
+            status.update(label=f"{who}: done in {time.monotonic() - t0:.1f} s", state="complete", expanded=False)
         else:
             status.update(
-                label="Could not run" if isinstance(failed, UserError) else "An engine failed", state="error", expanded=False
+                label=f"Could not run {who}" if isinstance(failed, UserError) else f"An engine failed ({who})",
+                state="error",
+                expanded=False,
             )
     if failed is None:
         if bar is not None:
@@ -119,11 +133,11 @@ def run_job(
         return box.get("result")
     set_query(**{clear: None})
     if isinstance(failed, UserError):
-        st.error(str(failed), icon=":material/error:")
+        show_error(str(failed))
         return None
     if isinstance(failed, EngineError):
         first, _, rest = str(failed).partition("\n")
-        st.error(f"{first} The next run starts a fresh engine.", icon=":material/error:")
+        show_error(f"{first} The next run starts a fresh engine.")
         if rest:
             with st.expander("engine log"):
                 st.code(rest)
@@ -134,5 +148,10 @@ def run_job(
 def run_with_status(spec, progress_bar: bool = False) -> list[Run] | None:
     """A comparison with live progress (2 steps to prepare, then 6 per dtype)."""
     return run_job(
-        lambda ctx: compare(spec, ctx), "Comparing", 2 + 6 * max(1, len(spec.dtypes)), progress_bar, dtypes=len(spec.dtypes)
+        lambda ctx: compare(spec, ctx),
+        "Comparing",
+        2 + 6 * max(1, len(spec.dtypes)),
+        progress_bar,
+        dtypes=len(spec.dtypes),
+        model=spec.model,
     )

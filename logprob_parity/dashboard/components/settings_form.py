@@ -11,6 +11,7 @@ from typing import Any
 
 import streamlit as st
 
+from logprob_parity.engines.build import unsupported
 from logprob_parity.inputs.settings import SETTINGS, Setting
 
 DEFAULT = "default"
@@ -18,16 +19,27 @@ ON_OFF = {"on": True, "off": False}
 NUMBER_MAX = 1 << 20
 
 
-def _widget(container: Any, s: Setting, key: str, initial: Any) -> Any:
-    """Draw one setting's input; return its value (None: the engine's default)."""
+def _widget(container: Any, s: Setting, key: str, initial: Any, refused: dict[Any, str]) -> Any:
+    """Draw one setting's input; return its value (None: the engine's default). `refused`: the values
+    this vLLM build cannot run, with why: they are not offered, and the reason shows under the input."""
     label = s.label or s.name
     wkey = f"{key}-set-{s.name}"
     if s.kind is bool and not s.optional:
         return container.checkbox(label, bool(initial), key=wkey, help=s.help)
     if s.kind is bool or s.choices is not None:
-        options = [DEFAULT] + (list(ON_OFF) if s.kind is bool else [str(c) for c in s.choices])
+        allowed = [c for c in (s.choices or ()) if c not in refused]
+        options = [DEFAULT] + (list(ON_OFF) if s.kind is bool else [str(c) for c in allowed])
         shown = DEFAULT if initial is None else ({True: "on", False: "off"}[initial] if s.kind is bool else str(initial))
-        picked = container.selectbox(label, options, index=options.index(shown) if shown in options else 0, key=wkey, help=s.help)
+        picked = container.selectbox(
+            label,
+            options,
+            index=options.index(shown) if shown in options else 0,
+            key=wkey,
+            help=s.help,
+            disabled=len(options) == 1,
+        )
+        for value, why in refused.items():
+            container.caption(f":material/block: {s.name}={value} is not offered here: {why}.")
         if picked == DEFAULT:
             return None
         return ON_OFF[picked] if s.kind is bool else s.kind(picked)
@@ -70,4 +82,14 @@ def settings_inputs(key: str, initial: dict[str, Any] | None = None, registry: t
     where = {"vllm": 0, "hf": 1, "both": 2}
     for i, title in enumerate(("vLLM", "HF transformers", "Both engines")):
         cols[i].caption(title)
-    return {s.name: _widget(cols[where[s.backend]], s, key, initial.get(s.name, s.default)) for s in registry}
+    refused = unsupported()
+    return {
+        s.name: _widget(
+            cols[where[s.backend]],
+            s,
+            key,
+            initial.get(s.name, s.default),
+            {v: why for (n, v), why in refused.items() if n == s.name},
+        )
+        for s in registry
+    }

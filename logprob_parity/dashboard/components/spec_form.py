@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
+from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.dashboard.components.model_field import PRESETS, chosen_model, model_inputs, model_state
 from logprob_parity.dashboard.components.settings_form import settings_inputs, widget_state
 from logprob_parity.dashboard.state import dtype_reasons, engines_available
 from logprob_parity.errors import UserError
@@ -12,12 +14,6 @@ from logprob_parity.inputs.settings import EngineSettings
 from logprob_parity.inputs.spec import BOS_POLICIES, DTYPES, MAX_TOP_K, RunSpec
 
 SHOWN_KEY = "{key}-form-shows"  # the run ids the form was last filled from
-
-PRESETS = {
-    "demo: SmolLM2-135M-Instruct (embedded, offline)": "demo",
-    "facebook/opt-125m (Hub)": "facebook/opt-125m",
-    "Other (Hub id or local folder)": None,
-}
 
 
 def follow_view(key: str, runs: list, with_text: bool) -> None:
@@ -31,13 +27,11 @@ def follow_view(key: str, runs: list, with_text: bool) -> None:
         return
     st.session_state[marker] = ids
     m = runs[0].meta
-    labels = {v: k for k, v in PRESETS.items() if v is not None}
-    other = next(k for k, v in PRESETS.items() if v is None)
     asked = "demo" if m.model.split(":")[0] == "demo" else m.model  # the demo model is named "demo:<name>" in runs
+    preset = asked in PRESETS.values()
     state = {
-        f"{key}-preset": labels.get(asked, other),
-        f"{key}-custom": "" if asked in labels else asked,
-        f"{key}-revision": m.revision if asked not in labels and m.revision and not asked.startswith("/") else "",
+        **model_state(key, asked),
+        f"{key}-revision": m.revision if not preset and m.revision and not asked.startswith("/") else "",
         f"{key}-bos": m.bos,
         f"{key}-topk": int(m.top_k),
         f"{key}-truncate": any(s.cut_from for s in m.sequences),
@@ -64,13 +58,7 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
     reasons = dtype_reasons()
     with st.form(f"{key}-form"):
         c1, c2, c3 = st.columns([3, 2, 1])
-        preset = c1.selectbox("Model", list(PRESETS), key=f"{key}-preset")
-        custom = c1.text_input(
-            "Hub id or local folder",
-            key=f"{key}-custom",
-            placeholder="org/name or /path/to/model",
-            help="Used when the model above is 'Other'.",
-        )
+        preset, typed = model_inputs(c1, key)
         revision = c2.text_input("Revision (Hub only)", key=f"{key}-revision", placeholder="main")
         bos = c3.radio("BOS", BOS_POLICIES, key=f"{key}-bos", help="auto: prepend the tokenizer's BOS when it has one")
         text = st.text_area("Text", SEED_TEXT, key=f"{key}-text", height=110) if with_text else ""
@@ -102,15 +90,12 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
         st.warning("trust_remote_code is ON: the model's own Python code will run on this server.")
     if not submitted:
         return None, False
-    model = PRESETS[preset] if PRESETS[preset] is not None else (custom.strip() or None)
-    if PRESETS[preset] is None and not custom.strip():
-        st.error("Enter a Hub id or a local folder for 'Other'.")
-        return None, False
+    model = chosen_model(preset, typed)
     try:
         settings = EngineSettings(**values)
         settings.validate()
     except UserError as exc:
-        st.error(str(exc))
+        show_error(str(exc))
         return None, False
     spec = RunSpec(
         texts=(text,) if with_text else (),

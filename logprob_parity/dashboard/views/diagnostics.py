@@ -86,7 +86,7 @@ parts = st.multiselect(
 spec, submitted = spec_form("diag", with_text=True)
 if submitted and spec is not None:
     steps = (3 + 4 * len(parts)) * max(1, len(spec.dtypes))
-    done = run_job(lambda ctx: diagnose(spec, ctx, parts=tuple(parts)), "Diagnosing", steps, clear="diag")
+    done = run_job(lambda ctx: diagnose(spec, ctx, parts=tuple(parts)), "Diagnosing", steps, clear="diag", model=spec.model)
     if done is not None:
         set_query(diag=done.diagnostics_id)
         mark_shown("diag", [load_run(r) for r in done.run_ids.values()])

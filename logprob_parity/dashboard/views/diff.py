@@ -4,6 +4,7 @@ import pandas as pd
 import streamlit as st
 
 from logprob_parity.analysis.diff import FACTOR, diff_runs
+from logprob_parity.dashboard.components.alerts import show_error
 from logprob_parity.dashboard.components.run_view import sci_columns
 from logprob_parity.dashboard.state import load_run
 from logprob_parity.errors import UserError
@@ -25,7 +26,7 @@ try:
     a, b = load_run(ids[0]), load_run(ids[1])
     d = diff_runs(a, b)
 except UserError as exc:
-    st.error(str(exc), icon=":material/error:")
+    show_error(str(exc))
     st.stop()
 box = st.warning if d.mean_b > d.mean_a * 1.05 else (st.success if d.mean_b < d.mean_a / 1.05 else st.info)
 box(f"**{d.headline}**", icon=":material/difference:")

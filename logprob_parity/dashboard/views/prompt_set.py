@@ -5,10 +5,12 @@ from dataclasses import replace
 import pandas as pd
 import streamlit as st
 
-from logprob_parity.dashboard.components.run_view import sci_columns, show_runs
+from logprob_parity.analysis.verdict import run_verdicts
+from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.dashboard.components.run_view import sci_columns, show_runs, verdict_cards
 from logprob_parity.dashboard.components.runner import run_with_status
 from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
-from logprob_parity.dashboard.state import current_runs, query_int, runs_from_query, set_query
+from logprob_parity.dashboard.state import current_runs, get_store, query_int, runs_from_query, set_query
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.prompts import MAX_UPLOAD_BYTES, parse_prompts
 from logprob_parity.present.labels import summary_label, summary_value
@@ -29,32 +31,33 @@ if upload is not None:
         if pset.skipped:
             st.warning(f"Skipped {len(pset.skipped)} entries: " + "; ".join(pset.skipped[:10]))
     except UserError as exc:
-        st.error(str(exc), icon=":material/error:")
+        show_error(str(exc))
 
 follow_view("ps", runs_from_query()[0], with_text=False)  # the form shows the model and settings on screen
 spec, submitted = spec_form("ps", with_text=False)
 just_run = None
 if submitted and spec is not None:
     if not texts:
-        st.error("Upload a prompt file first.", icon=":material/error:")
+        show_error("Upload a prompt file first.")
     else:
         just_run = run_with_status(replace(spec, texts=tuple(texts)), progress_bar=True)
         if just_run:
             mark_shown("ps", just_run)
 runs = current_runs(just_run)
 if runs:
-    st.subheader("Over all prompts, per dtype")
+    n = min(len(r.meta.sequences) for r in runs)
+    st.subheader(f"The whole set: all {n:,} prompts, per dtype")
+    verdict_cards(run_verdicts(runs, get_store().diagnostics_for_run(runs[0].run_id)))
     keys = list(runs[0].summary)
     agg = pd.DataFrame(
         {r.dtype: [summary_value(k, r.summary.get(k)) for k in keys] for r in runs}, index=[summary_label(k) for k in keys]
     )
     st.dataframe(agg, width="stretch")
-    n = min(len(r.meta.sequences) for r in runs)
     st.subheader(f"Per prompt, the largest gap first: click a row to open it below ({n:,} prompts)")
     # from each run's per-prompt summaries (no prompt's positions are read until it is opened)
     infos = runs[0].meta.sequences[:n]
     table = pd.DataFrame(
-        {"prompt": range(n), "text": [s.text[:120] for s in infos], "tokens": [s.summary["n_tokens"] for s in infos]}
+        {"prompt": range(1, n + 1), "text": [s.text[:120] for s in infos], "tokens": [s.summary["n_tokens"] for s in infos]}
     )
     for r in runs:
         table[f"largest gap {r.dtype}"] = [s.summary["max_abs_delta"] for s in r.meta.sequences[:n]]
@@ -71,9 +74,9 @@ if runs:
         column_config=sci_columns(table, skip=("prompt", "tokens")),
     )
     picked = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
-    picked = [int(table["prompt"].iloc[i]) for i in picked]  # the shown order is the largest gap first
+    # the shown order is the largest gap first; people number prompts from 1, the stored index from 0
+    picked = [int(table["prompt"].iloc[i]) - 1 for i in picked]
     chosen = picked[0] if picked else query_int("seq", 0, 0, n - 1)
     set_query(seq=chosen)
     st.divider()
-    st.markdown(f"**Prompt {chosen}**")
     show_runs(runs, page="prompt-set", seq_fixed=int(chosen))

@@ -4,8 +4,8 @@ open any without recomputing, or delete."""
 import pandas as pd
 import streamlit as st
 
+from logprob_parity.dashboard.components.deletion import delete_step, table_key
 from logprob_parity.dashboard.state import get_store, load_run
-from logprob_parity.errors import UserError
 
 st.title("Stored runs")
 st.caption(
@@ -54,7 +54,7 @@ if not df.empty:
         width="stretch",
         on_select="rerun",
         selection_mode=["multi-row", "single-cell"],
-        key="runs-table",
+        key=table_key("runs-table"),
         column_config={
             "text": st.column_config.TextColumn("text", width="large"),
             "run ids": st.column_config.TextColumn("run ids", width="small"),
@@ -82,15 +82,17 @@ if not df.empty:
         st.switch_page(
             "views/prompt_set.py" if several else "views/compare.py", query_params={"runs": ",".join(selected), "seq": "0"}
         )
-    if c2.button("Delete selected", disabled=not selected, icon=":material/delete:"):
-        for rid in selected:
-            try:
-                store.delete(rid)
-            except UserError as exc:
-                st.error(str(exc), icon=":material/error:")
+    chosen_rows = [table.loc[i] for i in picked]
+    what = (
+        f"{len(selected)} run{'s' if len(selected) != 1 else ''} of {len(chosen_rows)} comparison"
+        f"{'s' if len(chosen_rows) != 1 else ''} (" + "; ".join(f"{r['text'][:40]!r}, {r['dtypes']}" for r in chosen_rows) + ")"
+    )
+
+    def delete_run(rid: str) -> None:
+        store.delete(rid)
         load_run.clear()
-        st.session_state.pop("runs-table", None)
-        st.rerun()
+
+    delete_step("runs-table", selected, what, delete_run, "Delete selected", c2)
 
 if not ros.empty:
     st.subheader("Rollouts")
@@ -125,7 +127,7 @@ if not ros.empty:
         width="stretch",
         on_select="rerun",
         selection_mode=["multi-row", "single-cell"],
-        key="rollout-table",
+        key=table_key("rollout-table"),
         column_config={
             "prompt": st.column_config.TextColumn("prompt", width="large"),
             "largest gap": st.column_config.NumberColumn(format="%.2e"),
@@ -137,11 +139,9 @@ if not ros.empty:
     r1, r2 = st.columns(2)
     if r1.button("Open rollouts", disabled=not ids, type="primary", icon=":material/model_training:", key="rollout-open"):
         st.switch_page("views/rollout.py", query_params={"rollout": ",".join(ids), "sample": "0"})
-    if r2.button("Delete rollouts", disabled=not ids, icon=":material/delete:", key="rollout-delete"):
-        for rid in ids:
-            store.delete_rollout(rid)
-        st.session_state.pop("rollout-table", None)
-        st.rerun()
+    delete_step(
+        "rollout-table", ids, f"{len(ids)} rollout{'s' if len(ids) != 1 else ''}", store.delete_rollout, "Delete rollouts", r2
+    )
 
 if not frs.empty:
     st.subheader("Frontiers")

