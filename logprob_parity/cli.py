@@ -454,6 +454,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
         diags["created"] = diags["created"].dt.strftime("%Y-%m-%d %H:%M")
         print("\ndiagnostics:")
         print(diags.drop(columns=["run_ids"]).to_string(index=False))
+    frs = store.list_frontiers()
+    if not frs.empty:
+        frs["created"] = frs["created"].dt.strftime("%Y-%m-%d %H:%M")
+        frs["recommendation"] = frs["recommendation"].fillna("none within the tolerance")
+        print("\nfrontiers:")
+        print(frs.to_string(index=False))
     return 0
 
 

@@ -61,9 +61,14 @@ def test_bounds_pass_and_fail_with_one_line_each_and_junit_xml(home, tmp_path, c
     suite = ET.parse(junit).getroot()
     assert suite.tag == "testsuite" and suite.get("tests") == "2" and suite.get("failures") == "0"
     assert "parity holds" in md.read_text() and "| ✅ |" in md.read_text()
+    assert "\\|Δ logp\\|" in md.read_text() and "/Δ logp/" not in md.read_text()  # the bars kept, escaped for the table
     rc = main(["check", "c0ffee01", "--max-mean-abs-delta", str(mean / 2), "--max-abs-delta", "1", "--junit", str(junit)])
     out = capsys.readouterr().out
     assert rc == 1 and "FAIL float32" in out and "PASS float32" in out and "parity check FAILED" in out
+    # each line states what is true: a failed bound is ">" the limit, never a false "<="
+    fail = next(line for line in out.splitlines() if line.startswith("FAIL"))
+    assert f"{mean:.3e} > {mean / 2:.3e}, above the bound" in fail, fail
+    assert "<= 1.000e+00, within the bound" in next(line for line in out.splitlines() if line.startswith("PASS"))
     suite = ET.parse(junit).getroot()
     failed = [c for c in suite.iter("testcase") if c.find("failure") is not None]
     assert suite.get("failures") == "1" and len(failed) == 1 and "mean |Δ logp|" in failed[0].find("failure").get("message")

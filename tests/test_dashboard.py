@@ -500,3 +500,12 @@ def test_rollout_page_on_thousands_of_samples_sends_the_browser_little(home):
     assert " w1111" in _html(at)
     seqs = next(d.value for d in at.dataframe if d.key == "rollout-worst-seq")
     assert int(seqs["sample"].iloc[0]) == 1112  # numbered as the picker numbers them
+
+
+def test_two_prompt_sets_that_differ_in_one_line_read_apart_on_the_runs_page(home):
+    Store(home).save(make_run("5e7a01", texts=("the same first prompt", "second line, one way")))
+    Store(home).save(make_run("5e7b02", texts=("the same first prompt", "second line, the other way")))
+    at = _open("runs")
+    assert not at.exception
+    texts = list(at.dataframe[0].value["text"])
+    assert len(texts) == 2 and texts[0] != texts[1] and all("(+1 more prompts; set " in t for t in texts), texts

@@ -214,6 +214,9 @@ def test_a_stored_frontier_shows_and_reports_as_html_and_json_with_its_text_esca
     from logprob_parity.results.store import Store
 
     Store(home).save_frontier(make_frontier("fee321"))
+    assert main(["runs"]) == 0  # listed with the runs, rollouts and diagnostics
+    listed = capsys.readouterr().out
+    assert "frontiers:" in listed and "fee321" in listed
     assert main(["show", "fee3"]) == 0
     shown = capsys.readouterr().out
     assert "recommendation: float32" in shown and "bfloat16 quantization=fp8  skipped: vLLM could not start it" in shown

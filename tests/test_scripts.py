@@ -134,11 +134,16 @@ def test_pieces_and_token_texts_of_a_gguf_style_tokenizer_are_its_raw_decode(dem
 def test_a_whole_array_of_ids_gets_each_tokens_own_text(demo_model):
     """The top-k columns' texts, looked up for an array of ids at once (Decoder.texts_of_ids), are
     each id's own raw decode, in place, "" where there is no id (-1): across calls that bring new ids
-    (the table grows), repeated ids, special tokens, and ids seen before through the list call."""
+    (the table grows), repeated ids, special tokens, and ids seen before through the list call. A token
+    that holds part of a character shows its bytes instead of "\ufffd", so candidates read apart."""
     import numpy as np
     from transformers import AutoTokenizer
 
-    from logprob_parity.inputs.tokens import batch_decoder, raw_decode
+    from logprob_parity.inputs.tokens import batch_decoder, raw_decode, token_bytes_words
+
+    def shown(i: int) -> str:
+        text = raw_decode(tok, [i])
+        return token_bytes_words(tok, i) if "\ufffd" in text else text
 
     tok = AutoTokenizer.from_pretrained(str(demo_model))
     dec = batch_decoder(tok)
@@ -148,7 +153,14 @@ def test_a_whole_array_of_ids_gets_each_tokens_own_text(demo_model):
         ids = rng.integers(-1, top, size=(50, 5))
         ids[0] = [5, 17, 5, -1, tok.eos_token_id]
         got = dec.texts_of_ids(ids).to_pylist()
-        want = ["" if i < 0 else raw_decode(tok, [int(i)]) for i in ids.reshape(-1)]
+        want = ["" if i < 0 else shown(int(i)) for i in ids.reshape(-1)]
         assert got == want, [(i, g, w) for i, g, w in zip(ids.reshape(-1), got, want) if g != w][:5]
     # a second decoder on the same tokenizer reads the same texts (kept on the tokenizer, per process)
     assert batch_decoder(tok).texts_of_ids(np.array([[17, -1]])).to_pylist() == [raw_decode(tok, [17]), ""]
+    # the pieces of an emoji: each alone decodes to "\ufffd"; as candidates each reads as its own bytes
+    parts = tok("🍕", add_special_tokens=False)["input_ids"]
+    partial = [i for i in parts if "\ufffd" in raw_decode(tok, [i])]
+    assert partial, parts
+    texts = dec.texts_of_ids(np.array([partial])).to_pylist()
+    assert all(t.startswith("<0x") and "\ufffd" not in t for t in texts), texts
+    assert b"".join(bytes(int(h, 16) for h in t[3:-1].split("><0x")) for t in texts).decode() in "🍕", texts

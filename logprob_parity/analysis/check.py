@@ -109,7 +109,14 @@ def _outcome(run: Any, key: str, limit: float | None, why: str) -> Outcome:
         detail = f"{words} is not measured in this run" if value is None else f"the baseline has no {words}"
     else:
         ok = value <= limit if way == "max" else value >= limit
-        detail = f"{words} {_fmt(key, value)} {'<=' if way == 'max' else '>='} {_fmt(key, limit)}"
+        # a true statement either way: the relation that holds, then what it means for the bound
+        if way == "max":
+            relation = "<=" if ok else ">"
+            meaning = "within the bound" if ok else "above the bound"
+        else:
+            relation = ">=" if ok else "<"
+            meaning = "within the bound" if ok else "below the bound"
+        detail = f"{words} {_fmt(key, value)} {relation} {_fmt(key, limit)}, {meaning}"
     tag = "PASS" if ok else "FAIL"
     return Outcome(run.run_id, run.dtype, key, value, limit, ok, f"{tag} {run.dtype} run {run.run_id[:12]}: {detail} ({why})")
 

@@ -117,7 +117,8 @@ def rescore(
             _rescore_dtype(p, logged, dtype, rid, model_max_len(longest, p.model.max_positions), noise_sequences)
             ctx.store.drop_partial(rid)
             ctx.emit("store", dtype, f"rescore {rid} saved")
-            out.append(ctx.store.load_rollout(rid))
+            # read back from its file (memory bounded by the batch), but computed now: the page says so
+            out.append(dataclasses.replace(ctx.store.load_rollout(rid), from_store=False))
         return out
     finally:
         spool.unlink(missing_ok=True)

@@ -96,8 +96,8 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
     reasons = []
     if mx <= VLLM_TEST_TOL[0]:
         reasons.append(
-            f"Every token is within vLLM's own test tolerance: the largest gap is {mx:.2g} (a {percent_change(mx)} "
-            f"change in one token's probability), at most {VLLM_TEST_TOL[0]:g} allowed."
+            f"Every token is within vLLM's own test tolerance: the largest gap is {mx:.2g} (a change of {percent_change(mx)} "
+            f"in one token's probability), at most {VLLM_TEST_TOL[0]:g} allowed."
         )
     elif mx <= VLLM_TEST_TOL[1]:
         reasons.append(

@@ -127,6 +127,8 @@ class Decoder:
         if singles is None:  # made once a tokenizer (decode_pieces builds a Decoder a text)
             singles = tokenizer.__dict__.setdefault("_lpp_singles", _Singles())
         self._singles: _Singles = singles
+        # the top-k candidates' texts are kept apart: a partial character reads as its bytes there
+        self._candidates: _Singles = tokenizer.__dict__.setdefault("_lpp_candidates", _Singles())
 
     def _slow(self, seqs: list[list[int]]) -> list[str]:
         return [raw_decode(self._tokenizer, list(s)) for s in seqs]
@@ -146,9 +148,18 @@ class Decoder:
         return self._texts([list(map(int, s)) for s in seqs])
 
     def texts_of_ids(self, ids: Any) -> Any:
-        """An array of ids (any shape) -> one token's text each, flat, as an Arrow string array
-        ("" where an id is negative: no id there)."""
-        return self._singles.column(self._texts, ids)
+        """An array of ids (any shape) -> one token's text each, as a list of candidates shows it, flat,
+        as an Arrow string array ("" where an id is negative: no id there)."""
+        return self._candidates.column(self._candidate_texts, ids)
+
+    def _candidate_texts(self, seqs: list[list[int]]) -> list[str]:
+        """Each single token's text, or its bytes ("<0xE3><0x81>") when it holds part of a character.
+        Why: such a token decodes alone to "\ufffd", so five emoji or CJK candidates all read "\ufffd" and
+        cannot be told apart in the hover's top-k list."""
+        texts = self._texts(seqs)
+        return [
+            (token_bytes_words(self._tokenizer, s[0]) or t) if "\ufffd" in t and len(s) == 1 else t for s, t in zip(seqs, texts)
+        ]
 
 
 class _Singles:
@@ -251,6 +262,21 @@ def decode_pieces(tokenizer: Any, ids: list[int], window: int = 8) -> list[str]:
         if joined == whole:
             return pieces  # type: ignore[return-value]
     return exact_pieces(tokenizer, ids)
+
+
+def token_bytes_words(tokenizer: Any, token_id: int) -> str | None:
+    """A token's bytes in the notation SentencePiece's byte tokens use ("<0xE3><0x81>"): from its
+    byte-level name (GPT-2's alphabet), or its own name where that is already a byte token; None when
+    neither applies."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    name = rust.id_to_token(int(token_id)) if rust is not None else None
+    if not name:
+        return None
+    if name.startswith("<0x") and name.endswith(">"):
+        return name
+    if _decodes_bytes(tokenizer, rust) and all(c in _BYTE_OF for c in name):
+        return "".join(f"<0x{_BYTE_OF[c]:02X}>" for c in name)
+    return None
 
 
 def _byte_table() -> dict[str, int]:

@@ -30,7 +30,7 @@ def markdown(result: Any) -> str:
         what = o.words.split(": ", 1)[1] if ": " in o.words else o.words
         lines.append(
             f"| {'✅' if o.passed else '❌'} | {o.dtype} | `{o.run_id[:12]}` | {_n(o.key, o.value)} | {_n(o.key, o.limit)} | "
-            f"{what.replace('|', '/')} |"
+            f"{what.replace('|', chr(92) + '|')} |"  # a table cell keeps |Δ logp| as written: the bar escaped
         )
     lines += [f"- {n}" for n in result.notes]
     return "\n".join(lines) + "\n"

@@ -154,7 +154,12 @@ def _fmt_lp(x: float) -> str:
 def _topk_lines(side: str, seq: SequenceResult, t: int, n: int = 5) -> str:
     sc = getattr(seq, side)
     texts = seq.topk_text[side][t] if seq.topk_text else [str(i) for i in sc.topk_ids[t]]
-    parts = [f"{texts[j]!r} {sc.topk_logprobs[t, j]:.4f}" for j in range(min(n, sc.topk_ids.shape[1])) if sc.topk_ids[t, j] >= 0]
+    # each candidate with its id: two candidates whose text reads alike are still told apart
+    parts = [
+        f"{texts[j]!r} #{int(sc.topk_ids[t, j])} {sc.topk_logprobs[t, j]:.4f}"
+        for j in range(min(n, sc.topk_ids.shape[1]))
+        if sc.topk_ids[t, j] >= 0
+    ]
     return "   ".join(parts)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from logprob_parity.present.palette import dtype_colour
 from logprob_parity.present.render import CSS, meaning_legend_html, meaning_scale
 from logprob_parity.results.offpolicy import MIS_BAND, RATIO_BANDS, TIS_CAP
 from logprob_parity.results.rollout import PAIRS, Rollout
@@ -248,8 +249,9 @@ def binned(values: np.ndarray, edges: np.ndarray) -> pd.DataFrame:
     return pd.DataFrame({"lo": edges[:-1], "hi": edges[1:], "tokens": counts})
 
 
-def delta_histogram(df: pd.DataFrame) -> Any:
-    """Tokens per |Δ logp| on a log scale, in bins of a tenth of a decade or more (at most 40)."""
+def delta_histogram(df: pd.DataFrame, dtype: str) -> Any:
+    """Tokens per |Δ logp| on a log scale, in bins of a tenth of a decade or more (at most 40), in the
+    dtype's colour. Titles are short with a subtitle, so a narrow column does not cut them."""
     import altair as alt
 
     x = np.log10(df["abs_delta_plot"].to_numpy(dtype=np.float64))
@@ -259,8 +261,8 @@ def delta_histogram(df: pd.DataFrame) -> Any:
     step = next(s for s in (0.1, 0.2, 0.5, 1.0, 2.0, 5.0) if (hi - lo) / s <= 40)
     edges = np.arange(lo, max(hi, lo + step) + step / 2, step)
     return (
-        alt.Chart(binned(x, edges), title="How big the gaps are: tokens per |Δ logp| (log scale)")
-        .mark_bar(binSpacing=0, color="#0072B2")
+        alt.Chart(binned(x, edges), title=alt.TitleParams(f"How big the gaps are ({dtype})", subtitle="tokens per |Δ logp|"))
+        .mark_bar(binSpacing=0, color=dtype_colour(dtype))
         .encode(
             x=alt.X(
                 "lo:Q", bin="binned", title="|Δ logp| (log scale)", axis=alt.Axis(labelExpr="format(pow(10, datum.value), '.0e')")
@@ -272,7 +274,7 @@ def delta_histogram(df: pd.DataFrame) -> Any:
     )
 
 
-def ratio_histogram(df: pd.DataFrame, tis_cap: float = TIS_CAP, mis_band: tuple[float, float] = MIS_BAND) -> Any:
+def ratio_histogram(df: pd.DataFrame, dtype: str, tis_cap: float = TIS_CAP, mis_band: tuple[float, float] = MIS_BAND) -> Any:
     """Tokens per importance ratio (60 bins), with the thresholds drawn: the 0.8–1.25 band, the
     MIS/IcePop band and the TIS cap."""
     import altair as alt
@@ -290,7 +292,7 @@ def ratio_histogram(df: pd.DataFrame, tis_cap: float = TIS_CAP, mis_band: tuple[
     hi = float(max(df["ratio"].max() if len(df) else 1.0, tis_cap) * 1.05)
     bars = (
         alt.Chart(binned(df["ratio"].to_numpy(dtype=np.float64), np.linspace(lo, hi, 61)))
-        .mark_bar(binSpacing=0, color="#CC79A7")
+        .mark_bar(binSpacing=0, color=dtype_colour(dtype))
         .encode(
             x=alt.X("lo:Q", bin="binned", title="importance ratio (trainer / rollout)", scale=alt.Scale(domain=[lo, hi])),
             x2="hi:Q",
@@ -303,7 +305,8 @@ def ratio_histogram(df: pd.DataFrame, tis_cap: float = TIS_CAP, mis_band: tuple[
         .mark_rule(strokeDash=[4, 3], strokeWidth=2)
         .encode(x="x:Q", color=alt.Color("what:N", title="thresholds", scale=alt.Scale(range=["#E69F00", "#009E73", "#D55E00"])))
     )
-    return alt.layer(bars, rules, title="Importance ratios, with the thresholds RL trainers clip or mask at")
+    title = alt.TitleParams(f"Importance ratios ({dtype})", subtitle=["the lines: where RL trainers", "clip or mask tokens"])
+    return alt.layer(bars, rules, title=title)
 
 
 def _svg(chart: Any) -> str:
@@ -342,7 +345,7 @@ def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
     ]
     meta = "".join(f"<tr><th class=l>{html.escape(k)}</th><td class=l>{html.escape(str(v))}</td></tr>" for k, v in meta_rows)
     samples = "".join(completion_html(ro, i, "decode_vs_hf", floor) for i in range(min(len(ro.samples), max_samples)))
-    charts = "".join(f"<div>{_svg(c)}</div>" for c in (delta_histogram(df), ratio_histogram(df)))
+    charts = "".join(f"<div>{_svg(c)}</div>" for c in (delta_histogram(df, m.dtype), ratio_histogram(df, m.dtype)))
     return (
         f"<!doctype html><html><head><meta charset=utf-8><title>logprob-parity rollout {html.escape(m.rollout_id)}</title>"
         f"<style>{_PAGE_CSS}</style></head><body><h1>Rollout: {html.escape(m.model)} · {html.escape(m.dtype)}</h1>"

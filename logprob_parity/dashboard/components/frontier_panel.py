@@ -122,22 +122,31 @@ def show_frontier(result) -> None:
     )
     if any(not c["skipped"] for c in result.configs):
         st.altair_chart(scatter(result), width="stretch")
-    table = [r for r in frontier_table(result) if not r["skipped"]]  # those that did not run are listed above, with why
+    # those that did not run are listed above, with why; short headers (the full words on hover) so every
+    # column fits the page's width instead of running off its right edge
+    table = [{k: v for k, v in r.items() if k != "skipped"} for r in frontier_table(result) if not r["skipped"]]
+    sci = {
+        "mean |Δ logp| to float64": "mean |Δ|",
+        "max": "max |Δ|",
+        "exact KL to float64": "KL",
+        "HF in that dtype: mean |Δ|": "HF |Δ|",
+    }
+    counts = {"prefill tokens/s": "prefill tok/s", "generate tokens/s": "gen tok/s", "KV bytes/token": "KV B/tok"}
     st.dataframe(
         table,
         hide_index=True,
         width="stretch",
         column_config={
+            "configuration": st.column_config.TextColumn("configuration", width="medium"),
+            **{k: st.column_config.NumberColumn(short, help=k, format="%.2e", width="small") for k, short in sci.items()},
             **{
-                k: st.column_config.NumberColumn(format="%.3e")
-                for k in ("mean |Δ logp| to float64", "max", "exact KL to float64", "HF in that dtype: mean |Δ|")
+                k: st.column_config.NumberColumn(short, help=k, format="localized", step=1, width="small")
+                for k, short in counts.items()
             },
-            **{
-                k: st.column_config.NumberColumn(format="localized", step=1)
-                for k in ("prefill tokens/s", "generate tokens/s", "KV bytes/token")
-            },
-            "weights GiB": st.column_config.NumberColumn(format="%.2f"),
-            "engine start s": st.column_config.NumberColumn(format="%.1f"),
+            "prefill spread": st.column_config.TextColumn("spread", help="prefill tokens/s, slowest to fastest repeat"),
+            "weights GiB": st.column_config.NumberColumn("GiB", help="weights GiB", format="%.2f", width="small"),
+            "engine start s": st.column_config.NumberColumn("start s", help="engine start s", format="%.1f", width="small"),
+            "on the front": st.column_config.CheckboxColumn("front", help="on the Pareto front", width="small"),
         },
     )
     sp = result.speed or {}

@@ -268,8 +268,8 @@ def pair_views(rollout_id: str, pair: str, _r: Rollout) -> dict[str, Any]:
         "seqs": worst.head(20),
         "toks": _r.worst_tokens(pair, 20),
         "strip": ratio_strip(token_frame(_r, pair, shown), title),
-        "deltas": delta_histogram(every),
-        "ratios": ratio_histogram(every, summary.get("tis_cap", 2.0), tuple(summary.get("mis_band", (0.5, 2.0)))),
+        "deltas": delta_histogram(every, _r.dtype),
+        "ratios": ratio_histogram(every, _r.dtype, summary.get("tis_cap", 2.0), tuple(summary.get("mis_band", (0.5, 2.0)))),
     }
 
 

@@ -52,8 +52,9 @@ def mark_shown(key: str, runs: list) -> None:
     st.session_state[SHOWN_KEY.format(key=key)] = ",".join(r.run_id for r in runs)
 
 
-def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
-    """Render the form; return (spec, submitted). Texts are filled by the caller when with_text is False."""
+def spec_form(key: str, with_text: bool, noise_choice: bool = True) -> tuple[RunSpec | None, bool]:
+    """Render the form; return (spec, submitted). Texts are filled by the caller when with_text is False.
+    `noise_choice`: offer the comparison's own noise floor (Diagnostics has its own noise check instead)."""
     blocked = engines_available()
     reasons = dtype_reasons()
     with st.form(f"{key}-form"):
@@ -73,12 +74,16 @@ def spec_form(key: str, with_text: bool) -> tuple[RunSpec | None, bool]:
         top_k = dcols[-1].number_input("top-k", 1, MAX_TOP_K, 5, key=f"{key}-topk")
         c4, c5 = st.columns(2)
         truncate = c4.checkbox("Truncate prompts longer than the model's positions", False, key=f"{key}-truncate")
-        noise = c5.checkbox(
-            "Measure each engine's own noise too (about a tenth more time)",
-            True,
-            key=f"{key}-noise",
-            help="HF against itself (batched and padded) and vLLM against itself (alone and batched), on the "
-            "first texts: the verdict then says whether the gap is more than noise.",
+        noise = (
+            c5.checkbox(
+                "Measure each engine's own noise too (about a tenth more time)",
+                True,
+                key=f"{key}-noise",
+                help="HF against itself (batched and padded) and vLLM against itself (alone and batched), on the "
+                "first texts: the verdict then says whether the gap is more than noise.",
+            )
+            if noise_choice
+            else True  # Diagnostics: always, as before; its page offers the wider noise check as a part
         )
         st.caption("Backends: HF transformers and vLLM, on the same token ids.")
         with st.expander("Engine settings (recorded in the run id)"):

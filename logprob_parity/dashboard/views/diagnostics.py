@@ -83,7 +83,7 @@ parts = st.multiselect(
     format_func=PART_WORDS.get,
     help="The setting-by-setting check starts one vLLM engine per setting and dtype (about 40 s each on a CPU).",
 )
-spec, submitted = spec_form("diag", with_text=True)
+spec, submitted = spec_form("diag", with_text=True, noise_choice=False)  # its own noise check is a part above
 if submitted and spec is not None:
     steps = (3 + 4 * len(parts)) * max(1, len(spec.dtypes))
     done = run_job(lambda ctx: diagnose(spec, ctx, parts=tuple(parts)), "Diagnosing", steps, clear="diag", model=spec.model)

@@ -37,4 +37,8 @@ ros = rollouts_from_query()
 if ros:
     show_rollouts(ros)
 elif spec is None:
-    st.info("Press Run to sample on the embedded model, or open a stored rollout from the Runs page.", icon=":material/info:")
+    st.info(
+        "Press Run to sample new rollouts on the embedded model, or Rescore to rescore your own logged rollouts; "
+        "or open a stored rollout from the Runs page.",
+        icon=":material/info:",
+    )

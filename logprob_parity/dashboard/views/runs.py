@@ -31,7 +31,13 @@ def comparisons(runs: pd.DataFrame) -> pd.DataFrame:
         rows.append(
             {
                 "text": g["first_text"].iloc[0]
-                + (f"  (+{int(g['n_sequences'].iloc[0]) - 1} more prompts)" if g["n_sequences"].iloc[0] > 1 else ""),
+                # two sets that differ in one line read alike by their first prompt: the key of their
+                # texts and settings tells them apart
+                + (
+                    f"  (+{int(g['n_sequences'].iloc[0]) - 1} more prompts; set {g['comparison'].iloc[0][:6]})"
+                    if g["n_sequences"].iloc[0] > 1
+                    else ""
+                ),
                 "model": g["model"].iloc[0],
                 "dtypes": ", ".join(g["dtype"]),
                 "largest gap": " · ".join(f"{d}: {v:.2e}" for d, v in zip(g["dtype"], g["max_abs_delta"]) if v is not None),
