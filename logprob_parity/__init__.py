@@ -49,7 +49,21 @@ def _spec(
     return spec
 
 
-def _ctx(home: str | None, progress: bool) -> Any:
+def _interactive() -> bool:
+    """A person is watching: a terminal, Python's interactive prompt, or a notebook (IPython/Jupyter)."""
+    import sys
+
+    shell = sys.modules.get("IPython")
+    return bool(
+        hasattr(sys, "ps1") or sys.stderr.isatty() or (shell is not None and getattr(shell, "get_ipython", lambda: None)())
+    )
+
+
+def _ctx(home: str | None, progress: bool | None) -> Any:
+    """`progress`: print each step (None: when a person is watching, so a four-minute rollout in a
+    notebook says what it waits for; a script piped to a log stays quiet unless asked)."""
+    if progress is None:
+        progress = _interactive()
     from logprob_parity.analysis.request import Context
     from logprob_parity.inputs.models import model_roots_from_env
     from logprob_parity.results.store import Store
@@ -75,7 +89,7 @@ def compare(
     truncate: bool = False,
     use_cache: bool = True,
     home: str | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> list[Any]:
     """Score `texts` with HF and vLLM on the same token ids: one stored Run per dtype. `settings`:
     engine settings by name (logprob_parity.inputs.settings), e.g. {"attention_backend": "FLEX_ATTENTION"}."""
@@ -103,7 +117,7 @@ def rollout(
     noise_samples: int = 2,
     use_cache: bool = True,
     home: str | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> list[Any]:
     """Sample with vLLM's decode path and rescore with vLLM prefill and HF: one stored Rollout per dtype."""
     from logprob_parity.analysis.rollout import rollout as _rollout
@@ -134,7 +148,7 @@ def rescore(
     settings: dict[str, Any] | None = None,
     use_cache: bool = True,
     home: str | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> list[Any]:
     """Rescore logged rollouts (a JSONL/Parquet file, or its bytes with `name`) with vLLM prefill and
     HF; `map` renames fields ("logprobs=rollout_log_probs,..." or a dict). One stored Rollout per dtype."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,44 +127,50 @@ def _spec_from_args(args: argparse.Namespace, rollout: bool = False) -> RunSpec:
     return spec
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def progress(args: argparse.Namespace, desc: str, steps: int | None, n_dtypes: int = 1) -> Iterator[tuple[Any, Any]]:
+    """(on_event, on_progress) for a long command, with a tqdm bar where a person watches a terminal:
+    tokens scored over every dtype where the work reports them (its rate and time left are tokens/s and
+    the rest), else its steps. Each event is also a line on stderr, the only output when piped (CI,
+    logs); --quiet silences both."""
     from tqdm import tqdm
 
-    from logprob_parity.analysis.compare import compare
-
-    spec = _spec_from_args(args)
-    dtypes = spec.dtypes
     t0 = time.perf_counter()
-    # the bar counts tokens scored, over every dtype: its rate and time left are tokens/s and the rest
-    # a bar where a person watches a terminal; piped output (CI, logs) gets the event lines alone
-    bar = tqdm(
-        total=None,
-        desc="compare",
-        unit="tok",
-        unit_scale=True,
-        file=sys.stderr,
-        smoothing=0.1,
-        disable=args.quiet or not sys.stderr.isatty(),
-    )
+    bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, smoothing=0.1, disable=args.quiet or not sys.stderr.isatty())
     done: dict[str, int] = {}
+    by_tokens = False
 
     def on_event(stage: str, dtype: str | None, detail: str) -> None:
         if args.quiet:
             return
         bar.set_description(f"{stage}{f' [{dtype}]' if dtype else ''}")
         bar.write(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
+        if not by_tokens and (bar.total is None or bar.n < bar.total):
+            bar.update(1)
 
     def on_progress(dtype: str | None, n: int, total: int) -> None:
+        nonlocal by_tokens
+        if not by_tokens:  # the work reports tokens: count those instead of steps
+            by_tokens = True
+            bar.reset(total=total * n_dtypes)
+            bar.unit, bar.unit_scale = "tok", True
         done[dtype or ""] = n
-        bar.total = total * len(dtypes)
         bar.update(sum(done.values()) - bar.n)
 
     try:
-        from logprob_parity.analysis.request import Context
-
-        runs = compare(spec, Context.of(on_event=on_event, on_progress=on_progress), use_cache=not args.no_cache)
+        yield on_event, on_progress
     finally:
         bar.close()
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.analysis.request import Context
+
+    spec = _spec_from_args(args)
+    t0 = time.perf_counter()
+    with progress(args, "compare", 2 + 6 * len(spec.dtypes), len(spec.dtypes)) as (on_event, on_progress):
+        runs = compare(spec, Context.of(on_event=on_event, on_progress=on_progress), use_cache=not args.no_cache)
     from logprob_parity.analysis.verdict import run_verdicts
     from logprob_parity.results.store import Store
 
@@ -247,9 +255,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     spec = _spec_from_args(args)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip()) if args.parts != "all" else PARTS
-    t0 = time.perf_counter()
-    on_event = _event_printer(args, t0)
-    result = diagnose(spec, parts=parts, gen_tokens=args.gen_tokens, slow_knobs=args.slow_knobs, on_event=on_event)
+    with progress(args, "diagnose", (3 + 4 * len(parts)) * len(spec.dtypes)) as (on_event, _):
+        result = diagnose(spec, parts=parts, gen_tokens=args.gen_tokens, slow_knobs=args.slow_knobs, on_event=on_event)
     print(diagnostics_text(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False))
@@ -313,16 +320,6 @@ def rollout_text(ro: Any) -> str:
     return "\n".join(lines)
 
 
-def _event_printer(args: argparse.Namespace, t0: float) -> Any:
-    """on_event for the commands that print each step to stderr (silent with --quiet)."""
-
-    def on_event(stage: str, dtype: str | None, detail: str) -> None:
-        if not args.quiet:
-            print(f"[{time.perf_counter() - t0:7.1f}s] {stage}{f' [{dtype}]' if dtype else ''}: {detail}", file=sys.stderr)
-
-    return on_event
-
-
 def _print_rollouts(args: argparse.Namespace, ros: list[Any], t0: float) -> int:
     """Rollouts (sampled or rescored) in words and tables, and their --json."""
     for ro in ros:
@@ -337,7 +334,7 @@ def _print_rollouts(args: argparse.Namespace, ros: list[Any], t0: float) -> int:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from logprob_parity.analysis.request import Context
-    from logprob_parity.analysis.rollout import rollout
+    from logprob_parity.analysis.rollout import STEPS_PER_DTYPE, rollout
     from logprob_parity.results.rollout import Sampling
 
     spec = _spec_from_args(args, rollout=True)
@@ -352,8 +349,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     )
     sampling.validate()
     t0 = time.perf_counter()
-    on_event = _event_printer(args, t0)
-    ros = rollout(spec, sampling, Context.of(on_event=on_event), use_cache=not args.no_cache, noise_samples=args.noise_samples)
+    with progress(args, "rollout", 2 + STEPS_PER_DTYPE * len(spec.dtypes), len(spec.dtypes)) as (on_event, on_progress):
+        ctx = Context.of(on_event=on_event, on_progress=on_progress)
+        ros = rollout(spec, sampling, ctx, use_cache=not args.no_cache, noise_samples=args.noise_samples)
     return _print_rollouts(args, ros, t0)
 
 
@@ -368,10 +366,9 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     args.prompt, args.prompts = "logged rollouts", None  # the prompts come from the file
     spec = _spec_from_args(args)
     t0 = time.perf_counter()
-    on_event = _event_printer(args, t0)
-    ros = rescore(
-        path, path.name, spec, Context.of(on_event=on_event), mapping=parse_mapping(args.map), use_cache=not args.no_cache
-    )
+    with progress(args, "rescore", 2 + 5 * len(spec.dtypes), len(spec.dtypes)) as (on_event, on_progress):
+        ctx = Context.of(on_event=on_event, on_progress=on_progress)
+        ros = rescore(path, path.name, spec, ctx, mapping=parse_mapping(args.map), use_cache=not args.no_cache)
     return _print_rollouts(args, ros, t0)
 
 
@@ -384,7 +381,6 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
     configs = parse_configs(args.configs) if args.configs else default_grid(resolve_device(args.device))
     t0 = time.perf_counter()
-    on_event = _event_printer(args, t0)
     load = None
     if args.speed_load:
         try:
@@ -396,9 +392,9 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         load = (n, length)
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
-    result = frontier(
-        spec, configs, Context.of(on_event=on_event), tolerance=args.tolerance, speed_load=load, repeats=args.repeats
-    )
+    with progress(args, "frontier", 2 + len(configs)) as (on_event, on_progress):
+        ctx = Context.of(on_event=on_event, on_progress=on_progress)
+        result = frontier(spec, configs, ctx, tolerance=args.tolerance, speed_load=load, repeats=args.repeats)
     print(frontier_text(result))
     print(f"elapsed {time.perf_counter() - t0:.2f} s")
     if args.json:

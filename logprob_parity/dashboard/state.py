@@ -51,6 +51,27 @@ def request_context(on_event=None, on_progress=None) -> Context:
     return Context.of(store=get_store(), on_event=on_event, model_roots=model_roots(), on_progress=on_progress)
 
 
+def device_here() -> str:
+    """The device runs here use ("cpu" where the GPU check fails: the forms size their defaults by it)."""
+    try:
+        return resolve_device("auto")
+    except UserError:
+        return "cpu"
+
+
+def model_path_of(model: str | None) -> str | None:
+    """The folder a form's model names, for the time estimate (None for a Hub id: not known before it
+    is resolved, so its engines count as not running)."""
+    import os
+
+    from logprob_parity.inputs.demo import demo_dir, is_demo
+
+    if is_demo(model):
+        return str(demo_dir())
+    expanded = os.path.expanduser(model or "")
+    return os.path.abspath(expanded) if os.path.isdir(expanded) else None
+
+
 def dtype_reasons(device: str = "auto") -> dict[str, str | None]:
     try:
         dev = resolve_device(device)

@@ -274,6 +274,11 @@ class EnginePool:
             self._forget_locked(host)
         host.stop(grace=2.0)
 
+    def engine_keys(self) -> list[str]:
+        """The engine keys (LoadRequest.key) of the hosts alive now."""
+        with self._cond:
+            return [k for k, h in self._hosts.items() if h.alive()]
+
     def running(self) -> list[HostClient]:
         with self._cond:
             return [h for h in self._hosts.values() if h.alive()]

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import time
 
 import streamlit as st
 
+from logprob_parity.analysis.estimate import cold_engines, frontier_defaults, frontier_words, record
 from logprob_parity.analysis.frontier import Config, default_grid, frontier, frontier_table, parse_configs
 from logprob_parity.dashboard.components.alerts import show_error
 from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.runner import run_job
-from logprob_parity.dashboard.state import engines_available, get_store
+from logprob_parity.dashboard.state import device_here, engines_available, get_store, model_path_of
 from logprob_parity.engines.host import start_words
-from logprob_parity.env import resolve_device
+from logprob_parity.engines.pool import POOL
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.prompts import SEED_TEXT
 from logprob_parity.inputs.spec import RunSpec
@@ -22,13 +24,13 @@ KEY = "frontier"
 
 
 def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
+    """The form, its defaults sized to the device (two configurations timed once on a CPU), with about
+    how long a run will take here under it."""
     blocked = engines_available()
-    try:
-        device = resolve_device("auto")
-    except UserError:
-        device = "cpu"
+    device = device_here()
     grid = default_grid(device)
     runnable = [c.name for c in grid if not c.skip]
+    d = frontier_defaults(device, runnable)
     with st.form(f"{KEY}-form"):
         c1, c2 = st.columns([3, 2])
         preset, typed = model_inputs(c1, KEY)
@@ -44,7 +46,7 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
         chosen = st.multiselect(
             f"Configurations (each starts its own vLLM engine: {start_words('vllm', device)})",
             runnable,
-            default=runnable[:4],
+            default=list(d.configs),
             key=f"{KEY}-configs",
         )
         extra = st.text_input(
@@ -53,6 +55,10 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
             placeholder="float32 attention_backend=FLEX_ATTENTION; bfloat16 checkpoint=/path/to/its-gptq-checkpoint",
         )
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
+    picked = [c for c in grid if c.name in chosen]
+    wanted = [("hf", "float64")] + sorted({(b, c.dtype) for c in picked if not c.changes for b in ("hf", "vllm")})
+    cold = cold_engines(POOL, model_path_of(chosen_model(preset, typed)), wanted) + sum(1 for c in picked if c.changes)
+    st.caption(":material/schedule: " + frontier_words(device, len(picked), cold))
     skipped = [c for c in grid if c.skip]
     if skipped:
         st.caption("Not measured here: " + "; ".join(f"{c.name} ({c.skip})" for c in skipped))
@@ -74,13 +80,21 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
 
 
 def run_frontier(spec: RunSpec, configs: list[Config], tolerance: float | None):
-    return run_job(
-        lambda ctx: frontier(spec, configs, ctx, tolerance),
+    device = device_here()
+    d = frontier_defaults(device, [])
+    t0 = time.monotonic()
+    done = run_job(
+        lambda ctx: frontier(spec, configs, ctx, tolerance, speed_load=d.speed_load, repeats=d.repeats),
         "Measuring each configuration",
         2 + len(configs),
         clear="frontier",
         model=spec.model,
     )
+    if done is not None:  # this server's own rate, engine starts left out, for the next estimate
+        ran = [c for c in done.configs if not c["skipped"]]
+        starts = sum(c.get("start_s") or 0.0 for c in ran)
+        record("frontier", device, time.monotonic() - t0 - starts, len(ran))
+    return done
 
 
 @st.cache_resource(max_entries=16)

@@ -8,13 +8,23 @@ from typing import Any
 
 import streamlit as st
 
-from logprob_parity.analysis.rollout import STEPS_PER_DTYPE, hf_floor, rollout
+from logprob_parity.analysis.estimate import cold_engines, record, rollout_defaults, rollout_words
+from logprob_parity.analysis.rollout import NOISE_SAMPLES, STEPS_PER_DTYPE, hf_floor, rollout
 from logprob_parity.analysis.verdict import Verdict
 from logprob_parity.dashboard.components.alerts import show_error
 from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.run_view import verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
-from logprob_parity.dashboard.state import dtype_reasons, engines_available, get_store, query_int, set_query
+from logprob_parity.dashboard.state import (
+    device_here,
+    dtype_reasons,
+    engines_available,
+    get_store,
+    model_path_of,
+    query_int,
+    set_query,
+)
+from logprob_parity.engines.pool import POOL
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.settings import EngineSettings
 from logprob_parity.inputs.spec import BOS_POLICIES, DTYPES, RunSpec
@@ -35,7 +45,6 @@ from logprob_parity.present.rollout_view import (
 from logprob_parity.results.rollout import PAIRS, Rollout, Sampling, sampling_words
 
 KEY = "rollout"
-DEFAULT_PROMPTS = "The capital of France is\nWrite a haiku about the sea:"
 PAIR_WORDS = {p: w for p, (_, _, w) in PAIRS.items()}
 
 GLOSSARY = """
@@ -52,18 +61,23 @@ GLOSSARY = """
 """
 
 
-def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
-    """The form; (spec, sampling) when Run was pressed with valid input, else (None, None)."""
+def rollout_form() -> tuple[RunSpec | None, Sampling | None, bool]:
+    """The form; (spec, sampling, floors) when Run was pressed with valid input, else (None, None, False).
+    Its defaults are sized to the device (logprob_parity.analysis.estimate), and it says beforehand about
+    how long a run will take here."""
     blocked = engines_available()
     reasons = dtype_reasons()
+    device = device_here()
+    gpu = device != "cpu"
+    d = rollout_defaults(device)
     with st.form(f"{KEY}-form"):
         c1, c2 = st.columns([3, 2])
         preset, typed = model_inputs(c1, KEY)
         bos = c2.radio("BOS", BOS_POLICIES, key=f"{KEY}-bos", horizontal=True)
-        text = st.text_area("Prompts, one a line", DEFAULT_PROMPTS, key=f"{KEY}-text", height=90)
+        text = st.text_area("Prompts, one a line", d.prompts, key=f"{KEY}-text", height=90)
         s1, s2, s3, s4, s5, s6 = st.columns(6)
-        samples = s1.number_input("samples a prompt", 1, 64, 2, key=f"{KEY}-samples")
-        max_tokens = s2.number_input("max new tokens", 1, 2048, 24, key=f"{KEY}-max")
+        samples = s1.number_input("samples a prompt", 1, 64, d.samples, key=f"{KEY}-samples")
+        max_tokens = s2.number_input("max new tokens", 1, 2048, d.max_tokens, key=f"{KEY}-max")
         temperature = s3.number_input("temperature", 0.05, 5.0, 1.0, step=0.1, key=f"{KEY}-temp")
         top_p = s4.number_input("top-p", 0.01, 1.0, 1.0, step=0.05, key=f"{KEY}-topp")
         top_k = s5.number_input("top-k (-1: all)", -1, 100_000, -1, key=f"{KEY}-topk")
@@ -80,20 +94,41 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
                 help=reasons.get(d) or f"roll out in {d}",
             )
         ]
-        graphs = st.checkbox("CUDA graphs for decoding (GPU only; a CPU always runs eager)", True, key=f"{KEY}-graphs")
+        f1, f2 = st.columns(2)
+        floors = f1.checkbox(
+            "Measure the noise floors too" + ("" if gpu else " (slow on a CPU)"),
+            d.floors,
+            key=f"{KEY}-floors",
+            help="How much each side moves when only the batch or the way of scoring changes: the verdict then "
+            "judges the gap against them. Without them it says the noise is not yet measured.",
+        )
+        graphs = f2.checkbox(
+            "CUDA graphs for decoding",
+            gpu,
+            key=f"{KEY}-graphs",
+            disabled=not gpu,
+            help=None if gpu else "GPUs only: a CPU always decodes eagerly",
+        )
+        if not gpu:
+            f2.caption(":material/block: CUDA graphs: GPUs only; this CPU decodes eagerly.")
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
+    n_prompts = len([line for line in text.splitlines() if line.strip()])
+    cold = cold_engines(POOL, model_path_of(chosen_model(preset, typed)), [(b, x) for x in chosen for b in ("hf", "vllm")])
+    st.caption(
+        ":material/schedule: " + rollout_words(device, n_prompts, int(samples), int(max_tokens), len(chosen), floors, cold)
+    )
     # One spot for this form's message. The run itself draws below the tabs, so without a placeholder
     # a refused run's error would stay on screen, faded, for the whole of the next (valid) run.
     say = st.empty()
     if blocked:
         say.info(blocked)
     if not submitted:
-        return None, None
+        return None, None, False
     model = chosen_model(preset, typed)
     prompts = tuple(line for line in text.splitlines() if line.strip())
     if not prompts:
         show_error("Enter at least one prompt: one a line, each a text the model continues.", say)
-        return None, None
+        return None, None, False
     sampling = Sampling(
         samples=int(samples),
         temperature=float(temperature),
@@ -104,9 +139,7 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
     )
     try:
         sampling.validate()
-        from logprob_parity.env import resolve_device
-
-        eager = (not graphs) or resolve_device("auto") == "cpu"
+        eager = (not graphs) or not gpu
         spec = RunSpec(
             texts=prompts,
             model=model,
@@ -117,8 +150,8 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None]:
         spec.validate()
     except UserError as exc:
         show_error(str(exc), say)
-        return None, None
-    return spec, sampling
+        return None, None, False
+    return spec, sampling, floors
 
 
 IMPORT_KEY = "rollout-import"
@@ -204,14 +237,22 @@ def run_rescore(data: Any, name: str, mapping: dict[str, str], spec: RunSpec) ->
     )
 
 
-def run_rollout(spec: RunSpec, sampling: Sampling) -> list[Rollout] | None:
-    return run_job(
-        lambda ctx: rollout(spec, sampling, ctx),
+def run_rollout(spec: RunSpec, sampling: Sampling, floors: bool = True) -> list[Rollout] | None:
+    done = run_job(
+        lambda ctx: rollout(spec, sampling, ctx, noise_samples=NOISE_SAMPLES if floors else 0),
         "Sampling and rescoring",
         2 + STEPS_PER_DTYPE * max(1, len(spec.dtypes)),
         clear="rollout",
         model=spec.model,
     )
+    for r in done or []:  # this server's own rates, for the next estimate
+        t = r.meta.timing or {}
+        if not r.from_store and t.get("total_s"):
+            units = len(spec.texts) * sampling.samples * sampling.max_tokens
+            record("rollout", device_here(), t["total_s"] - t.get("load_s", 0.0) - t.get("noise_s", 0.0), units)
+            if floors:
+                record("rollout_floors", device_here(), t.get("noise_s", 0.0), units)
+    return done
 
 
 @st.cache_resource(max_entries=32)

@@ -21,12 +21,12 @@ st.caption(
 )
 sample_tab, import_tab = st.tabs([":material/casino: Sample new rollouts", ":material/upload_file: Rescore logged rollouts"])
 with sample_tab:
-    spec, sampling = rollout_form()
+    spec, sampling, floors = rollout_form()
 with import_tab:
     logged = import_form()
 done = None
 if spec is not None and sampling is not None:
-    done = run_rollout(spec, sampling)
+    done = run_rollout(spec, sampling, floors)
 elif logged is not None:
     done = run_rescore(*logged)
     spec = logged[3]
