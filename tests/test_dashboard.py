@@ -509,3 +509,19 @@ def test_two_prompt_sets_that_differ_in_one_line_read_apart_on_the_runs_page(hom
     assert not at.exception
     texts = list(at.dataframe[0].value["text"])
     assert len(texts) == 2 and texts[0] != texts[1] and all("(+1 more prompts; set " in t for t in texts), texts
+
+
+def test_on_a_cpu_the_rollout_and_frontier_forms_default_to_a_short_run_and_say_how_long_beforehand(home):
+    at = _open("rollout")
+    assert not at.exception
+    assert at.number_input(key="rollout-samples").value == 1 and at.number_input(key="rollout-max").value == 16
+    assert at.checkbox(key="rollout-floors").value is False  # optional, off on a CPU
+    graphs = at.checkbox(key="rollout-graphs")
+    assert graphs.value is False and graphs.disabled
+    captions = [c.value for c in at.caption]
+    assert any("CUDA graphs: GPUs only" in c for c in captions)
+    assert any(c.startswith(":material/schedule: About ") and "sampled tokens" in c and "engine" in c for c in captions), captions
+    at = _open("frontier")
+    assert not at.exception
+    assert at.multiselect(key="frontier-configs").value == ["float32", "bfloat16"]
+    assert any(c.startswith(":material/schedule: About ") and "2 configuration(s)" in c for c in (c.value for c in at.caption))
