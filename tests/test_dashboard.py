@@ -525,3 +525,11 @@ def test_on_a_cpu_the_rollout_and_frontier_forms_default_to_a_short_run_and_say_
     assert not at.exception
     assert at.multiselect(key="frontier-configs").value == ["float32", "bfloat16"]
     assert any(c.startswith(":material/schedule: About ") and "2 configuration(s)" in c for c in (c.value for c in at.caption))
+
+
+def test_diagnostics_offers_its_noise_check_once(home):
+    at = _open("diagnostics")
+    assert not at.exception
+    labels = [c.label for c in at.checkbox]
+    assert not any("Measure each engine's own noise" in x for x in labels), labels  # the check is a part above
+    assert "noise" in at.multiselect(key="diag-parts").value

@@ -106,3 +106,18 @@ def test_progress_is_said_in_words():
     )
     assert describe("load", "bfloat16", "hf: starting the engine").startswith("Engines [bfloat16]")
     assert describe("resolve", None, "model demo").startswith("Finding the model")
+
+
+def test_the_rollout_histograms_are_drawn_in_their_own_dtypes_colour():
+    import pandas as pd
+
+    from logprob_parity.present.palette import dtype_colour
+    from logprob_parity.present.rollout_view import delta_histogram, ratio_histogram
+
+    df = pd.DataFrame({"abs_delta_plot": [1e-3, 2e-2, 1e-1], "ratio": [0.9, 1.0, 1.3]})
+    for dtype in ("bfloat16", "float32"):
+        deltas = delta_histogram(df, dtype).to_dict()
+        ratios = ratio_histogram(df, dtype).to_dict()
+        assert deltas["mark"]["color"] == dtype_colour(dtype)
+        assert ratios["layer"][0]["mark"]["color"] == dtype_colour(dtype)
+        assert dtype in deltas["title"]["text"] and dtype in ratios["title"]["text"]

@@ -77,7 +77,7 @@ def test_a_bad_file_stores_nothing_and_exits_2(tiny_bos, home, tmp_path, capsys)
 
 
 @pytest.mark.engine
-def test_rollout_json_round_trips_through_rescore_and_a_perturbed_token_ranks_first(demo_model, home, tmp_path):
+def test_rollout_json_round_trips_through_rescore_and_a_perturbed_token_ranks_first(demo_model, home, tmp_path, capsys):
     """A real rollout's --json rescored as logged rollouts: the decode column is the logged one, HF
     rescores to what it gave in the rollout (1e-6); one logged logprob moved by 2 nats is the worst token."""
     out = tmp_path / "ro.json"
@@ -106,6 +106,7 @@ def test_rollout_json_round_trips_through_rescore_and_a_perturbed_token_ranks_fi
     )
     data = json.loads(out.read_text())
     back = tmp_path / "back.json"
+    capsys.readouterr()
     assert (
         main(
             [
@@ -125,6 +126,8 @@ def test_rollout_json_round_trips_through_rescore_and_a_perturbed_token_ranks_fi
         )
         == 0
     )
+    said = capsys.readouterr().out
+    assert "(computed)" in said and "(from the store)" not in said  # computed now, though read back from its file
     res = json.loads(back.read_text())
     assert res["sampling"]["source"] == "logged" and len(res["samples"]) == len(data["samples"]) == 2
     for a, b in zip(data["samples"], res["samples"]):

@@ -165,3 +165,9 @@ def test_cli_report_and_compare_page_say_the_same_verdict(home):
     at.run()
     assert not at.exception
     assert any(expected.headline in w.value for w in at.warning)  # a systematic verdict is a warning box
+
+
+def test_a_tiny_gap_reads_as_a_change_in_words_that_parse():
+    v = verdict(summary(1e-7, 5e-8), "float32", Evidence(noise_ratio=1.0))
+    first = v.reasons[0]
+    assert "a change of under 0.01% in one token's probability" in first and "a under" not in first, first

@@ -23,9 +23,9 @@ from logprob_parity.engines.host import LAST_START
 # (benchmarks/results/page_defaults_cpu.md) and on the H200 for the GPU (not yet measured there: the
 # CPU's figure, which overstates a GPU). Keys: (kind, device kind) -> seconds per unit of work.
 MEASURED = {
-    ("rollout", "cpu"): 0.020,  # a sampled token, with its prefill and HF rescoring, per dtype
-    ("rollout_floors", "cpu"): 0.150,  # a sampled token's share of the noise floors, per dtype
-    ("frontier", "cpu"): 6.0,  # a configuration's accuracy and speed, its engine warm
+    ("rollout", "cpu"): 0.0263,  # a sampled token, with its prefill and HF rescoring, per dtype
+    ("rollout_floors", "cpu"): 0.1017,  # a sampled token's share of the noise floors, per dtype
+    ("frontier", "cpu"): 3.42,  # a configuration's accuracy and speed, its engine warm
 }
 SOURCE = "benchmarks/results/page_defaults_cpu.md"
 TYPICAL_START_S = {"cpu": 40.0, "cuda": 80.0}
