@@ -39,17 +39,12 @@ pytestmark = [
 ]
 
 
-TO_TOP = """() => { window.scrollTo({top: 0, behavior: "instant"});
-  for (const e of document.querySelectorAll("*")) { if (e.scrollTop > 0) e.scrollTo({top: 0, behavior: "instant"}); } }"""
-
-
 def docs_shot(page, name: str) -> None:
-    """The README's picture of a page, taken from the real app as this test left it, scrolled to the top.
-    Every run of the browser tests writes it again, so the README shows the pages as they are now."""
+    """The README's picture of a page, taken from the real app where this test has it in view. Every
+    run of the browser tests writes it again, so the README shows the pages as they are now. It moves
+    nothing but the mouse (out of the way of a hover panel): the test goes on from the same screen."""
     assert name in README_SHOTS, name
-    page.mouse.move(5, 5)  # no hover panel in the picture
-    # at once (no smooth scrolling), so the test's next bounding boxes are where things are
-    page.evaluate(TO_TOP)
+    page.mouse.move(5, 5)
     settled(page)
     page.screenshot(path=str(DOCS_IMG / f"{name}.png"))
 
@@ -308,6 +303,7 @@ def test_rollout_page_samples_rescores_and_explains(server, demo_model):
         page.goto(f"{server}/runs")
         expect(page.get_by_text("Rollouts", exact=True)).to_be_visible(timeout=60_000)
         page.screenshot(path=str(out / "runs.png"))
+        docs_shot(page, "runs")
         assert page.get_by_test_id("stException").count() == 0
         browser.close()
     assert dialogs == []

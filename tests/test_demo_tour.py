@@ -194,8 +194,8 @@ def test_demo_tour(home):
             page.get_by_role("button", name="Run", exact=True).click()
             _error_shown(page, "unknown model")
             tour.shot("error-unknown-hub-id")
-            page.get_by_test_id("stSelectbox").filter(has_text="Model").first.click()
-            page.get_by_role("option", name="demo: SmolLM2-135M-Instruct (embedded, offline)").click()
+            # back to the demo model: the preset above never changed, so emptying the field is all it takes
+            page.get_by_role("textbox", name="Hub id or local folder").fill("")
             page.get_by_role("textbox", name="Text").fill("word " * 40_000)  # 200 KB, over the model's 8192 positions
             page.get_by_role("button", name="Run", exact=True).click()
             _error_shown(page, "tick 'Truncate prompts longer than the model's positions'")
@@ -246,8 +246,8 @@ def test_demo_tour(home):
             assert page.get_by_text("The whole set: all 3 prompts", exact=False).count() == 1
             want = PROMPTS.splitlines()[second]
             assert want.split()[0] in page.locator(".lpp-row .lpp-text").first.inner_text()
-            tour.shot("prompt-set", full=True)
             docs_shot(page, "prompt-set")
+            tour.shot("prompt-set", full=True)
 
             # 8. Diagnostics: verdict, noise bars with marks, shares as percentages, words not keys
             page.goto(f"{dash.url}/diagnostics")
@@ -267,8 +267,8 @@ def test_demo_tour(home):
             bars = page.locator('[data-testid="stVegaLiteChart"]:visible').first
             bars.scroll_into_view_if_needed()
             assert _has_palette_marks(bars, [DTYPE_COLOURS["float32"]])
-            tour.shot("diagnostics", full=True)
             docs_shot(page, "diagnostics")
+            tour.shot("diagnostics", full=True)
 
             # 9. Runs: one row per comparison; opening it fills the form with its text
             page.goto(f"{dash.url}/runs")
@@ -278,7 +278,6 @@ def test_demo_tour(home):
                 page.get_by_text("comparisons (", exact=False)
             ).to_be_visible()  # one row per comparison (AppTest checks the rows)
             tour.shot("runs", full=True)
-            docs_shot(page, "runs")
             grid = page.get_by_test_id("stDataFrame").first
             box = grid.bounding_box()
             # the newest comparison is the prompt set (it opens on its own page); the one before, the long text
