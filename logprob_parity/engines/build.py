@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from logprob_parity.env import versions
-from logprob_parity.paths import store_root
+from logprob_parity.paths import store_root, write_text_atomic
 
 # One probe a feature: a snippet that prints a JSON object {"ok": bool, "why": str}.
 _FP8_PROBE = """
@@ -74,9 +74,7 @@ def unsupported() -> dict[tuple[str, Any], str]:
         found = {f"{name}={value}": _probe(code) for (name, value), code in PROBES.items()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps({**cached, key: found}, indent=1), encoding="utf-8")
-            tmp.replace(path)
+            write_text_atomic(path, json.dumps({**cached, key: found}, indent=1))
         except OSError:
             pass  # a read-only store: probe again in the next process
     out = {}

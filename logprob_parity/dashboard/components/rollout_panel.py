@@ -245,13 +245,14 @@ def run_rollout(spec: RunSpec, sampling: Sampling, floors: bool = True) -> list[
         clear="rollout",
         model=spec.model,
     )
+    device = device_here()
+    units = len(spec.texts) * sampling.samples * sampling.max_tokens
     for r in done or []:  # this server's own rates, for the next estimate
         t = r.meta.timing or {}
         if not r.from_store and t.get("total_s"):
-            units = len(spec.texts) * sampling.samples * sampling.max_tokens
-            record("rollout", device_here(), t["total_s"] - t.get("load_s", 0.0) - t.get("noise_s", 0.0), units)
+            record("rollout", device, t["total_s"] - t.get("load_s", 0.0) - t.get("noise_s", 0.0), units)
             if floors:
-                record("rollout_floors", device_here(), t.get("noise_s", 0.0), units)
+                record("rollout_floors", device, t.get("noise_s", 0.0), units)
     return done
 
 
