@@ -214,6 +214,14 @@ def main() -> None:
             f"**{t_plain:.3f} s = {t_plain / t_bare:.2f}x without it** (target <= 1.3x: {'met' if t_plain / t_bare <= 1.3 else 'NOT met'}; "
             f"the floor's engine time {plain.meta.timing.get('noise_s', 0):.3f} s, beside the table; of {a.repeats}: {spread(plain_t)})",
         )
+        fl = plain.meta.noise
+        table.add(
+            "  the floor (HF's variations, on its sample of the texts)",
+            f"{plain.summary.get('noise_texts')} text(s), {plain.summary.get('noise_tokens')} tokens; HF {fl.get('seconds', {}).get('hf', 0):.3f} s, "
+            f"vLLM {fl.get('seconds', {}).get('vllm', 0):.3f} s; "
+            + "; ".join(f"{k} {v['mean']:.3e}" for k, v in (fl.get("variations") or {}).items())
+            + f"; set by {plain.summary.get('noise_set_by')}",
+        )
         table.add(
             "**speed: compare with the exact KL at every position**",
             f"**{t_kl:.3f} s = {n / t_kl:,.0f} tokens/s = {t_kl / t_plain:.2f}x the same without it** (target <= {TARGETS['kl_ratio']}x: "

@@ -174,6 +174,7 @@ def check(
     max_abs_delta: float | None = None,
     max_kl_mean: float | None = None,
     min_argmax_agreement: float | None = None,
+    max_routing_flip_frac: float | None = None,
     baseline: Any = None,
     max_worsening: float = 1.5,
     home: str | None = None,
@@ -187,7 +188,15 @@ def check(
     runs = [load(r, home=home) if isinstance(r, str) else r for r in runs]
     if isinstance(baseline, str):
         baseline = load(baseline, home=home)
-    return _check(runs, Bounds(max_mean_abs_delta, max_abs_delta, max_kl_mean, min_argmax_agreement, max_worsening), baseline)
+    bounds = Bounds(
+        max_mean_abs_delta,
+        max_abs_delta,
+        max_kl_mean,
+        min_argmax_agreement,
+        max_routing_flip_frac=max_routing_flip_frac,
+        max_worsening=max_worsening,
+    )
+    return _check(runs, bounds, baseline)
 
 
 def diff(a: Any, b: Any, *, home: str | None = None) -> Any:

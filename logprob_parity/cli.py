@@ -41,6 +41,7 @@ SUMMARY_ROWS = (
     ("vllm_noise_mean", "e"),
     ("noise_ratio", "f"),
 )
+ROUTING_ROWS = (("routing_flip_frac", "f"), ("routing_tokens_flipped", "f"), ("routing_layers_flipped_mean", "f"))
 
 
 def _fmt(value: Any, kind: str) -> str:
@@ -56,7 +57,11 @@ def _fmt(value: Any, kind: str) -> str:
 
 def summary_table(runs: list[Any]) -> str:
     head = ["metric"] + [r.dtype for r in runs]
-    rows = [head] + [[k] + [_fmt(r.summary.get(k), kind) for r in runs] for k, kind in SUMMARY_ROWS]
+    moe = any(r.summary.get("routing_flip_frac") is not None for r in runs)  # an MoE model: its routing rows
+    shown = SUMMARY_ROWS + (ROUTING_ROWS if moe else ())
+    rows = [head] + [[k] + [_fmt(r.summary.get(k), kind) for r in runs] for k, kind in shown]
+    if not moe and any((r.meta.routing or {}).get("why") for r in runs if hasattr(r, "meta")):
+        rows.append(["routing"] + [(r.meta.routing or {}).get("why") or "-" for r in runs])
     rows.append(["run_id"] + [r.run_id for r in runs])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
@@ -198,6 +203,12 @@ def add_check_flags(c: argparse.ArgumentParser) -> None:
     g.add_argument("--max-kl-mean", type=float, default=None, help="largest mean exact KL allowed")
     g.add_argument("--min-argmax-agreement", type=float, default=None, help="least share of positions whose top token agrees")
     g.add_argument(
+        "--max-routing-flip-frac",
+        type=float,
+        default=None,
+        help="an MoE model: largest share of (token, layer) routers whose experts differ between vLLM and HF",
+    )
+    g.add_argument(
         "--baseline", default=None, metavar="RUN_ID", help="an earlier run of the same model and texts to hold these to"
     )
     g.add_argument(
@@ -213,7 +224,14 @@ def _run_check(args: argparse.Namespace, runs: list[Any]) -> int:
     from logprob_parity.present.check_view import junit_xml, markdown
     from logprob_parity.results.store import Store
 
-    bounds = Bounds(args.max_mean_abs_delta, args.max_abs_delta, args.max_kl_mean, args.min_argmax_agreement, args.max_worsening)
+    bounds = Bounds(
+        args.max_mean_abs_delta,
+        args.max_abs_delta,
+        args.max_kl_mean,
+        args.min_argmax_agreement,
+        max_routing_flip_frac=args.max_routing_flip_frac,
+        max_worsening=args.max_worsening,
+    )
     baseline = Store().load(args.baseline) if args.baseline else None
     result = check(runs, bounds, baseline)
     print("\n".join(result.lines()))

@@ -24,7 +24,9 @@ CORPUS = [
 ] * 20
 
 
-def build_tokenizer(out: Path, adds_bos: bool) -> None:
+def build_tokenizer(out: Path, adds_bos: bool, bos: str | None = "<s>") -> None:
+    """A 512-entry byte-level BPE over CORPUS. `bos`: the tokenizer's BOS token (None: it has none);
+    `adds_bos`: its own call puts it first, as the family's tokenizer does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,9 +40,9 @@ def build_tokenizer(out: Path, adds_bos: bool) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    if adds_bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if adds_bos and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(out)
 
 

@@ -392,3 +392,33 @@ def test_a_bad_frontier_configuration_is_refused_on_the_page_and_the_text_stays(
 
         assert Store(home).list_frontiers().empty
         page.screenshot(path=str(out / "frontier-bad-input.png"))
+
+
+@pytest.mark.engine
+def test_an_moe_runs_token_view_colours_by_layers_routed_differently_and_the_hover_lists_the_experts(server, home):
+    """A tiny Qwen3-MoE compared in bfloat16 (tests/families.py), opened from its link: the colour
+    choice offers the routing metric, the run's cards give the routing shares, and hovering a token
+    that routed differently lists each layer with both engines' expert sets."""
+    from families import build_family, family
+    from playwright.sync_api import expect
+
+    import logprob_parity as lp
+
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. Shall I compare thee to a summer's day?"
+    (run,) = lp.compare(text, model=str(build_family(family("qwen3_moe"))), dtypes=("bfloat16",), home=str(home), progress=False)
+    flips = run.sequences[0].routing["flips"]
+    assert flips, "the tiny MoE routes some token differently in bfloat16"
+    t, layer, v, h = flips[0]
+    with stored_page(f"{server}/?runs={run.run_id}&metric=routing_layers_flipped", "moe") as (page, out):
+        page.locator(".lpp-tok").first.wait_for(timeout=120_000)
+        settled(page)
+        expect(page.get_by_text("MoE layers routed differently").first).to_be_visible()
+        expect(page.get_by_text("tokens routed differently").first).to_be_visible()
+        token = page.locator(f'.lpp-row .lpp-tok[data-index="{t}"]').first
+        token.scroll_into_view_if_needed()
+        token.hover()
+        tip = token.locator(".lpp-tip")
+        tip.wait_for(state="visible")
+        said = tip.inner_text()
+        assert "experts: DIFFERENT in" in said and f"layer {layer}: vLLM {v}  HF {h}" in said, said
+        page.screenshot(path=str(out / "moe-routing-hover.png"), full_page=True)

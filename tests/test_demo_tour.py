@@ -141,7 +141,8 @@ def test_demo_tour(home):
             for row in page.locator(".lpp-row .lpp-text").all():
                 assert row.inner_text().replace("↵", "").endswith(TEXT)  # reads as written (BOS first)
             legend = page.locator(".lpp-legend").inner_text()
-            assert "within the noise floor" in legend and "beyond vLLM’s test tolerance" in legend
+            assert "within HF’s own noise floor" in legend and "beyond both the floor and vLLM’s tolerance" in legend
+            assert "not measured" not in legend and "HF moves" in legend  # the verdict's floor, named by its variation
             tour.shot("compare-result", full=True)
 
             # 2. hover: at the left, at the right end of a row, and low on the screen

@@ -133,8 +133,12 @@ def test_rollout_three_way_on_cuda(gpu_model, store, dtype):
     ROLLOUT_ROWS.append(
         f"| {dtype} | floors | decode alone vs batch: same tokens {f['decode_batch']['same_tokens']}/"
         f"{f['decode_batch']['of']}, max {f['decode_batch']['max'] if f['decode_batch']['max'] is not None else float('nan'):.3e}"
-        f" · HF micro-batch max {f['hf_micro_batch']['max']:.3e} · HF chunked max {f['hf_chunked']['max']:.3e}"
-        f" · HF incremental max {f['hf_incremental']['max']:.3e} | | | | | | | | |"
+        + "".join(
+            f" · HF {k} max {f[k]['max']:.3e}"
+            for k in ("micro_batch", "padding_side", "packed", "chunked_kv")
+            if f.get(k, {}).get("max") is not None
+        )
+        + f" · HF incremental max {f['hf_incremental']['max']:.3e} | | | | | | | | |"
     )
     ROLLOUT_RESULTS.write_text("\n".join(ROLLOUT_ROWS) + "\n")
     print("\n".join(ROLLOUT_ROWS[-4:]))
@@ -316,20 +320,75 @@ def test_an_8b_shaped_model_scores_a_32k_token_text_with_the_exact_kl(store, tmp
     print(line)
 
 
-def test_compare_verdict_equals_the_diagnostics_level_in_float32(gpu_model, store):
-    """A comparison judges its gap against the noise floor it measures itself; on the card in float32
-    its verdict has the level the full Diagnostics give (the gap is many times HF's own noise there)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compare_verdict_equals_the_diagnostics_level_and_the_floor_is_above_zero(gpu_model, store, dtype):
+    """A comparison judges its gap against the noise floor it measures itself (one definition:
+    micro-batch of 4,096 positions, padding side, packed, chunked); on the card its verdict has the
+    level the full Diagnostics give, and in bfloat16 the floor is above 0 (it read exactly 0 when it
+    was one padded batch of 7 texts)."""
     from logprob_parity.analysis.diagnostics import diagnose
     from logprob_parity.analysis.verdict import diagnosis_verdicts, run_verdicts
 
-    spec = RunSpec(texts=(SENTENCES[0],), model=gpu_model, dtypes=("float32",), device="cuda")
+    spec = RunSpec(texts=(SENTENCES[0],), model=gpu_model, dtypes=(dtype,), device="cuda")
     (run,) = compare(spec, store=store, use_cache=False)
+    print({k: (v["mean"], v["max"]) for k, v in run.meta.noise["variations"].items()}, run.summary["noise_words"])
+    if dtype == "bfloat16":
+        assert run.summary["hf_noise_mean"] > 0 and run.summary["noise_set_by"]
+    assert run.meta.noise["variations"]["micro_batch"]["positions"] >= 4096
     assert run.summary["hf_noise_mean"] is not None and run.summary["noise_tokens"] > 0
     (own,) = run_verdicts([run])  # the comparison's own floor only, as the Compare page and the CLI give it
     diag = diagnose(spec, store=store, parts=("noise",))
-    full = diagnosis_verdicts(diag)["float32"]
+    full = diagnosis_verdicts(diag)[dtype]
     print(
         f"compare: {own.level} ({run.summary['noise_ratio']}x); diagnostics: {full.level} "
-        f"({diag.dtypes['float32'].ratio_to_hf_noise}x)"
+        f"({diag.dtypes[dtype].ratio_to_hf_noise}x)"
     )
     assert own.level == full.level and own.level != "unmeasured"
+
+
+def test_a_qwen3_moe_shape_compares_and_both_vllm_capture_paths_give_the_same_experts(tmp_path, store):
+    """Issue 30 on the card: a Qwen3-MoE shape (4 layers, 128 experts, top-8, random weights, built
+    here) compares in bfloat16 with its routing keys, and vLLM's own `enable_return_routed_experts`
+    gives, at every prompt token and layer, the expert set our router capture read."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from logprob_parity.inputs.demo import build_demo_model
+
+    tok_path = str(build_demo_model())
+    cfg = Qwen3MoeConfig(
+        vocab_size=AutoTokenizer.from_pretrained(tok_path).vocab_size,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    path = tmp_path / "qwen3-moe-shape"
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tok_path).save_pretrained(path)
+    (run,) = compare(RunSpec(texts=tuple(SENTENCES[:4]), model=str(path), dtypes=("bfloat16",), device="cuda"), store=store)
+    s = run.summary
+    print({k: s.get(k) for k in ("mean_abs_delta", "max_abs_delta", "routing_flip_frac", "routing_tokens_flipped")})
+    assert run.meta.routing["measured"] and s["routing_flip_frac"] is not None
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = [list(run.sequences[i].token_ids) for i in range(4)]
+    llm = LLM(
+        model=str(path), dtype="bfloat16", enable_return_routed_experts=True, gpu_memory_utilization=0.3, enforce_eager=True
+    )
+    outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], SamplingParams(max_tokens=1), use_tqdm=False)
+    from logprob_parity.engines.backends.vllm import VLLMBackend
+
+    ours = VLLMBackend.routes.__get__(type("B", (), {"llm": llm})())(ids)
+    for x, o, mine in zip(ids, outs, ours):
+        theirs = np.asarray(o.outputs[0].routed_experts)[: len(x)]
+        assert np.array_equal(np.sort(theirs, axis=-1), np.sort(mine, axis=-1))

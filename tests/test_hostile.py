@@ -14,7 +14,7 @@ from logprob_parity.present.report import report_html
 from hostile import HOSTILE
 
 VIEW_TAGS = {"style", "div", "span", "b"}
-VIEW_ATTRS = {"class", "style", "data-index", "data-value", "data-scale"}
+VIEW_ATTRS = {"class", "style", "data-index", "data-value", "data-scale", "data-band"}
 DANGEROUS_TAGS = {
     "script",
     "img",

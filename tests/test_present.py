@@ -25,8 +25,8 @@ def test_meaning_scale_is_neutral_within_the_floor_amber_to_the_tolerance_and_re
     assert s.rgb(0.05)[0] > 150 and s.rgb(0.05)[1] < 80  # red
     assert s.rgb(10.0) == RED_HI
     assert not s.dark(VLLM_TEST_TOL[1]) and s.dark(0.03)
-    assumed = meaning_scale("bfloat16")
-    assert assumed.floor_source == "assumed" and assumed.floor == 2.0**-7
+    unmeasured = meaning_scale("bfloat16")
+    assert unmeasured.floor_source == "unmeasured" and unmeasured.floor == 2.0**-7
 
 
 def _red(style: str) -> bool:
@@ -74,14 +74,57 @@ def test_red_tokens_and_the_verdict_tell_the_same_story(scale):
     assert v.level == ("close" if any(beyond) else "unmeasured")  # no noise floor in this made-up run
 
 
-def test_legend_names_both_marks():
+def test_legend_names_both_marks_and_says_when_the_floor_is_not_measured():
     html = token_view_html([make_run("ab34")], 0)
-    assert "within the noise floor: float32 ≤ 1.2e-07 (one rounding step, assumed" in html
-    assert f"within vLLM’s test tolerance (≤ {VLLM_TEST_TOL[0]:g})" in html and "beyond vLLM’s test tolerance" in html
-    measured = token_view_html([make_run("ab34")], 0, floors={"float32": 3e-6})
-    assert "float32 ≤ 3.0e-06 (HF’s measured noise)" in measured
+    assert "float32: HF’s noise floor is not measured" in html and "one rounding step, 1.2e-07, stands in" in html
+    assert (
+        f"within vLLM’s test tolerance (≤ {VLLM_TEST_TOL[0]:g}" in html and "beyond both the floor and vLLM’s tolerance" in html
+    )
+    measured = token_view_html(
+        [make_run("ab34")],
+        0,
+        floors={"float32": 3e-6},
+        floor_words={"float32": "HF moves 3e-06 when it scores 64 tokens a forward"},
+    )
+    assert "float32 ≤ 3.0e-06 (HF moves 3e-06 when it scores 64 tokens a forward)" in measured
+    assert "not measured" not in measured
+    zero = token_view_html([make_run("ab34")], 0, floors={"float32": 0.0})
+    assert "float32 = 0 (HF gave identical values against itself)" in zero and "not measured" not in zero
     raw = token_view_html([make_run("ab34")], 0, raw=True)
-    assert "raw log scale" in raw and "within the noise floor" not in raw
+    assert "raw log scale" in raw and "within HF’s own noise floor" not in raw
+
+
+def test_colour_bands_are_ordered_and_a_token_within_a_floor_above_the_tolerance_is_not_a_problem():
+    """bfloat16's floor can lie above vLLM's tolerance: a token up to the floor is neutral, never red,
+    the legend says so in words, and the bands never overlap (floor, then tolerance, then beyond)."""
+    s = meaning_scale("bfloat16", 0.043, "HF moves 0.043 when it scores 64 tokens a forward through its KV cache")
+    assert s.rgb(0.030) == NEUTRAL and s.band(0.030) == "floor" and not s.dark(0.030)  # ' third' on the Rollout page
+    assert s.rgb(0.043) == NEUTRAL
+    r, g, b = s.rgb(0.05)
+    assert s.band(0.05) == "beyond" and r > 150 and g < 80 and b < 80 and s.dark(0.05)
+    ordered = [s.band(v) for v in (1e-9, 0.02, 0.043, 0.0431, 1.0)]
+    assert ordered == ["floor", "floor", "floor", "beyond", "beyond"]
+    low = meaning_scale("bfloat16", 1e-3)
+    bands = [low.band(v) for v in (5e-4, 1e-3, 2e-3, 1e-2, 2e-2, 2.1e-2)]
+    assert bands == ["floor", "floor", "tolerance", "tolerance", "tolerance", "beyond"]
+    rank = {"floor": 0, "tolerance": 1, "beyond": 2}
+    grid = [10 ** (k / 10) for k in range(-90, 10)]
+    for scale in (s, low, meaning_scale("float32", 1e-6), meaning_scale("float32", 0.0)):
+        seen = [rank[scale.band(v)] for v in grid]
+        assert seen == sorted(seen), scale  # bands in order along |Δ logp|: never interleaved
+    html = token_view_html([make_run("ab35", dtype="bfloat16")], 0, floors={"bfloat16": 0.043})
+    assert "HF’s own floor (0.043) is above vLLM’s test tolerance" in html and "not a problem" in html
+
+
+def test_the_verdict_never_calls_a_token_within_the_floor_a_problem():
+    from logprob_parity.analysis.verdict import BEYOND_WORDS, Evidence, verdict
+
+    summary = {"max_abs_delta": 0.030, "mean_abs_delta": 0.012, "argmax_agreement": 1.0}
+    within = verdict(summary, "bfloat16", Evidence(noise_ratio=0.012 / 0.043, hf_noise=0.043, floor_words="HF moves 0.043"))
+    assert within.level == "match" and BEYOND_WORDS not in " ".join(within.reasons)
+    assert "within HF's own noise floor of 0.043" in " ".join(within.reasons)
+    above = verdict(summary, "bfloat16", Evidence(noise_ratio=0.012 / 0.005, hf_noise=0.005))
+    assert above.level == "close" and BEYOND_WORDS in " ".join(above.reasons)
 
 
 def test_one_palette_in_the_token_view_the_charts_and_the_report():

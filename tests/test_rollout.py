@@ -190,10 +190,18 @@ def test_the_rollout_id_holds_the_sampling_settings_and_seed(rolled):
     assert store.has_rollout(base) and store.list_rollouts()["rollout_id"].tolist().count(base) == 1
 
 
-def test_noise_floors_are_measured_and_named(rolled):
+def test_noise_floors_are_measured_and_named_by_the_one_definition(rolled):
+    from logprob_parity.results.rollout import hf_floor, hf_floor_words
+
     ros, _, _, _ = rolled
-    floors = ros["float32"].meta.floors
-    assert set(floors) == {"decode_batch", "hf_micro_batch", "hf_chunked", "hf_incremental"}
+    meta = ros["float32"].meta
+    floors = meta.floors
+    assert set(floors) == {"decode_batch", "micro_batch", "padding_side", "packed", "chunked_kv", "hf_incremental"}
+    defined = {k: f for k, f in floors.items() if f.get("in_floor")}
+    assert set(defined) == {"micro_batch", "padding_side", "packed", "chunked_kv"}  # logprob_parity.analysis.floors
+    # the trainer side's floor is the largest of the definition's variations, and the verdict names it
+    assert hf_floor(meta) == max(f["mean"] for f in defined.values())
+    assert hf_floor_words(meta).startswith("HF moves") and hf_floor_words(meta) in " ".join(meta.verdict["reasons"])
     assert floors["decode_batch"]["of"] == 2 and floors["decode_batch"]["same_tokens"] == 2  # float32 on a CPU
     for f in floors.values():
         assert f["n"] > 0 and f["mean"] is not None and f["max"] <= 1e-4 and f["what"]

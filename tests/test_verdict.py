@@ -83,7 +83,7 @@ def test_a_gap_inside_tolerance_but_far_above_the_noise_is_systematic_not_a_matc
     assert "vLLM is 350x farther from the float64 reference than HF" in v.headline
     assert "vLLM attention_backend=FLEX_ATTENTION removes 99.8% of the gap" in v.headline
     text = " ".join(v.reasons)
-    assert "comes from vLLM's side" in text and "systematic, not run-to-run noise" in text
+    assert "comes from vLLM's side" in text and "systematic, not what a trainer's own batching" in text
 
 
 def test_the_same_gap_with_no_noise_measured_is_not_called_a_match():

@@ -21,6 +21,7 @@ KEYS = {
     "max_abs_delta": ("largest |Δ logp|", "max"),
     "kl_full_mean": ("mean exact KL", "max"),
     "argmax_agreement": ("same top token (share of positions)", "min"),
+    "routing_flip_frac": ("MoE routers whose experts differ (share of token-layer pairs)", "max"),
 }
 
 
@@ -32,6 +33,7 @@ class Bounds:
     max_abs_delta: float | None = None
     max_kl_mean: float | None = None
     min_argmax_agreement: float | None = None
+    max_routing_flip_frac: float | None = None
     max_worsening: float = 1.5
 
     def fixed(self) -> dict[str, float]:
@@ -42,6 +44,7 @@ class Bounds:
                 ("max_abs_delta", self.max_abs_delta),
                 ("kl_full_mean", self.max_kl_mean),
                 ("argmax_agreement", self.min_argmax_agreement),
+                ("routing_flip_frac", self.max_routing_flip_frac),
             )
             if v is not None
         }
@@ -98,7 +101,7 @@ class CheckResult:
 def _fmt(key: str, v: float | None) -> str:
     if v is None:
         return "not measured"
-    return f"{v:.2%}" if key == "argmax_agreement" else f"{v:.3e}"
+    return f"{v:.2%}" if key in ("argmax_agreement", "routing_flip_frac") else f"{v:.3e}"
 
 
 def _outcome(run: Any, key: str, limit: float | None, why: str) -> Outcome:
@@ -106,7 +109,12 @@ def _outcome(run: Any, key: str, limit: float | None, why: str) -> Outcome:
     value = run.summary.get(key)
     if value is None or limit is None:
         ok = False
-        detail = f"{words} is not measured in this run" if value is None else f"the baseline has no {words}"
+        why = (getattr(getattr(run, "meta", None), "routing", None) or {}).get("why") if key.startswith("routing") else None
+        detail = (
+            f"{words} is not measured in this run" + (f": {why}" if why else "")
+            if value is None
+            else f"the baseline has no {words}"
+        )
     else:
         ok = value <= limit if way == "max" else value >= limit
         # a true statement either way: the relation that holds, then what it means for the bound
@@ -145,8 +153,8 @@ def check(runs: list[Any], bounds: Bounds, baseline: Any | None = None) -> Check
     fixed = bounds.fixed()
     if not fixed and baseline is None:
         raise UserError(
-            "no bound given: pass --max-mean-abs-delta, --max-abs-delta, --max-kl-mean, --min-argmax-agreement "
-            "or --baseline RUN_ID"
+            "no bound given: pass --max-mean-abs-delta, --max-abs-delta, --max-kl-mean, --min-argmax-agreement, "
+            "--max-routing-flip-frac or --baseline RUN_ID"
         )
     if bounds.max_worsening < 1:
         raise UserError(f"--max-worsening must be at least 1 (got {bounds.max_worsening})")
@@ -159,7 +167,7 @@ def check(runs: list[Any], bounds: Bounds, baseline: Any | None = None) -> Check
             if why:
                 raise UserError(f"run {run.run_id} cannot be checked against baseline {baseline.run_id}: {why}")
             f = bounds.max_worsening
-            for key in ("mean_abs_delta", "max_abs_delta", "kl_full_mean"):
+            for key in ("mean_abs_delta", "max_abs_delta", "kl_full_mean", "routing_flip_frac"):
                 base = baseline.summary.get(key)
                 if base is None and run.summary.get(key) is None:
                     continue  # measured in neither: nothing to compare
@@ -179,4 +187,22 @@ def check(runs: list[Any], bounds: Bounds, baseline: Any | None = None) -> Check
                         f"baseline {baseline.run_id[:12]} disagrees at {1 - agree:.2%} of positions; at most {f:g}x that",
                     )
                 )
-    return CheckResult(tuple(out), baseline.run_id if baseline is not None else None)
+    return CheckResult(tuple(out), baseline.run_id if baseline is not None else None, _verdict_notes(runs))
+
+
+def _verdict_notes(runs: list[Any]) -> tuple[str, ...]:
+    """Each run's verdict and the noise floor it judges against: the same level the pages, the report
+    and --json give (logprob_parity.analysis.verdict), beside the gate, not part of it."""
+    from logprob_parity.analysis.verdict import run_verdicts
+
+    out = []
+    for run, v in zip(runs, run_verdicts(runs)):
+        floor = run.summary.get("hf_noise_mean")
+        words = run.summary.get("noise_words")
+        where = (
+            f"HF's own floor {floor:.2g}" + (f" ({words})" if words else "")
+            if floor is not None
+            else "HF's own floor not measured"
+        )
+        out.append(f"verdict {run.dtype} {run.run_id[:12]}: {v.title}; {where}")
+    return tuple(out)

@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from logprob_parity.analysis import floors
@@ -16,6 +16,7 @@ from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.host import start_words
 from logprob_parity.engines.pool import Lease
+from logprob_parity.engines.routing import compare_routes, routing_summary
 from logprob_parity.env import device_name, versions
 from logprob_parity.inputs.models import ResolvedModel
 from logprob_parity.inputs.spec import RunSpec, content_hash
@@ -41,8 +42,9 @@ def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> d
         "bos": spec.bos,
         "versions": {k: v[k] for k in ("torch", "transformers", "vllm")},
         "device": device_name(device),
-        # a run without its noise floor is another run (the ids of runs with one are as before)
-        **({} if spec.noise_floor else {"noise_floor": False}),
+        # the floor's definition is part of what a run holds: another definition, another run
+        **({"noise_floor": floors.DEFINITION} if spec.noise_floor else {"noise_floor": False}),
+        "routing": ROUTING_TOKENS,  # an MoE model's routes are compared on this many positions
     }
 
 
@@ -178,7 +180,7 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
     seqs = p.seqs
     mml = p.max_model_len
     rid = run_id_for_ids(spec, p.model, dtype, p.device, p.texts, seqs, mml)
-    n_floor = floors.sample_of(seqs)
+    n_floor = floors.sample_of(seqs, p.device)
     batches = plan_batches([len(s) for s in seqs], p.model.vocab_size, p.device)
     many = len(batches) > 1
     if not use_cache:
@@ -284,6 +286,9 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
             for side in ("hf", "vllm")
         }
         floor, timing["noise_s"] = _measure_floor(p, dtype, requests, lease, first, main)
+    routing, per_seq = _measure_routing(p, dtype, requests, lease, seqs)
+    for i, r in enumerate(per_seq):
+        seq_infos[i] = replace(seq_infos[i], routing=r)
     if reused:
         ctx.emit(
             "cache",
@@ -296,6 +301,8 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         metrics = concat([metrics_of(store.part_table(rid, b, list(METRIC_COLUMNS))) for b in range(len(batches))])
     summary = summarize(metrics)
     summary.update(floors.with_ratio(floor, summary["mean_abs_delta"]))
+    if routing.get("measured"):
+        summary.update(routing_summary(per_seq))
     if kl_why:
         kl_full = "not computed: " + "; ".join(
             f"{why}" + (f" ({k} of {len(batches)} batches)" if many else "") for why, k in kl_why.items()
@@ -344,6 +351,8 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         },
         summary=summary,
         sequences=tuple(seq_infos),
+        noise=floor or {},
+        routing=routing,
     )
     parts = tables if not many else (store.part_table(rid, b) for b in range(len(batches)))
     store.write_run(meta, parts, request_key=request_key)
@@ -368,10 +377,54 @@ def _measure_floor(
     vhost, hhost = lease.host(vreq), lease.host(hreq)
     t = time.perf_counter()
     with ctx.pool.device_turn(ctx.waiter(dtype), what="the noise floor"):
-        ctx.emit("noise", dtype, f"each engine against itself on {floors.sample_of(seqs)} of the texts (batched, padded, alone)")
-        others = floors.other_prompts(p.tokenizer, spec.bos, vreq.max_model_len)
-        floor = lease.call(vreq, lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size))
+        ctx.emit(
+            "noise",
+            dtype,
+            f"each engine against itself on {floors.sample_of(seqs, p.device)} of the texts "
+            "(HF: micro-batch, padding side, packed, chunked through its KV cache; vLLM: alone and batched)",
+        )
+        others = floors.other_prompts(p.tokenizer, spec.bos, vreq.max_model_len, p.device)
+        floor = lease.call(
+            vreq, lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size, p.device)
+        )
     return floor, time.perf_counter() - t
+
+
+ROUTING_TOKENS = 8192  # positions of the first texts whose MoE routing is compared, at most
+
+
+def _measure_routing(
+    p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """For an MoE model, the experts each layer picked for each token of the first texts (up to
+    ROUTING_TOKENS positions), on both sides, compared as sets (logprob_parity.engines.routing):
+    (what was measured, each sequence's comparison). A dense model: {"measured": False, "why": ...}."""
+    ctx = p.ctx
+    vreq, hreq = requests
+    n, used = 0, 0
+    for s in seqs:
+        if n and used + len(s) > ROUTING_TOKENS:
+            break
+        n, used = n + 1, used + len(s)
+    vhost, hhost = lease.host(vreq), lease.host(hreq)
+    with ctx.pool.device_turn(ctx.waiter(dtype), what="the experts each token was routed to"):
+        hf = lease.call(hreq, lambda: hhost.routes(seqs[:n]))
+        if isinstance(hf, str):
+            return {"measured": False, "why": hf}, []
+        ctx.emit("routing", dtype, f"the experts each MoE layer picked for each token, on both sides, on {n} of the texts")
+        vl = lease.call(vreq, lambda: vhost.routes(seqs[:n]))
+    if isinstance(vl, str):
+        return {"measured": False, "why": vl}, []
+    per = [compare_routes(a, b) for a, b in zip(vl, hf)]
+    return {
+        "measured": True,
+        "texts": n,
+        "tokens": used,
+        "layers": per[0]["layers"] if per else 0,
+        "top_k": int(hf[0].shape[-1]) if hf else 0,
+        "vllm_from": "a capture on each MoE router of the engine (BaseRouter.set_capture_fn), each text prefilled alone",
+        "hf_from": "each MoE layer's router logits, top-k",
+    }, per
 
 
 # Work done beside the engines: describing a batch's texts while they score it, and measuring the

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from logprob_parity.analysis.compare import compare, compare_prepared
-from logprob_parity.analysis.floors import gap
+from logprob_parity.analysis.floors import VARIATIONS, floor_of, gap, hf_variations, variation_when
 from logprob_parity.analysis.request import Context, EventFn, prepare
 from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS
 from logprob_parity.analysis.verdict import diagnosis_verdicts
@@ -141,26 +141,16 @@ def diagnose(
         with ctx.pool.lease(needed, on_wait=ctx.waiter(d)) as lease:
             hf, vl = lease.host(hf_r), lease.host(v_r)
             if "noise" in parts:
-                emit("noise", d, "HF batched/padded, other attention; vLLM alone/batched/repeated")
-                with turn(what="the noise floor"):
-                    noise = {
-                        "hf_batched_right_padding": gap(base_hf, _lp(hf.score(ctx_seqs, 1, None, len(ctx_seqs), "right")[:n])),
-                        "hf_batched_left_padding": gap(base_hf, _lp(hf.score(ctx_seqs, 1, None, len(ctx_seqs), "left")[:n])),
-                        "vllm_alone_vs_batched": gap(_lp(vl.score(seqs, 1, None, 1)), _lp(vl.score(ctx_seqs, 1)[:n])),
-                        "vllm_repeat": gap(base_v, _lp(vl.score(seqs, 1))),
-                    }
-                    # the trainer's and the scripts' ways: through the KV cache, a chunk or one token a forward
-                    emit("noise", d, f"HF through its KV cache: {TRAINER_CHUNK} tokens a forward, and one token a forward")
-                    noise.update(_cached_scoring(hf, seqs, base_hf))
-                hf_other = lease.host(other_r)
-                with turn(what="the noise floor"):
-                    noise[f"hf_attn_{other}"] = gap(base_hf, _lp(hf_other.score(seqs, 1)))
-                hf_floor = max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("hf_"))
-                v_floor = max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("vllm_"))
+                noise = _noise(p, run, lease, hf_r, other_r, v_r, seqs, filler, ctx_seqs, base_hf, base_v, emit, turn)
                 out["noise"] = noise
-                out["floor"] = {"hf": hf_floor, "vllm": v_floor}
-                out["ratio_to_hf_noise"] = _ratio(out["gap"]["mean"], hf_floor)
-                out["ratio_to_vllm_noise"] = _ratio(out["gap"]["mean"], v_floor)
+                out["floor"] = {
+                    **floor_of(noise),
+                    "hf": floor_of(noise)["hf_noise_mean"],
+                    "vllm": max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("vllm_")),
+                    "texts": n,
+                }
+                out["ratio_to_hf_noise"] = _ratio(out["gap"]["mean"], out["floor"]["hf"])
+                out["ratio_to_vllm_noise"] = _ratio(out["gap"]["mean"], out["floor"]["vllm"])
             if "reference" in parts:
                 emit("reference", d, f"HF in {REFERENCE_DTYPE} on the CPU")
                 ref_w = lease.host(ref_r)
@@ -212,19 +202,48 @@ def diagnose(
     return result
 
 
-def _cached_scoring(hf: Any, seqs: list[list[int]], base_hf: list[np.ndarray]) -> dict[str, dict[str, Any]]:
-    """HF scoring the texts as trainers and per-prefix scripts do, through its KV cache, against one
-    pass: TRAINER_CHUNK tokens a forward (at least two chunks a text), and one token a forward (the
-    last INCREMENTAL_TOKENS tokens of a longer text, after the rest in one forward)."""
-    starts = [1] * len(seqs)
-    chunk = max(1, min(TRAINER_CHUNK, min(len(x) for x in seqs) // 2))
-    chunked = hf.rollout_score(seqs, starts, chunk=chunk)
-    tail = INCREMENTAL_TOKENS if max(map(len, seqs)) > INCREMENTAL_WHOLE else None
-    inc = hf.rollout_score(seqs, starts, chunk=1, tail=tail)
-    return {
-        "hf_chunked": gap([b[1:] for b in base_hf], [c["logprob"] for c in chunked]),
-        "hf_incremental": gap([b[int(c["first"]) :] for b, c in zip(base_hf, inc)], [c["logprob"] for c in inc]),
-    }
+def _noise(
+    p: Any,
+    run: Run,
+    lease: Any,
+    hf_r: Any,
+    other_r: Any,
+    v_r: Any,
+    seqs: list[list[int]],
+    filler: list[list[int]],
+    ctx_seqs: list[list[int]],
+    base_hf: list[np.ndarray],
+    base_v: list[np.ndarray],
+    emit: Any,
+    turn: Any,
+) -> dict[str, dict[str, Any]]:
+    """The floor's variations on every text (logprob_parity.analysis.floors; the comparison's own when
+    its sample held every text: the same number on both pages), and beside the floor: vLLM against
+    itself, HF one token a forward, HF's other attention kernel."""
+    d, n = run.dtype, len(seqs)
+    hf, vl = lease.host(hf_r), lease.host(v_r)
+    own = run.meta.noise.get("variations") if run.summary.get("noise_texts") == n else None
+    with turn(what="the noise floor"):
+        if own:
+            emit(
+                "noise", d, "HF's floor: the comparison measured it on every text already (micro-batch, padding, packed, chunked)"
+            )
+            noise = {k: dict(v) for k, v in own.items()}
+        else:
+            emit("noise", d, "HF's floor on every text: micro-batch, padding side, packed, chunked through its KV cache")
+            others = [f for f in filler if len(f) < p.max_model_len]
+            noise, _skipped = hf_variations(hf, seqs, base_hf, others, p.device, hf_batch_size=p.spec.settings.hf_batch_size)
+        emit("noise", d, "beside the floor: vLLM alone/batched/repeated; HF one token a forward")
+        noise["vllm_alone_vs_batched"] = gap(_lp(vl.score(seqs, 1, None, 1)), _lp(vl.score(ctx_seqs, 1)[:n]))
+        noise["vllm_repeat"] = gap(base_v, _lp(vl.score(seqs, 1)))
+        tail = INCREMENTAL_TOKENS if max(map(len, seqs)) > INCREMENTAL_WHOLE else None
+        inc = hf.rollout_score(seqs, [1] * n, chunk=1, tail=tail)
+        noise["hf_incremental"] = gap([b[int(c["first"]) :] for b, c in zip(base_hf, inc)], [c["logprob"] for c in inc])
+    other = other_r.settings.attn_implementation
+    hf_other = lease.host(other_r)
+    with turn(what="the noise floor"):
+        noise[f"hf_attn_{other}"] = gap(base_hf, _lp(hf_other.score(seqs, 1)))
+    return noise
 
 
 def _reference(v: list[np.ndarray], h: list[np.ndarray], ref: list[np.ndarray]) -> dict[str, Any]:
@@ -395,7 +414,7 @@ def knob_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def noise_source(key: str) -> str:
+def noise_source(key: str, variation: dict[str, Any] | None = None) -> str:
     """A noise measurement's name in words (the keys are the stored JSON's)."""
     words = {
         "hf_batched_right_padding": f"HF against itself: batched with {FILLER_PROMPTS} other prompts, padded on the right",
@@ -408,6 +427,8 @@ def noise_source(key: str) -> str:
             f"loop scores (the last {INCREMENTAL_TOKENS} tokens of a text longer than {INCREMENTAL_WHOLE})"
         ),
     }
+    if key in VARIATIONS:
+        return f"HF against itself, {variation_when(key, variation or {})}"
     if key.startswith("hf_attn_"):
         return f"HF against itself: the {key[len('hf_attn_') :]} attention kernel instead"
     return words.get(key, key.replace("_", " "))
@@ -425,7 +446,10 @@ def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, An
     for d, out in result.dtypes.items():
         if out.noise is not None:
             noise.append({"dtype": d, "what": GAP_SOURCE, MEAN: out.gap["mean"], MAX: out.gap["max"]})
-            noise.extend({"dtype": d, "what": noise_source(k), MEAN: v["mean"], MAX: v["max"]} for k, v in out.noise.items())
+            noise.extend(
+                {"dtype": d, "what": noise_source(k, v), MEAN: v["mean"], MAX: v["max"], "in the floor": k in VARIATIONS}
+                for k, v in out.noise.items()
+            )
             ratios.append(
                 {"dtype": d, "gap ÷ HF's own noise": out.ratio_to_hf_noise, "gap ÷ vLLM's own noise": out.ratio_to_vllm_noise}
             )

@@ -36,6 +36,8 @@ class RunDiff:
     share_narrower: float  # tokens whose gap shrank more than FACTOR times
     headline: str
     movers: tuple[dict[str, Any], ...]  # the tokens whose gap moved most, largest first
+    # an MoE model: each run's routing keys {"routing_flip_frac": {"a", "b"}, ...}; None for a dense one
+    routing: dict[str, dict[str, Any]] | None = None
 
     def to_pandas(self) -> Any:
         """The tokens whose gap moved most, one a row."""
@@ -57,6 +59,7 @@ class RunDiff:
             "factor": FACTOR,
             "headline": self.headline,
             "movers": list(self.movers),
+            **({"routing": self.routing} if self.routing else {}),
         }
 
 
@@ -147,7 +150,22 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
         narrower,
         headline,
         tuple(movers),
+        _routing(a, b),
     )
+
+
+ROUTING_KEYS = ("routing_flip_frac", "routing_tokens_flipped", "routing_layers_flipped_mean")
+
+
+def _routing(a: Any, b: Any) -> dict[str, dict[str, Any]] | None:
+    """Both runs' routing keys, when either measured routing (an MoE model)."""
+    if all(r.summary.get("routing_flip_frac") is None for r in (a, b)):
+        return None
+    return {k: {"a": a.summary.get(k), "b": b.summary.get(k)} for k in ROUTING_KEYS}
+
+
+def _pct(v: Any) -> str:
+    return "not measured" if v is None else f"{v:.2%}"
 
 
 def diff_text(d: RunDiff) -> str:
@@ -160,6 +178,17 @@ def diff_text(d: RunDiff) -> str:
         f"mean |Δ logp|  A {d.mean_a:.3e}  B {d.mean_b:.3e}",
         f"max  |Δ logp|  A {d.max_a:.3e}  B {d.max_b:.3e}",
         f"tokens whose gap grew more than {FACTOR:g}x: {d.share_wider:.1%}; shrank more than {FACTOR:g}x: {d.share_narrower:.1%}",
+        *(
+            [
+                "MoE routing against HF: "
+                + "; ".join(
+                    f"{w} A {_pct(d.routing[k]['a'])} B {_pct(d.routing[k]['b'])}"
+                    for k, w in (("routing_tokens_flipped", "tokens routed differently"), ("routing_flip_frac", "routers"))
+                )
+            ]
+            if d.routing
+            else []
+        ),
         "",
         "tokens whose gap moved most:",
     ]

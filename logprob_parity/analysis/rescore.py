@@ -29,14 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from logprob_parity.analysis import floors as floors_def
 from logprob_parity.analysis.compare import plan_batches, words_left
 from logprob_parity.analysis.request import Context, model_max_len, prepare
-from logprob_parity.analysis.rollout import (
-    CHUNK,
-    INCREMENTAL_TOKENS,
-    MICRO_BATCH,
-    with_trainer_defaults,
-)
+from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS, with_trainer_defaults
 from logprob_parity.analysis.verdict import rollout_verdict
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.host import start_words
@@ -104,6 +100,7 @@ def rescore(
                     "bos": p.spec.bos,
                     "logged": logged.digest,
                     "noise": noise_sequences,
+                    **({"noise_floor": floors_def.DEFINITION} if noise_sequences else {}),
                     "versions": {k: versions()[k] for k in ("torch", "transformers", "vllm")},
                     "device": device_name(p.device),
                 }
@@ -161,7 +158,8 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
     total, done, computed, reused, t_compute = logged.n_tokens, 0, 0, 0, 0.0
     store = ctx.store
     batches = _batches(logged, p.model.vocab_size, p.device)
-    n_first = min(len(logged), max(noise, MICRO_BATCH)) if noise else 0  # the sequences the floors rescore
+    # the sequences the floors rescore: the noise sequences and the others that fill their micro-batch
+    n_first = min(len(logged), noise + floors_def.OTHER_PROMPTS) if noise else 0
     first_hf: dict[int, np.ndarray] = {}  # and their HF logprobs in the rescore
     with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
         for req in (vreq, hreq):
@@ -394,39 +392,35 @@ def _floors(
     timing: dict[str, float],
 ) -> dict[str, dict[str, Any]]:
     """HF's own noise on the first k logged sequences (`full`: the first few, `one`: HF's logprobs of
-    the first k in the rescore): padded micro-batches, chunks through the KV cache, one token a
-    forward (the trainer's ways of scoring). No decode floor: nothing is decoded here."""
+    the first k in the rescore): the floor's one definition (logprob_parity.analysis.floors: micro-batch,
+    padding side, packed, chunked; the other logged sequences fill the batch, as a trainer's
+    micro-batch holds other rollouts), and beside it one token a forward. No decode floor: nothing is
+    decoded here."""
     if k == 0:
         return {}
     t = time.perf_counter()
     ctx.emit(
         "noise",
         dtype,
-        f"HF scores {k} logged sequence(s) in padded micro-batches, in chunks of {CHUNK} tokens, and token by token",
+        f"HF's floor on {k} logged sequence(s): micro-batch, padding side, packed, chunked through its KV cache; and token by token",
     )
+    base = [np.concatenate([np.full(s, np.nan), o]) for o, s in zip(one[:k], starts[:k])]
+    others = [list(x) for x in full[k : k + floors_def.OTHER_PROMPTS]]
     with ctx.pool.device_turn(ctx.waiter(dtype), what="the noise floor"):
-        mb = lease.call(hreq, lambda: hf.score(full[:MICRO_BATCH], 1, None, MICRO_BATCH))
-        chunk = max(2, min(CHUNK, min(len(f) for f in full[:k]) // 2))
-        chunked = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
+        variations, skipped = lease.call(
+            hreq,
+            lambda: floors_def.hf_variations(
+                hf, full[:k], base, others, hreq.device, starts=starts[:k], hf_batch_size=hreq.settings.hf_batch_size
+            ),
+        )
         inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1, tail=INCREMENTAL_TOKENS))
-    floors = {
-        "hf_micro_batch": {
-            **floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one[: len(mb)]),
-            "side": "hf",
-            "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass",
-        },
-        "hf_chunked": {
-            **floor_stats([c["logprob"] for c in chunked], one[:k]),
-            "side": "hf",
-            "chunk": chunk,
-            "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass",
-        },
-        "hf_incremental": {
-            **floor_stats([c["logprob"] for c in inc], [o[int(c["first"]) - s :] for c, o, s in zip(inc, one[:k], starts[:k])]),
-            "side": "hf",
-            "tokens": INCREMENTAL_TOKENS,
-            "what": f"HF: one token a forward through the KV cache vs one pass, the last {INCREMENTAL_TOKENS} tokens",
-        },
+    floors: dict[str, dict[str, Any]] = {}
+    floors.update(floors_def.floor_rows(variations, skipped))
+    floors["hf_incremental"] = {
+        **floor_stats([c["logprob"] for c in inc], [o[int(c["first"]) - s :] for c, o, s in zip(inc, one[:k], starts[:k])]),
+        "side": "hf",
+        "tokens": INCREMENTAL_TOKENS,
+        "what": f"HF: one token a forward through the KV cache vs one pass, the last {INCREMENTAL_TOKENS} tokens",
     }
     timing["noise_s"] = time.perf_counter() - t
     return floors

@@ -8,8 +8,9 @@ For each dtype:
    (the trainer), also at the sampling temperature, with the mass top-k/top-p keep.
 3. Three pairs per token and per sequence (logprob_parity.results.rollout.PAIRS) and the RL mismatch
    metrics (logprob_parity.results.offpolicy).
-4. Noise floors: the same seeded samples decoded alone (decode batch size); HF in padded
-   micro-batches, in chunks through the KV cache, and one token at a time, each against one pass.
+4. Noise floors: the same seeded samples decoded alone (decode batch size); HF's floor by the one
+   definition every view uses (logprob_parity.analysis.floors: micro-batch, padding side, packed,
+   chunked through the KV cache), and beside it HF one token a forward.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from logprob_parity.analysis import floors as floors_def
 from logprob_parity.analysis.request import Context, Prepared, model_max_len, prepare
 from logprob_parity.analysis.verdict import rollout_verdict
 from logprob_parity.engines import fullvocab
@@ -53,8 +55,6 @@ NOISE_SAMPLES = 2  # seeded samples re-decoded alone and rescored in chunks / to
 # scores the last this many tokens of each sample, after their prefix in one forward.
 NOISE_DECODE_TOKENS = 128
 INCREMENTAL_TOKENS = 64
-CHUNK = 64  # tokens per HF forward in the chunked-scoring floor
-MICRO_BATCH = 8  # sequences per padded HF forward in the micro-batch floor
 STEPS_PER_DTYPE = 8  # progress steps: load, sample, (processed), prefill, hf, floors x3
 
 
@@ -69,6 +69,7 @@ def _identity(p: Prepared, sampling: Sampling, dtype: str, noise: int) -> dict[s
         "bos": p.spec.bos,
         "sampling": sampling.to_dict(),
         "noise": noise,
+        **({"noise_floor": floors_def.DEFINITION} if noise else {}),
         "versions": {k: v[k] for k in ("torch", "transformers", "vllm")},
         "device": device_name(p.device),
         "texts": list(p.spec.texts),
@@ -334,24 +335,21 @@ def _noise_floors(
         "what": f"vLLM decode: each sample alone vs in the batch of {len(samples)} (the first {n_dec} tokens)",
     }
     ctx.emit(
-        "noise", dtype, f"HF scores in padded micro-batches of {MICRO_BATCH}, in chunks of {CHUNK} tokens, and token by token"
+        "noise",
+        dtype,
+        f"HF's floor on {k} sample(s): micro-batch, padding side, packed, chunked through its KV cache; and token by token",
     )
-    mb = lease.call(hreq, lambda: hf.score(full, 1, None, MICRO_BATCH))
     one = [h["logprob"] for h in hf_scores]
-    floors["hf_micro_batch"] = {
-        **floor_stats([m.logprob[s:] for m, s in zip(mb, starts)], one),
-        "side": "hf",
-        "what": f"HF: padded micro-batches of {MICRO_BATCH} vs one sequence a pass",
-    }
-    # at least two chunks a sequence, so the KV cache carries something between them
-    chunk = max(2, min(CHUNK, min(len(f) for f in full[:k]) // 2))
-    chunked = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=chunk))
-    floors["hf_chunked"] = {
-        **floor_stats([c["logprob"] for c in chunked], one[:k]),
-        "side": "hf",
-        "chunk": chunk,
-        "what": f"HF: {chunk} tokens a forward through the KV cache vs one pass",
-    }
+    # the floor's definition (logprob_parity.analysis.floors), on the completions: position-aligned values
+    base = [np.concatenate([np.full(s, np.nan), o]) for o, s in zip(one[:k], starts[:k])]
+    others = floors_def.other_prompts(p.tokenizer, p.spec.bos, p.max_model_len, p.device)
+    variations, skipped = lease.call(
+        hreq,
+        lambda: floors_def.hf_variations(
+            hf, full[:k], base, others, p.device, starts=starts[:k], hf_batch_size=hreq.settings.hf_batch_size
+        ),
+    )
+    floors.update(floors_def.floor_rows(variations, skipped))
     inc = lease.call(hreq, lambda: hf.rollout_score(full[:k], starts[:k], chunk=1, tail=INCREMENTAL_TOKENS))
     floors["hf_incremental"] = {
         **floor_stats([c["logprob"] for c in inc], [o[int(c["first"]) - s :] for c, o, s in zip(inc, one[:k], starts[:k])]),

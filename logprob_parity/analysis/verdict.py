@@ -62,6 +62,7 @@ class Evidence:
     hf_to_ref: float | None = None  # mean |HF - float64 reference|
     knob: str | None = None  # the setting whose change cuts the gap most
     knob_share: float | None = None  # share of the mean gap that setting removes (0..1)
+    floor_words: str | None = None  # the variation that set HF's floor, in words (logprob_parity.analysis.floors)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,10 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
     if mx is None or mean is None:
         return Verdict("differs", f"{dtype}: nothing was scored, so nothing can be said.", ())
     reasons = []
+    floor = ev.hf_noise
+    # a token within HF's own floor is never "a problem", even where the floor lies above vLLM's
+    # tolerance (bfloat16 can): the token view paints it the same way (logprob_parity.present.render)
+    beyond = mx > VLLM_TEST_TOL[1] and not (floor is not None and mx <= floor)
     if mx <= VLLM_TEST_TOL[0]:
         reasons.append(
             f"Every token is within vLLM's own test tolerance: the largest gap is {mx:.2g} (a change of {percent_change(mx)} "
@@ -104,9 +109,16 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
             f"Every token is within vLLM's looser test tolerance: the largest gap is {mx:.2g} "
             f"({percent_change(mx)} in probability), at most {VLLM_TEST_TOL[1]:g} allowed."
         )
+    elif not beyond:
+        reasons.append(
+            f"The largest gap, {mx:.2g} ({percent_change(mx)} in probability), is above vLLM's test tolerance of "
+            f"{VLLM_TEST_TOL[1]:g} but within HF's own noise floor of {floor:.2g}: HF moves as much against itself, "
+            "so no token is counted a problem."
+        )
     else:
         reasons.append(
-            f"{BEYOND_WORDS}: the largest gap is {mx:.2g} ({percent_change(mx)} in probability), above {VLLM_TEST_TOL[1]:g}."
+            f"{BEYOND_WORDS}: the largest gap is {mx:.2g} ({percent_change(mx)} in probability), above {VLLM_TEST_TOL[1]:g}"
+            + (f" and above HF's own noise floor of {floor:.2g}." if floor else ".")
         )
     ok_rl = mean <= RL_MEAN_ABS
     reasons.append(
@@ -127,22 +139,22 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
 
     silent = ev.noise_ratio is None and ev.hf_noise == 0  # HF gave bit-identical values against itself
     systematic = (ev.noise_ratio is not None and ev.noise_ratio > SYSTEMATIC_NOISE_RATIO) or (silent and mean > 0)
+    how = f" ({ev.floor_words})" if ev.floor_words else ""
     if silent:
         reasons.append(
-            "HF gave identical values against itself (batched, padded or alone): its own noise measured 0, so "
+            "HF gave identical values against itself under every variation measured"
+            + (f" ({ev.floor_words})" if ev.floor_words else "")
+            + ": its own noise measured 0, so "
             + ("any gap is above it: systematic." if mean > 0 else "and so is the gap.")
         )
     elif ev.noise_ratio is not None:
         if systematic:
             reasons.append(
-                f"The gap is {ev.noise_ratio:.3g}x HF's own noise (HF against itself when only how it is run changes: "
-                "batched, padded, another kernel): it is systematic, not run-to-run noise."
+                f"The gap is {ev.noise_ratio:.3g}x HF's own noise floor{how}: it is systematic, not what a trainer's "
+                "own batching, padding or chunking does to it."
             )
         else:
-            reasons.append(
-                f"The gap is {ev.noise_ratio:.2g}x HF's own noise (HF against itself when only how it is run changes): "
-                "about what HF does to itself."
-            )
+            reasons.append(f"The gap is {ev.noise_ratio:.2g}x HF's own noise floor{how}: about what HF does to itself.")
     side, side_clause = _reference_words(ev)
     if side:
         reasons.append(side)
@@ -154,7 +166,7 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
     if mean > RL_MEAN_ABS or worst_ratio > RATIO_BANDS[1]:
         level = "differs"
         head = f"{dtype}: the engines differ enough to change results (on average {percent_change(mean)} per token, worst {worst_ratio:.3g}x)."
-    elif mx > VLLM_TEST_TOL[1]:
+    elif beyond:
         level = "close"
         head = f"{dtype}: close on average ({percent_change(mean)} per token), but some tokens are beyond vLLM's test tolerance."
     elif systematic:
@@ -168,8 +180,8 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
             "more than noise is not known (Diagnostics measures it)."
         )
         reasons.append(
-            "HF's own noise (HF against itself when batched or padded) was not measured for this comparison: "
-            "the gap is not yet judged against it."
+            "HF's own noise floor (HF against itself when its micro-batch, padding, packing or chunking changes) "
+            "was not measured for this comparison: the gap is not yet judged against it."
         )
     else:
         level = "match"
@@ -219,6 +231,7 @@ def evidence_for(dtype: str, run_id: str | None, diagnostics: Any) -> Evidence:
     return Evidence(
         noise_ratio=out.ratio_to_hf_noise,
         hf_noise=(out.floor or {}).get("hf"),
+        floor_words=(out.floor or {}).get("noise_words"),
         vllm_to_ref=(ref.get("vllm_vs_ref") or {}).get("mean"),
         hf_to_ref=(ref.get("hf_vs_ref") or {}).get("mean"),
         knob=knob,
@@ -245,18 +258,26 @@ def hf_noise_of(runs: list[Any], diagnostics: Any = None) -> dict[str, dict[str,
     for r in runs:
         ev = evidence_for(r.dtype, r.run_id, diagnostics)
         if ev.hf_noise is not None:
+            texts = (diagnostics.dtypes[r.dtype].floor or {}).get("texts")
             out[r.dtype] = {
                 "floor": ev.hf_noise,
                 "ratio": ev.noise_ratio,
-                "source": "batching, padding, attention, scoring through the KV cache: stored diagnostics",
+                "words": ev.floor_words,
+                "source": f"HF against itself on {'every text' if texts is None else _texts(texts)}: stored diagnostics",
             }
         elif r.summary.get("hf_noise_mean") is not None:
+            n = r.summary.get("noise_texts")
             out[r.dtype] = {
                 "floor": r.summary["hf_noise_mean"],
                 "ratio": r.summary.get("noise_ratio"),
-                "source": "batching and padding, measured with this comparison",
+                "words": r.summary.get("noise_words"),
+                "source": f"HF against itself on {_texts(n) if n else 'a sample of the texts'}, measured with this comparison",
             }
     return out
+
+
+def _texts(n: int) -> str:
+    return "the text" if n == 1 else f"{n} texts"
 
 
 def run_verdicts(runs: list[Any], diagnostics: Any = None) -> list[Verdict]:
@@ -269,7 +290,8 @@ def run_verdicts(runs: list[Any], diagnostics: Any = None) -> list[Verdict]:
 def _run_evidence(run: Any, diagnostics: Any) -> Evidence:
     ev = evidence_for(run.dtype, run.run_id, diagnostics)
     if ev.noise_ratio is None and ev.hf_noise is None:
-        ev = replace(ev, noise_ratio=run.summary.get("noise_ratio"), hf_noise=run.summary.get("hf_noise_mean"))
+        s = run.summary
+        ev = replace(ev, noise_ratio=s.get("noise_ratio"), hf_noise=s.get("hf_noise_mean"), floor_words=s.get("noise_words"))
     return ev
 
 
@@ -284,7 +306,7 @@ def prompt_verdicts(runs: list[Any], seq: int, diagnostics: Any = None) -> list[
         ev = _run_evidence(r, diagnostics)
         mean = summary.get("mean_abs_delta")
         ratio = mean / ev.hf_noise if ev.hf_noise and mean is not None else None
-        out.append(verdict(summary, r.dtype, Evidence(noise_ratio=ratio, hf_noise=ev.hf_noise)))
+        out.append(verdict(summary, r.dtype, Evidence(noise_ratio=ratio, hf_noise=ev.hf_noise, floor_words=ev.floor_words)))
     return out
 
 
@@ -308,13 +330,13 @@ def rollout_verdict(meta: Any) -> Verdict:
     HF) judged against the same tolerances and against HF's own measured noise, then what is
     particular to a rollout: the importance ratios, decode against vLLM's own prefill, decoding
     alone against in a batch, and the bias top-k/top-p add."""
-    from logprob_parity.results.rollout import hf_floor
+    from logprob_parity.results.rollout import hf_floor, hf_floor_words
 
     s = meta.summary.get("decode_vs_hf") or {}
     floor = hf_floor(meta)
     mean = s.get("mean_abs_delta")
     ratio = mean / floor if (mean is not None and floor) else None
-    base = verdict(s, meta.dtype, Evidence(noise_ratio=ratio, hf_noise=floor))
+    base = verdict(s, meta.dtype, Evidence(noise_ratio=ratio, hf_noise=floor, floor_words=hf_floor_words(meta)))
     if s.get("n_tokens", 0) == 0:
         return base
     reasons = list(base.reasons)

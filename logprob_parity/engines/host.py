@@ -39,6 +39,8 @@ BACKEND_OPS = (
     "generate",
     "sample",
     "rollout_score",
+    "score_packed",
+    "routes",
     "write_full",
     "share_rows",
     "release_rows",
@@ -362,6 +364,12 @@ class HostClient:
             "scoring the rollout",
             timeout,
         )
+
+    def score_packed(self, sequences: list[list[int]], row_positions: int, timeout: float = 3600.0) -> Any:
+        return self._request(HostRequest("score_packed", (sequences, row_positions)), "scoring packed rows", timeout)
+
+    def routes(self, sequences: list[list[int]], timeout: float = 3600.0) -> Any:
+        return self._request(HostRequest("routes", (sequences,)), "reading the experts each token was routed to", timeout)
 
     def share_rows(self, token: str, timeout: float = 600.0) -> dict[str, Any]:
         return self._request(HostRequest("share_rows", (token,)), "sharing full logprobs", timeout)

@@ -112,7 +112,7 @@ def scatter(df: pd.DataFrame) -> Any:
 
 
 def by_position(df: pd.DataFrame, floors: dict[str, float] | None = None) -> Any:
-    """floors: HF's own noise (mean |Δ logp| across batching, padding and attention implementation) per dtype, drawn as a band."""
+    """floors: HF's own noise floor per dtype (logprob_parity.analysis.floors: the verdict's), drawn as a dashed line."""
     import altair as alt
 
     line = (

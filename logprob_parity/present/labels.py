@@ -36,12 +36,19 @@ SUMMARY_LABELS = {
     "dp_mean": "mean Δp (vLLM − HF probability of the token)",
     "dp_rms": "RMS Δp",
     "ppl_ratio": "perplexity ratio PPL(vLLM) / PPL(HF)",
-    "hf_noise_mean": "HF's own noise, mean |Δ logp| (HF against itself, batched and padded)",
-    "hf_noise_max": "HF's own noise, largest |Δ logp|",
+    "hf_noise_mean": "HF's own noise floor, mean |Δ logp| (the largest of its variations)",
+    "hf_noise_max": "HF's own noise, largest |Δ logp| (any variation)",
     "vllm_noise_mean": "vLLM's own noise, mean |Δ logp| (vLLM alone against batched)",
     "vllm_noise_max": "vLLM's own noise, largest |Δ logp|",
     "noise_ratio": "the gap as a multiple of HF's own noise",
     "noise_tokens": "tokens the noise was measured on",
+    "noise_texts": "texts the noise was measured on",
+    "noise_set_by": "the variation that set HF's floor",
+    "noise_words": "HF's floor in words",
+    "noise_measured": "variations of HF's floor measured",
+    "routing_flip_frac": "MoE: share of (token, layer) routers whose experts differ",
+    "routing_tokens_flipped": "MoE: share of tokens with a layer routed differently",
+    "routing_layers_flipped_mean": "MoE: layers routed differently, per token",
 }
 
 
@@ -49,19 +56,30 @@ def summary_label(key: str) -> str:
     return SUMMARY_LABELS.get(key, key.replace("_", " "))
 
 
-SHARE_KEYS = ("argmax_agreement", "frac_ratio_outside_0.9_1.1", "same_top_p", "same_top_p_err")
+SHARE_KEYS = (
+    "argmax_agreement",
+    "frac_ratio_outside_0.9_1.1",
+    "same_top_p",
+    "same_top_p_err",
+    "routing_flip_frac",
+    "routing_tokens_flipped",
+)
 
 
 def summary_value(key: str, v: object) -> str:
     """One summary figure as people read it: counts whole, shares as percentages, gaps in e-notation."""
     if v is None:
         return "–"
-    if key in ("n_tokens", "noise_tokens"):
+    if isinstance(v, str):
+        return v.replace("_", " ") if key in ("noise_set_by", "noise_measured") else v
+    if key in ("n_tokens", "noise_tokens", "noise_texts"):
         return f"{int(v):,}"
     if key == "noise_ratio":
         return f"{float(v):.3g}x"
     if key in SHARE_KEYS:
         return f"{float(v):.2%}"
+    if key == "routing_layers_flipped_mean":
+        return f"{float(v):.3g}"
     if key == "pearson_prob":
         return f"{float(v):.6f}"
     return f"{float(v):.3e}"

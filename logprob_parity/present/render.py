@@ -51,11 +51,14 @@ SCALES = {
     "prob_delta": Scale("prob_delta", "|Δp|", 1e-6, 1e-2, True),
     "kl_topk": Scale("kl_topk", "top-k KL (nats)", 1e-8, 1e-2, True),
     "rank_change": Scale("rank_change", "|rank change|", 0.0, 10.0, False),
+    # an MoE model's tokens: how many of its MoE layers picked other experts in vLLM than in HF
+    "routing_layers_flipped": Scale("routing_layers_flipped", "MoE layers routed differently", 0.0, 4.0, False),
 }
+ROUTING_METRIC = "routing_layers_flipped"
 # OrRd, light to dark
 _STOPS = [(255, 247, 236), (253, 212, 158), (252, 141, 89), (215, 48, 31), (127, 0, 0)]
 
-# One rounding step of each dtype (machine epsilon): the noise floor assumed when none was measured.
+# One rounding step of each dtype (machine epsilon): what stands in for a floor not measured (the legend says so).
 DTYPE_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
 NEUTRAL, AMBER_LO, AMBER_HI, ORANGE = (241, 245, 249), (253, 248, 228), (251, 191, 36), (249, 115, 22)
 RED_LO, RED_HI = (239, 68, 68), (127, 29, 29)
@@ -63,38 +66,46 @@ RED_LO, RED_HI = (239, 68, 68), (127, 29, 29)
 
 @dataclass(frozen=True)
 class MeaningScale:
-    """|Δ logp| coloured by what it means, so colour and verdict tell one story: within the noise
-    floor neutral; above it but within vLLM's test tolerance a pale-to-amber ramp; within the loose
-    tolerance orange; beyond vLLM's tolerance red, darkest at a 5x probability ratio."""
+    """|Δ logp| coloured by what it means, in three ordered bands that never overlap, so colour and
+    verdict tell one story (logprob_parity.analysis.verdict judges the same way):
+    1. within HF's own noise floor: neutral, whatever the tolerance (a floor can lie above it in bfloat16);
+    2. above the floor but within vLLM's test tolerance: pale to amber up to the tight tolerance, then
+       orange up to the loose one;
+    3. beyond both: red, darkest at a 5x probability ratio."""
 
     floor: float
-    floor_source: str  # "measured" (HF's own noise, from diagnostics) or "assumed" (the dtype's rounding step)
+    floor_source: str  # "measured" (HF's own noise floor) or "unmeasured" (one rounding step stands in, and the legend says so)
     key: str = "abs_delta"
     label: str = "|Δ logp|, by what it means"
+    words: str | None = None  # the variation that set the floor (logprob_parity.analysis.floors)
+
+    def band(self, value: float) -> str:
+        """'floor', 'tolerance' or 'beyond': the band a gap falls in."""
+        if not math.isfinite(value) or value <= self.floor:
+            return "floor"
+        return "beyond" if value > VLLM_TEST_TOL[1] else "tolerance"
 
     def rgb(self, value: float) -> tuple[int, int, int]:
         tight, loose = VLLM_TEST_TOL
-        # tolerance first: red means beyond vLLM's tolerance even where the measured noise floor is
-        # above it (bfloat16 can be), so a red token and the verdict's "red tokens" always agree
-        if not math.isfinite(value):
+        band = self.band(value)
+        if band == "floor":
             return NEUTRAL
-        if value > loose:
-            return _mix(RED_LO, RED_HI, _log_share(value, loose, math.log(RATIO_BANDS[1])))
+        if band == "beyond":
+            return _mix(RED_LO, RED_HI, _log_share(value, max(loose, self.floor), math.log(RATIO_BANDS[1])))
         if value > tight:
             return ORANGE
-        if value <= self.floor:
-            return NEUTRAL
-        return _mix(AMBER_LO, AMBER_HI, _log_share(value, self.floor, tight))
+        return _mix(AMBER_LO, AMBER_HI, _log_share(value, self.floor, tight)) if self.floor > 0 else AMBER_LO
 
     def dark(self, value: float) -> bool:
-        return math.isfinite(value) and value > VLLM_TEST_TOL[1]
+        return self.band(value) == "beyond"
 
 
-def meaning_scale(dtype: str, measured_floor: float | None = None) -> MeaningScale:
-    """The meaning scale of one dtype's row: HF's measured noise when diagnostics ran, else one rounding step."""
-    if measured_floor is not None and measured_floor > 0:
-        return MeaningScale(measured_floor, "measured")
-    return MeaningScale(DTYPE_EPS.get(dtype, 2.0**-23), "assumed")
+def meaning_scale(dtype: str, measured_floor: float | None = None, words: str | None = None) -> MeaningScale:
+    """The meaning scale of one dtype's row: HF's measured noise floor (0 included: HF gave identical
+    values), else one rounding step stands in and the legend says the floor is not measured."""
+    if measured_floor is not None:
+        return MeaningScale(float(measured_floor), "measured", words=words)
+    return MeaningScale(DTYPE_EPS.get(dtype, 2.0**-23), "unmeasured")
 
 
 def _log_share(v: float, lo: float, hi: float) -> float:
@@ -144,6 +155,9 @@ def metric_values(seq: SequenceResult, key: str) -> np.ndarray:
     m = seq.metrics
     if key == "rank_change":
         return np.where(m.scored, np.abs(seq.vllm.rank - seq.hf.rank).astype(float), np.nan)
+    if key == ROUTING_METRIC:  # per token, the first token included: it is routed too
+        got = (seq.routing or {}).get("flipped")
+        return np.asarray(got, dtype=np.float64) if got is not None else np.full(len(seq.token_ids), np.nan)
     return getattr(m, key)
 
 
@@ -169,8 +183,9 @@ def tooltip(seq: SequenceResult, t: int) -> str:
     shown = seq.pieces[t]
     what = repr(shown) if shown != "" else "part of a character that a later token completes"
     head = f"#{t}  {what}  id {seq.token_ids[t]}"
+    routes = _routing_lines(seq, t)
     if not m.scored[t]:
-        return head + "\nnot scored (no prediction for the first position)"
+        return "\n".join([head + "\nnot scored (no prediction for the first position)", *routes])
     hf, vl = seq.hf, seq.vllm
     lines = [
         head,
@@ -180,8 +195,25 @@ def tooltip(seq: SequenceResult, t: int) -> str:
         "most likely next token: " + ("the same in both" if m.argmax_agree[t] else "DIFFERENT between the engines"),
         "HF top-5:   " + _topk_lines("hf", seq, t),
         "vLLM top-5: " + _topk_lines("vllm", seq, t),
+        *routes,
     ]
     return "\n".join(lines)
+
+
+def _routing_lines(seq: SequenceResult, t: int) -> list[str]:
+    """An MoE model's routing of token t: the same experts in every layer, or each layer that differs
+    with both engines' expert sets (logprob_parity.engines.routing)."""
+    r = seq.routing
+    if not r or t >= len(r.get("flipped", ())):
+        return []
+    from logprob_parity.engines.routing import flips_at
+
+    flips = flips_at(r, t)
+    if not flips:
+        return [f"experts: the same in all {r['layers']} MoE layers"]
+    return [f"experts: DIFFERENT in {len(flips)} of {r['layers']} MoE layers"] + [
+        f"  layer {layer}: vLLM {v}  HF {h}" for layer, v, h in flips
+    ]
 
 
 def _piece_html(seq: SequenceResult, t: int) -> tuple[str, bool]:
@@ -246,19 +278,38 @@ def legend_html(scale: Scale, threshold: float | None) -> str:
 
 
 def meaning_legend_html(floors: dict[str, MeaningScale], threshold: float | None) -> str:
-    """The meaning scale's key, with both marks: each row's noise floor and vLLM's test tolerance."""
+    """The meaning scale's key: its three bands in order, each row's floor in words (measured, and by
+    which variation, or not measured), and where a floor lies above vLLM's tolerance, that it does."""
     tight, loose = VLLM_TEST_TOL
-    floor_txt = ", ".join(
-        f"{html.escape(d)} ≤ {s.floor:.1e} ({'HF’s measured noise' if s.floor_source == 'measured' else 'one rounding step, assumed: run Diagnostics to measure'})"
+
+    def floor_words(d: str, s: MeaningScale) -> str:
+        if s.floor_source != "measured":
+            return (
+                f"{html.escape(d)}: HF’s noise floor is not measured (run with its noise floor, or Diagnostics); "
+                f"one rounding step, {s.floor:.1e}, stands in"
+            )
+        if s.floor == 0:
+            return f"{html.escape(d)} = 0 (HF gave identical values against itself" + (
+                f": {html.escape(s.words)})" if s.words else ")"
+            )
+        return f"{html.escape(d)} ≤ {s.floor:.1e}" + (f" ({html.escape(s.words)})" if s.words else " (HF’s measured noise)")
+
+    floor_txt = "; ".join(floor_words(d, s) for d, s in floors.items())
+    above = [
+        f"{html.escape(d)}: HF’s own floor ({s.floor:.2g}) is above vLLM’s test tolerance ({tight:g} tight, {loose:g} loose), "
+        f"so a token up to {s.floor:.2g} is within HF’s noise, not a problem; red starts above {max(s.floor, loose):.2g}"
         for d, s in floors.items()
-    )
+        if s.floor_source == "measured" and s.floor > tight
+    ]
+    note = "".join(f'<span class="lpp-key lpp-note">{a}.</span>' for a in above)
     thr = f'<span class="lpp-key">outlined: |Δ logp| &gt; {threshold:.3g}</span>' if threshold is not None else ""
     return (
         '<div class="lpp-legend" data-scale="meaning"><b>Colour: how far apart the engines are</b>'
-        f'<span class="lpp-key">{_chip(NEUTRAL)} within the noise floor: {floor_txt}</span>'
-        f'<span class="lpp-key">{_chip(AMBER_LO)}{_chip(AMBER_HI)} above the noise, within vLLM’s test tolerance (≤ {tight:g})</span>'
-        f'<span class="lpp-key">{_chip(ORANGE)} within vLLM’s loose tolerance (≤ {loose:g})</span>'
-        f'<span class="lpp-key">{_chip(RED_LO)}{_chip(RED_HI)} beyond vLLM’s test tolerance: a problem</span>{thr}</div>'
+        f'<span class="lpp-key" data-band="floor">{_chip(NEUTRAL)} within HF’s own noise floor: {floor_txt}</span>'
+        f'<span class="lpp-key" data-band="tolerance">{_chip(AMBER_LO)}{_chip(AMBER_HI)}{_chip(ORANGE)} above the floor, '
+        f"within vLLM’s test tolerance (≤ {tight:g}, orange to the loose {loose:g})</span>"
+        f'<span class="lpp-key" data-band="beyond">{_chip(RED_LO)}{_chip(RED_HI)} beyond both the floor and vLLM’s '
+        f"tolerance: a problem</span>{note}{thr}</div>"
     )
 
 
@@ -272,16 +323,18 @@ def token_view_html(
     raw: bool = False,
     floors: dict[str, float] | None = None,
     window: tuple[int, int] | None = None,
+    floor_words: dict[str, str] | None = None,
 ) -> str:
     """One row per dtype for one sequence, with the CSS inline (st.html and reports alike).
 
     |Δ logp| is coloured by meaning (noise floor, vLLM's tolerance) unless `raw`; `floors` are HF's
-    measured noise per dtype (diagnostics), else each dtype's rounding step is assumed. `window`
+    measured noise floor per dtype (verdict.hf_noise_of: the verdict's own), `floor_words` the variation
+    that set each; a dtype without one says it is not measured, and one rounding step stands in. `window`
     shows positions [start, stop) only, so a long text stays fast."""
     start, stop = window if window else (0, None)
     live = [r for r in runs if seq_index < len(r.sequences)]
     if metric == "abs_delta" and not raw:
-        scales = {r.dtype: meaning_scale(r.dtype, (floors or {}).get(r.dtype)) for r in live}
+        scales = {r.dtype: meaning_scale(r.dtype, (floors or {}).get(r.dtype), (floor_words or {}).get(r.dtype)) for r in live}
         legend = meaning_legend_html(scales, threshold)
         rows = [sequence_row_html(r.dtype, r.sequences[seq_index], scales[r.dtype], threshold, start, stop) for r in live]
     else:

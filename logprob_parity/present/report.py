@@ -159,7 +159,9 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
 
     if diagnostics:
         parts.append(diagnostics_section(diagnostics))
-    floors = {d: x["floor"] for d, x in hf_noise_of(runs, diagnostics).items()} or None
+    noise = hf_noise_of(runs, diagnostics)
+    floors = {d: x["floor"] for d, x in noise.items()} or None
+    words = {d: x.get("words") for d, x in noise.items()}
     n = min(len(first.sequences), MAX_SEQUENCES)
     parts.append(
         f"<h2>Tokens</h2><p>Hover a token for both logprobs, ranks and top-5 lists. Showing {n} of {len(first.sequences)} prompts.</p>"
@@ -167,7 +169,7 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
     for i in range(n):
         s = first.sequences[i]
         parts.append(f"<h3>Prompt {i + 1}</h3><pre>{_e(s.text)}</pre>")
-        parts.append(token_view_html(runs, i, floors=floors))
+        parts.append(token_view_html(runs, i, floors=floors, floor_words=words))
     parts.append("</body></html>")
     return "".join(parts)
 

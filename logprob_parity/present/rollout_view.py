@@ -97,6 +97,7 @@ def floors_table(ro: Rollout) -> pd.DataFrame:
                 "largest": fmt(f.get("max"), "e"),
                 "tokens": fmt(f.get("n"), "d"),
                 "same tokens": f"{f['same_tokens']} of {f['of']}" if "same_tokens" in f else "",
+                "in HF's floor": "yes" if f.get("in_floor") else "",
             }
         )
     return pd.DataFrame(rows)
@@ -126,8 +127,10 @@ def _tip(ro: Rollout, i: int, t: int) -> str:
 def completion_html(ro: Rollout, i: int, pair: str = "decode_vs_hf", floor: float | None = None) -> str:
     """One sample: its prompt (plain) and its completion as tokens coloured by |Δ| of `pair` on the
     meaning scale (neutral within the noise floor, amber to vLLM's tolerance, red beyond)."""
+    from logprob_parity.results.rollout import hf_floor, hf_floor_words
+
     s = ro.samples[i]
-    scale = meaning_scale(ro.dtype, floor)
+    scale = meaning_scale(ro.dtype, floor if floor is not None else hf_floor(ro.meta), hf_floor_words(ro.meta))
     vals = np.abs(s.delta(pair))
     spans = []
     for t in range(len(s.completion_token_ids)):

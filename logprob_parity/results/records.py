@@ -7,6 +7,7 @@ diagnostics stored by earlier versions still open (`from_dict` fills keys they l
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -42,6 +43,9 @@ class SequenceInfo:
     n_positions: int
     summary: dict[str, Any]
     cut_from: int | None = None  # the prompt's token count before truncation cut it to n_positions
+    # an MoE model's routing against HF's (logprob_parity.engines.routing.compare_routes): layers that
+    # differ at each token and the flips; None when not measured (a dense model, or beyond the sample)
+    routing: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SequenceInfo:
@@ -69,6 +73,12 @@ class RunMeta:
     timing: dict[str, Any]
     summary: dict[str, Any]
     sequences: tuple[SequenceInfo, ...]
+    # the noise floor as measured (logprob_parity.analysis.floors.measure): each variation's gap and
+    # words, what was skipped and why; its summary figures are in `summary`. Empty: not measured.
+    noise: dict[str, Any] = field(default_factory=dict)
+    # an MoE model's routing against HF's (logprob_parity.analysis.compare._measure_routing): what was
+    # measured, on how many texts, or {"measured": False, "why": "not an MoE model"}. Empty: runs before it.
+    routing: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """What dataclasses.asdict gives, built field by field: asdict copies every value of every
@@ -78,6 +88,8 @@ class RunMeta:
         d["backends"] = list(self.backends)
         d["settings"], d["timing"], d["summary"] = dict(self.settings), dict(self.timing), dict(self.summary)
         d["model_identity"] = dict(self.model_identity)
+        d["noise"] = json.loads(json.dumps(self.noise))
+        d["routing"] = dict(self.routing)
         names = [f.name for f in fields(SequenceInfo)]
         d["sequences"] = [{**{n: getattr(s, n) for n in names}, "summary": dict(s.summary)} for s in self.sequences]
         return d

@@ -596,6 +596,22 @@ def exact_stats_each(samples: Any) -> list[dict[str, float | None]]:
 
 
 def hf_floor(meta: RolloutMeta) -> float | None:
-    """The trainer side's own noise: the largest mean of HF's floors."""
-    vals = [f["mean"] for f in meta.floors.values() if f.get("side") == "hf" and f.get("mean") is not None]
-    return max(vals) if vals else None
+    """The trainer side's own noise floor: the largest mean of the floor's variations
+    (logprob_parity.analysis.floors); rollouts stored before that definition: of HF's floors."""
+    return _hf_floor(meta)[0]
+
+
+def hf_floor_words(meta: RolloutMeta) -> str | None:
+    """The variation that set the trainer side's floor, in words."""
+    return _hf_floor(meta)[1]
+
+
+def _hf_floor(meta: RolloutMeta) -> tuple[float | None, str | None]:
+    hf = {k: f for k, f in meta.floors.items() if f.get("side") == "hf" and f.get("mean") is not None}
+    defined = {k: f for k, f in hf.items() if f.get("in_floor")}
+    got = defined or hf
+    if not got:
+        return None, None
+    key = max(got, key=lambda k: got[k]["mean"])
+    f = got[key]
+    return f["mean"], f.get("words") or f.get("what")

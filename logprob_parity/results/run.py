@@ -73,6 +73,8 @@ class SequenceResult:
     # Decoded text of each side's top-k ids, so views need no tokenizer: {"hf": [T][k] strings, ...}
     # (tuples when built, a numpy object array [T, k] when read from the store)
     topk_text: dict[str, Any] | None = None
+    # an MoE model's routing against HF's at each token (SequenceInfo.routing); None when not measured
+    routing: dict[str, Any] | None = None
 
     @classmethod
     def build(cls, tok: Any, hf: TokenScores, vllm: TokenScores, decode: Callable[[int], str] | None = None) -> SequenceResult:
@@ -165,6 +167,7 @@ class SequenceResult:
             metrics=metrics,
             summary=info.summary,
             topk_text=text if all(t.shape[1] for t in text.values()) else None,
+            routing=getattr(info, "routing", None),
         )
 
     def positions_json(self) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import streamlit as st
 from logprob_parity.analysis.verdict import BEYOND_WORDS, Verdict, hf_noise_of, prompt_verdicts, run_verdicts
 from logprob_parity.dashboard.state import query_float, query_int, query_metric, set_query
 from logprob_parity.present.charts import CHARTS, chart_frame, worst_tokens
-from logprob_parity.present.render import SCALES, token_view_html, windows
+from logprob_parity.present.render import ROUTING_METRIC, SCALES, token_view_html, windows
 from logprob_parity.present.report import report_html
 from logprob_parity.results.records import DiagnosticsResult
 from logprob_parity.results.run import Run
@@ -24,6 +24,9 @@ WINDOW = 512  # positions drawn at once: a long text stays fast, worst part firs
 
 # One line of plain words for each term the page shows (the glossary in docs/architecture.md is longer).
 HELP = {
+    "routing_tokens": "An MoE model: the share of tokens that at least one layer's router sent to other experts "
+    "in vLLM than in HF. Other experts mean other weights: such a token's gap has a cause.",
+    "routing_flip": "An MoE model: the share of (token, layer) routers whose expert sets differ between vLLM and HF.",
     "max": "The largest difference between the engines' log probability of one token. "
     "0.01 means that token's probability differs by about 1% between vLLM and HF.",
     "mean": "The average difference per token (mean |Δ logp|). RL trainers accept up to 0.1 between trainer and rollout.",
@@ -74,6 +77,11 @@ def metric_cards(runs: list[Run], seq: int | None = None) -> None:
             else:
                 a.metric("top-k KL (mean)", _fmt(s.get("mean_kl_topk")), help=HELP["kl"])
             b.metric("whole-text Δ logp", _fmt(s.get("seq_logprob_delta")), help=HELP["seq"])
+            if s.get("routing_flip_frac") is not None:
+                a.metric("tokens routed differently", _fmt(s["routing_tokens_flipped"], pct=True), help=HELP["routing_tokens"])
+                b.metric("routers that differ", _fmt(s["routing_flip_frac"], pct=True), help=HELP["routing_flip"])
+            elif seq is None and r.meta.routing.get("why"):
+                st.caption(f"Experts: {r.meta.routing['why']}.")
 
 
 VERDICT_BOX = {
@@ -98,6 +106,23 @@ def verdict_cards(verdicts: list[Verdict]) -> None:
         st.caption("Thresholds: " + "; ".join(verdicts[0].thresholds))
 
 
+def _layers(runs: list[Run]) -> float:
+    """The routing scale's default top: the MoE layers of the model, as one of the slider's stops."""
+    n = max((r.meta.routing.get("layers") or 0) for r in runs)
+    return float(next((x for x in (1.0, 2.0, 4.0, 8.0, 16.0, 48.0, 100.0, 1000.0) if x >= n), 1000.0))
+
+
+def floor_caption(d: str, floors: dict) -> str:
+    """One dtype's floor in words: its value, where it was measured, the variation that set it, and the gap against it."""
+    r, words = floors["ratios"].get(d), floors["words"].get(d)
+    head = (
+        f"{d}: the gap is {r:.3g}× HF's own floor of {floors['hf'][d]:.2g}"
+        if r is not None
+        else (f"{d}: HF's own floor measured {floors['hf'][d]:.2g}")
+    )
+    return head + f" ({floors['source'][d]}" + (f"; {words}" if words else "") + ")"
+
+
 def noise_floors(runs: list[Run], found: DiagnosticsResult | None) -> dict | None:
     """HF's own noise per dtype: from diagnostics stored for these runs, else the comparison's own."""
     got = hf_noise_of(runs, found)
@@ -107,6 +132,7 @@ def noise_floors(runs: list[Run], found: DiagnosticsResult | None) -> dict | Non
         "hf": {d: x["floor"] for d, x in got.items()},
         "ratios": {d: x["ratio"] for d, x in got.items()},
         "source": {d: x["source"] for d, x in got.items()},
+        "words": {d: x.get("words") for d, x in got.items()},
     }
 
 
@@ -196,15 +222,17 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
         seq = int(shown) - 1
     else:
         seq = seq_fixed if seq_fixed is not None else 0
-    metrics = list(METRIC_LABELS)
+    # the routing metric only where the runs hold routes (an MoE model)
+    metrics = [k for k in METRIC_LABELS if k != ROUTING_METRIC or any(r.meta.routing.get("measured") for r in runs)]
     metric = c2.selectbox(
         "Colour by",
         metrics,
-        metrics.index(query_metric()),
+        metrics.index(query_metric()) if query_metric() in metrics else 0,
         format_func=METRIC_LABELS.get,
         key=f"{page}-metric",
         help="|Δ logp|: the gap in log probability. |Δp|: the gap in probability. top-k KL: how different "
-        "the lists of likely next tokens are. rank change: how many places the token moved.",
+        "the lists of likely next tokens are. rank change: how many places the token moved. MoE layers routed "
+        "differently (an MoE model): at how many layers the router picked other experts in vLLM than in HF.",
     )
     raw = False
     hi = None
@@ -219,8 +247,8 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
     if metric != "abs_delta" or raw:
         hi = c3.select_slider(
             "Scale max",
-            SCALE_MAXES if metric != "rank_change" else [1.0, 5.0, 10.0, 100.0, 1000.0],
-            value=SCALES[metric].hi,
+            SCALE_MAXES if metric not in ("rank_change", ROUTING_METRIC) else [1.0, 2.0, 4.0, 8.0, 16.0, 48.0, 100.0, 1000.0],
+            value=_layers(runs) if metric == ROUTING_METRIC else SCALES[metric].hi,
             key=f"{page}-hi-{metric}",
         )
     thr_q = query_float("thr", 0.0) or 0.0
@@ -237,23 +265,30 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
     window = _window(runs, int(seq), page)
     floors = noise_floors(runs, diag)
     st.caption(
-        "Each token is coloured by how far apart the engines are. Hover a token for both engines' values, "
-        "ranks and their five most likely tokens (shown in a panel at the lower right)."
+        (
+            "Each token is coloured by how many of its MoE layers picked other experts in vLLM than in HF. "
+            if metric == ROUTING_METRIC
+            else "Each token is coloured by how far apart the engines are. "
+        )
+        + "Hover a token for both engines' values, ranks and their five most likely tokens (shown in a panel at the "
+        "lower right)."
     )
     st.html(
-        token_view_html(runs, int(seq), metric, thr or None, hi, raw=raw, floors=floors["hf"] if floors else None, window=window)
+        token_view_html(
+            runs,
+            int(seq),
+            metric,
+            thr or None,
+            hi,
+            raw=raw,
+            floors=floors["hf"] if floors else None,
+            floor_words=floors["words"] if floors else None,
+            window=window,
+        )
     )
 
     if floors:
-        st.caption(
-            "Noise floor: "
-            + " · ".join(
-                f"{d}: the gap is {r:.3g}× HF's own noise ({floors['source'][d]})"
-                if r is not None
-                else f"{d}: HF's own noise measured {floors['hf'][d]:.2g} ({floors['source'][d]})"
-                for d, r in floors["ratios"].items()
-            )
-        )
+        st.caption("Noise floor: " + " · ".join(floor_caption(d, floors) for d in floors["hf"]))
     df = chart_frame(runs, int(seq))
     tabs = st.tabs(
         [

@@ -76,11 +76,13 @@ def spec_form(key: str, with_text: bool, noise_choice: bool = True) -> tuple[Run
         truncate = c4.checkbox("Truncate prompts longer than the model's positions", False, key=f"{key}-truncate")
         noise = (
             c5.checkbox(
-                "Measure each engine's own noise too (about a tenth more time)",
+                "Measure HF's own noise floor too",
                 True,
                 key=f"{key}-noise",
-                help="HF against itself (batched and padded) and vLLM against itself (alone and batched), on the "
-                "first texts: the verdict then says whether the gap is more than noise.",
+                help="HF against itself when its micro-batch, padding side, packing or chunking through its KV cache "
+                "changes (what a trainer changes from step to step), on the first texts; and vLLM alone against "
+                "batched. The verdict then says whether the gap is more than that noise, and which change set it. "
+                "It costs about a tenth more on a GPU at scale; on a CPU, about a second a dtype for a short text.",
             )
             if noise_choice
             else True  # Diagnostics: always, as before; its page offers the wider noise check as a part

@@ -102,8 +102,10 @@ if result:
     tables = diagnostics_tables(result)
     if tables["noise"]:
         st.markdown(
-            "**Noise floor**: the gap between vLLM and HF beside each engine's disagreement with itself. "
-            "A gap far above HF's own noise is systematic: it has a cause."
+            "**Noise floor**: the gap between vLLM and HF beside HF's disagreement with itself when only what a "
+            "trainer changes from step to step changes (micro-batch, padding side, packing, chunking through its KV "
+            "cache: the rows marked *in the floor*; the others are shown beside it). A gap far above HF's own floor "
+            "is systematic: it has a cause."
         )
         cols = st.columns(len(tables["ratios"]))
         for col, row in zip(cols, tables["ratios"]):
@@ -111,9 +113,12 @@ if result:
             col.metric(
                 f"{row['dtype']}: the gap is",
                 "–" if r is None else f"{r:.3g}× HF's own noise",
-                help="The mean gap between the engines divided by the largest mean gap HF shows against itself "
-                "(batched, padded, or with another attention kernel).",
+                help="The mean gap between the engines divided by HF's floor: the largest mean gap HF shows against "
+                "itself across the floor's variations.",
             )
+            words = (result.dtypes[row["dtype"]].floor or {}).get("noise_words")
+            if words:
+                col.caption(f"Floor set by: {words}.")
         df = pd.DataFrame(tables["noise"])
         st.dataframe(df, hide_index=True, width="stretch", column_config=columns(df))
         st.altair_chart(log_bars(df, MEAN, "what", "mean |Δ logp| (log scale)"), width="stretch")

@@ -72,6 +72,29 @@ class FakeBackend(Backend):
             out.append(sc)
         return out
 
+    def score_packed(self, sequences: list[list[int]], row_positions: int) -> list[TokenScores]:
+        """Packing changes nothing in the fake's table (it has no kernels)."""
+        return self.score(sequences, 1)
+
+    def rollout_score(
+        self,
+        sequences: list[list[int]],
+        starts: list[int],
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        chunk: int | None = None,
+        full: Any = None,
+        tail: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """The chunked scoring of the noise floor only: the same values as one pass (no KV cache here)."""
+        if chunk is None:
+            raise NotImplementedError("the fake backend scores a rollout's chunked noise floor only")
+        return [{"logprob": s.logprob[st:], "first": np.asarray(st)} for s, st in zip(self.score(sequences, 1), starts)]
+
+    def routes(self, sequences: list[list[int]]) -> str:
+        return "not an MoE model"
+
     def generate(self, sequences: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         out = []
         for ids in sequences:

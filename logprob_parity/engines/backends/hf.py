@@ -102,6 +102,42 @@ class HFBackend(Backend):
         return rows
 
     @torch.inference_mode()
+    def score_packed(self, sequences: list[list[int]], row_positions: int) -> list[TokenScores] | str:
+        """The sequences packed whole into rows of up to `row_positions` tokens, each row one forward
+        with position ids that restart at every sequence and no attention mask: padding-free
+        training's way (TRL, verl), which transformers turns into a block-diagonal causal mask. A
+        sentence (str) says why not when this model's HF code does not read packed position ids."""
+        why = packing_unsupported(self.model)
+        if why:
+            return why
+        out: list[TokenScores | None] = [None] * len(sequences)
+        for idx in _packs([len(s) for s in sequences], row_positions):
+            chunk = [sequences[i] for i in idx]
+            x = torch.tensor([[t for ids in chunk for t in ids]], dtype=torch.long, device=self.device)
+            pos = torch.cat([torch.arange(len(ids), device=self.device) for ids in chunk])[None]
+            logits = self._forward_model(input_ids=x, position_ids=pos, use_cache=False).logits[0]
+            rows, at = [], 0
+            for ids in chunk:
+                rows.append(logits[at : at + len(ids) - 1])
+                at += len(ids)
+            for i, res in zip(idx, self._from_rows(chunk, rows, 1, None)):
+                out[i] = res
+        return out  # type: ignore[return-value]
+
+    def routes(self, sequences: list[list[int]]) -> list[np.ndarray] | str:
+        """Each sequence's expert ids [tokens, MoE layers, k], one sequence a forward, from the MoE
+        layers' router logits (logprob_parity.engines.routing); a sentence for a dense model."""
+        from logprob_parity.engines import routing
+
+        out = []
+        for ids in sequences:
+            got = routing.hf_routes(self.model, list(ids), self.device)
+            if got is None:
+                return routing.NOT_MOE
+            out.append(got)
+        return out
+
+    @torch.inference_mode()
     def bare_forward(self, sequences: list[list[int]], batch_size: int, top_k: int) -> float:
         """Seconds a plain forward pass over these ids takes, `batch_size` sequences a pass (right-
         padded with a mask when lengths differ), with the least a comparison needs from it: float32
@@ -355,6 +391,31 @@ class HFBackend(Backend):
             "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if self.device.startswith("cuda") else None,
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
         }
+
+
+def packing_unsupported(model: Any) -> str | None:
+    """Why this model cannot score packed sequences, or None: transformers reads restarting position
+    ids as sequence boundaries in its masking utilities, which a model's code must call."""
+    import sys
+
+    mod = sys.modules.get(type(model).__module__)
+    if mod is None or not any(hasattr(mod, f) for f in ("create_causal_mask", "create_sliding_window_causal_mask")):
+        return f"{type(model).__name__}'s HF code does not build its mask from packed position ids"
+    return None
+
+
+def _packs(lengths: list[int], row: int) -> list[list[int]]:
+    """Indices packed in order into rows of up to `row` tokens (a longer sequence gets a row alone)."""
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if out and used + n <= row:
+            out[-1].append(i)
+            used += n
+        else:
+            out.append([i])
+            used = n
+    return out
 
 
 class _Clock:

@@ -74,6 +74,29 @@ class VLLMBackend(Backend):
                 fullvocab.end(full, [list(s) for s in sequences])
         return results
 
+    def routes(self, sequences: list[list[int]]) -> list[np.ndarray] | str:
+        """Each sequence's expert ids [tokens, MoE layers, k], captured from the routers of this
+        in-process engine (logprob_parity.engines.routing), each sequence prefilled alone so its
+        rows are its tokens in order; a sentence for a dense model or a build without the hook."""
+        from logprob_parity.engines import routing
+
+        try:
+            layers = self.llm.collective_rpc(routing.install)[0]
+        except (ImportError, AttributeError) as exc:
+            return f"vLLM {vllm.__version__} offers no router capture here ({exc})"
+        if not layers:
+            return routing.NOT_MOE
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        out = []
+        for ids in sequences:
+            self.llm.collective_rpc(routing.begin)
+            try:
+                self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
+            finally:
+                got = self.llm.collective_rpc(routing.take)[0]
+            out.append(routing.stacked(got, len(ids)))
+        return out
+
     def bare_prefill(self, sequences: list[list[int]], top_k: int, flat: bool = True) -> float:
         """Seconds one plain `LLM.generate(prompt_logprobs=top_k)` of these ids takes on this engine,
         results unread: the yardstick the benchmarks hold our scoring against (same engine, same

@@ -1,0 +1,110 @@
+"""Which experts each MoE layer picked for each token, on each side, and where the two differ.
+
+Why: in a mixture of experts, a token whose router picks another expert set in vLLM than in HF is
+computed by other weights; routing flips are the largest source of mismatch RL teams see between
+engine and trainer (arXiv 2510.11370, "R3"). Routes are compared as sets, since engines return the
+ids in no fixed order (vLLM's CPU router returns its top-k unsorted).
+
+vLLM's side: a capture function on every MoE router of our in-process engine core
+(`BaseRouter.set_capture_fn`, the hook vLLM's own `enable_return_routed_experts` uses; on this CPU
+build that option needs Model Runner V2, which is not installed), bound through `collective_rpc`,
+each sequence prefilled alone so the captured rows are its tokens in order (prefix caching is off by
+default, so no token is skipped). HF's side: each MoE layer's router logits
+(`output_router_logits=True`), top-k by logit, the selection softmax-then-top-k makes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+NOT_MOE = "not an MoE model"
+_STATE: dict[str, Any] = {"on": False, "got": {}}
+
+
+def install(worker: Any) -> int:
+    """Bind the capture to every MoE router of this worker's model (once); the number of MoE layers
+    (0: a dense model). Run through LLM.collective_rpc, in-process."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    n = 0
+    for module in worker.model_runner.model.modules():
+        if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):
+            if not getattr(module.router, "_lpp_routes", False):
+                module.router.set_capture_fn(partial(_capture, int(module.layer_id)))
+                module.router._lpp_routes = True
+            n += 1
+    return n
+
+
+def _capture(layer: int, topk_ids: Any) -> None:
+    if _STATE["on"]:
+        _STATE["got"].setdefault(layer, []).append(topk_ids.detach().to("cpu").numpy().astype(np.int64))
+
+
+def begin(worker: Any) -> None:
+    _STATE["got"], _STATE["on"] = {}, True
+
+
+def take(worker: Any) -> dict[int, np.ndarray]:
+    """Each layer's captured rows since `begin`, in token order (every forward of the request)."""
+    _STATE["on"] = False
+    got, _STATE["got"] = _STATE["got"], {}
+    return {layer: np.concatenate(parts) for layer, parts in got.items()}
+
+
+def stacked(by_layer: dict[int, np.ndarray], n_tokens: int) -> np.ndarray:
+    """[tokens, layers, k] from per-layer rows: the first n_tokens rows (the prompt's prefill; a
+    decode step after it adds rows that are not the prompt's), layers in their model order."""
+    return np.stack([by_layer[k][:n_tokens] for k in sorted(by_layer)], axis=1)
+
+
+def compare_routes(vllm: np.ndarray, hf: np.ndarray) -> dict[str, Any]:
+    """One sequence's routes on both sides ([tokens, layers, k] each) compared as sets per (token,
+    layer): `flipped` the number of layers whose sets differ at each token (routes are per token, so
+    `flipped[t]` is token t's own routing, position-aligned with the token ids), `flips` one
+    [token, layer, vLLM ids, HF ids] for each (token, layer) that differs (JSON-safe: no int keys)."""
+    v, h = np.sort(vllm, axis=-1), np.sort(hf, axis=-1)
+    differ = (v != h).any(axis=-1)  # [tokens, layers]
+    flips = [[int(t), int(layer), v[t, layer].tolist(), h[t, layer].tolist()] for t, layer in zip(*np.nonzero(differ))]
+    return {"flipped": differ.sum(axis=1).astype(int).tolist(), "layers": int(differ.shape[1]), "flips": flips}
+
+
+def flips_at(routing: dict[str, Any] | None, t: int) -> list[tuple[int, list[int], list[int]]]:
+    """(layer, vLLM ids, HF ids) of each layer that routed token t differently."""
+    return [(f[1], f[2], f[3]) for f in (routing or {}).get("flips", ()) if f[0] == t]
+
+
+def routing_summary(per_seq: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's routing keys over the sequences measured: routing_flip_frac (the share of (token,
+    layer) routers whose sets differ), routing_tokens_flipped (the share of tokens with at least one
+    layer that differs), routing_layers_flipped_mean (layers that differ, per token)."""
+    flipped = np.concatenate([np.asarray(s["flipped"], dtype=np.float64) for s in per_seq]) if per_seq else np.zeros(0)
+    layers = per_seq[0]["layers"] if per_seq else 0
+    if flipped.size == 0 or layers == 0:
+        return {"routing_flip_frac": None, "routing_tokens_flipped": None, "routing_layers_flipped_mean": None}
+    return {
+        "routing_flip_frac": float(flipped.sum() / (flipped.size * layers)),
+        "routing_tokens_flipped": float((flipped > 0).mean()),
+        "routing_layers_flipped_mean": float(flipped.mean()),
+    }
+
+
+def hf_routes(model: Any, ids: list[int], device: str) -> np.ndarray | None:
+    """HF's expert ids for one sequence, [tokens, MoE layers, k], from each MoE layer's router logits
+    (top-k by logit); None for a dense model."""
+    import torch
+
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if not k:
+        return None
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        logits = model(input_ids=x, output_router_logits=True, use_cache=False).router_logits
+    if not logits:
+        return None
+    rows = [lg.reshape(len(ids), -1).float().topk(int(k), dim=-1).indices.cpu().numpy() for lg in logits]
+    return np.stack(rows, axis=1).astype(np.int64)

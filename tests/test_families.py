@@ -1,0 +1,159 @@
+"""The family matrix on this CPU: each family's tiny checkpoint (tests/families.py), compared by the
+real HF and vLLM engines in float32 on the same ids, with the exact KL and the noise floor.
+
+What each checks: the gap is within vLLM's own tight tolerance; the exact KL was computed; the BOS
+policy gave the ids the family's own tokenizer gives (where it adds its BOS) or a BOS the family does
+not put itself, said by `bos_added`; for the sliding-window families, a text more than 3x the window
+whose later tokens both engines score with the window applied (against HF without the window, vLLM
+is far off). The CPU float32 figures are printed for docs/concepts/families.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from families import FAMILIES, WINDOW, build_family, family
+
+import logprob_parity as lp
+from logprob_parity.analysis.verdict import VLLM_TEST_TOL, run_verdicts
+
+pytestmark = pytest.mark.engine
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. "
+    "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
+    "Numbers like 3.14159 and 2.71828 appear in mathematics, physics and engineering."
+)
+# Gemma 2's attention soft-cap is applied by HF's eager attention only (see the docs' family page).
+SETTINGS = {"gemma2": {"attn_implementation": "eager"}}
+
+
+@pytest.fixture(scope="module")
+def matrix_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_each_family_compares_in_float32_within_vllms_tolerance_with_the_exact_kl(name, matrix_home):
+    f = family(name)
+    path = build_family(f)
+    (run,) = lp.compare(
+        TEXT, model=str(path), dtypes=("float32",), settings=SETTINGS.get(name), home=str(matrix_home), progress=False
+    )
+    s = run.summary
+    print(
+        f"FAMILY {name}: max |Δ| {s['max_abs_delta']:.3e}, mean {s['mean_abs_delta']:.3e}, exact KL {s['kl_full_mean']:.3e}, "
+        f"floor {s['hf_noise_mean']:.3e} ({s['noise_set_by']}), {s['n_tokens']} tokens, bos_added {run.meta.sequences[0].bos_added}"
+    )
+    assert s["max_abs_delta"] <= VLLM_TEST_TOL[0], (name, s["max_abs_delta"])
+    if f.moe:  # float32 on a CPU: the same experts on both sides, at every token and layer
+        assert run.meta.routing["measured"] and s["routing_flip_frac"] == 0 and s["routing_tokens_flipped"] == 0
+    else:  # a dense model shows no routing keys and says why
+        assert run.meta.routing == {"measured": False, "why": "not an MoE model"} and "routing_flip_frac" not in s
+    assert s["kl_full_mean"] is not None and s["kl_full_mean"] < 1e-6
+    assert run_verdicts([run])[0].level in ("match", "systematic")
+    # the BOS policy against the family's own tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = list(run.sequences[0].token_ids)
+    own = tok(TEXT)["input_ids"]
+    assert run.meta.sequences[0].bos_added == (f.bos is not None)
+    if f.adds_bos or f.bos is None:
+        assert ids == own  # exactly what the family's tokenizer gives
+    else:  # a BOS the family's tokenizer does not add itself: the policy's own choice, said by bos_added
+        assert ids == [tok.bos_token_id, *own]
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.window])
+def test_both_engines_apply_the_sliding_window(name, matrix_home):
+    """The text is more than 3x the window. Past the window, vLLM agrees with HF as configured and
+    not with HF scoring the same ids with the window taken out: both sides apply it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = build_family(family(name))
+    (run,) = lp.compare(
+        TEXT, model=str(path), dtypes=("float32",), settings=SETTINGS.get(name), home=str(matrix_home), progress=False
+    )
+    ids = list(run.sequences[0].token_ids)
+    assert len(ids) > 3 * WINDOW
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.sliding_window = 100_000  # longer than the text: the window taken out (Gemma's code always builds one)
+    model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    no_window = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].double().numpy()
+    vllm = np.asarray(run.sequences[0].vllm.logprob[1:])
+    hf = np.asarray(run.sequences[0].hf.logprob[1:])
+    past = slice(WINDOW + 1, None)
+    with_window = np.abs(vllm[past] - hf[past]).max()
+    without = np.abs(vllm[past] - no_window[past]).max()
+    print(f"WINDOW {name}: past the window, |vLLM - HF| {with_window:.2e}; |vLLM - HF without the window| {without:.2e}")
+    assert with_window <= VLLM_TEST_TOL[0] < without
+
+
+def _recomputed_routes(path, ids):
+    """HF's expert sets recomputed in this test from each MoE layer's router weights: the hidden
+    states that reach each router, times its weight matrix, top-k, taken with hooks (not from the
+    router logits the backend reads)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    k = model.config.num_experts_per_tok
+    gates = [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    seen = []
+    hooks = [g.register_forward_hook(lambda mod, inp, out: seen.append((mod, inp[0].detach()))) for g in gates]
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        rows = [(x.reshape(len(ids), -1).float() @ mod.weight.float().T).topk(k, dim=-1).indices.numpy() for mod, x in seen]
+    return np.sort(np.stack(rows, axis=1), axis=-1)
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.moe])
+def test_moe_routes_on_both_sides_equal_an_independent_recomputation_from_the_router_weights(name, matrix_home):
+    from logprob_parity.engines import routing
+    from logprob_parity.engines.backends.hf import HFBackend
+    from logprob_parity.inputs.settings import EngineSettings
+
+    path = build_family(family(name))
+    (run,) = lp.compare(TEXT, model=str(path), dtypes=("float32",), home=str(matrix_home), progress=False)
+    ids = list(run.sequences[0].token_ids)
+    expected = _recomputed_routes(path, ids)
+    hf = np.sort(HFBackend(str(path), "float32", "cpu", EngineSettings(), 256).routes([ids])[0], axis=-1)
+    assert np.array_equal(hf, expected)
+    # vLLM's captured sets are HF's at every token and layer (no flip), so they equal the recomputation too
+    r = run.sequences[0].routing
+    assert r["layers"] == expected.shape[1] and len(r["flipped"]) == len(ids) and r["flips"] == []
+    # and the comparison can tell a flip: one expert changed at one (token, layer)
+    other = expected.copy()
+    other[3, 1, 0] = (set(range(64)) - set(other[3, 1])).pop()
+    got = routing.compare_routes(other[:, :, ::-1], expected)  # the order inside a set does not matter
+    assert got["flipped"][3] == 1 and sum(got["flipped"]) == 1 and got["flips"][0][:2] == [3, 1]
+
+
+def test_bfloat16_routing_flips_show_per_token_in_the_view_the_gate_and_the_diff(matrix_home):
+    """On the tiny Qwen3-MoE in bfloat16 some routers pick other experts in vLLM than in HF: the run
+    counts them, the token view colours each token by its layers routed differently and its hover
+    lists both expert sets, `check` gates on them, and `diff` against float32 shows them."""
+    from logprob_parity.analysis.check import Bounds, check
+    from logprob_parity.analysis.diff import diff_runs, diff_text
+    from logprob_parity.cli import summary_table
+    from logprob_parity.present.render import token_view_html
+
+    path = build_family(family("qwen3_moe"))
+    f32, bf16 = lp.compare(TEXT, model=str(path), dtypes=("float32", "bfloat16"), home=str(matrix_home), progress=False)
+    s, r = bf16.summary, bf16.sequences[0].routing
+    assert s["routing_flip_frac"] > 0 and s["routing_tokens_flipped"] > 0
+    assert sum(r["flipped"]) == len(r["flips"]) == round(s["routing_flip_frac"] * len(r["flipped"]) * r["layers"])
+    html = token_view_html([bf16], 0, "routing_layers_flipped")
+    t, layer, v, h = r["flips"][0]
+    assert f"DIFFERENT in {r['flipped'][t]} of {r['layers']} MoE layers" in html and f"layer {layer}: vLLM {v}  HF {h}" in html
+    assert "routing_flip_frac" in summary_table([f32, bf16])
+    assert not check([bf16], Bounds(max_routing_flip_frac=0.0)).passed and check([f32], Bounds(max_routing_flip_frac=0.0)).passed
+    d = diff_runs(f32, bf16)
+    assert d.routing["routing_flip_frac"] == {"a": 0.0, "b": s["routing_flip_frac"]} and "routers" in diff_text(d)
