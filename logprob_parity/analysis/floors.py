@@ -7,9 +7,10 @@ Diagnostics added chunked and token-by-token scoring (3e-6), the colour legend a
 (one rounding step), and the three told a room three stories about the same numbers.
 
 The definition, HF against itself on the same token ids (VARIATIONS, in the order measured):
-- micro_batch: each text alone in a forward, against all of them in one large right-padded batch
-  (other prompts added until it holds large_positions(device) positions, so the matrix products take
-  another shape, as a trainer's micro-batch of thousands of tokens does);
+- micro_batch: the texts in the comparison's own micro-batch (one a forward by default), against all
+  of them in one large right-padded batch (other prompts added until it holds large_positions(device)
+  positions, so the matrix products take another shape, as a trainer's micro-batch of thousands of
+  tokens does);
 - padding_side: that same batch padded on the left instead of the right;
 - packed: the texts packed into rows with restarting position ids, as padding-free trainers (TRL,
   verl) feed them;
@@ -18,7 +19,8 @@ The definition, HF against itself on the same token ids (VARIATIONS, in the orde
 
 The floor of a dtype is the largest of their mean |Δ logp|; the verdict names the variation that set
 it ("HF moves 3e-3 when its micro-batch changes from 1 to 32 sequences"). Compare measures it on a
-sample of its texts (the first, up to noise_tokens(device) positions): the cheap part. Diagnostics
+sample of its texts (the first, up to noise_tokens(device) positions and a twentieth of its own): the
+cheap part. Diagnostics
 measures it on every text, and takes the comparison's own values when the sample already held every
 text, so both pages judge against one number. vLLM's own noise (alone against batched) is measured
 beside it and shown; the verdict judges against HF's, the trainer's side, whose values an RL loss
@@ -37,8 +39,8 @@ from logprob_parity.inputs.tokens import encode_texts
 
 VARIATIONS = ("micro_batch", "padding_side", "packed", "chunked_kv")
 DEFINITION = "hf:" + ",".join(VARIATIONS)  # in each run's identity: a run measured by another definition is another run
-OTHER_PROMPTS = 6  # other prompts batched beside the sample on a GPU (the diagnostics' filler)
-OTHER_PROMPTS_CPU = 3  # on a CPU, where each position of HF costs milliseconds
+OTHER_PROMPTS = 6  # other prompts beside the sample: packed with it, and in its batch on a GPU
+OTHER_PROMPTS_CPU = 1  # in its padded batch on a CPU, where each position costs milliseconds (padded to the longest text)
 CHUNK = 64  # tokens a forward through HF's KV cache in chunked_kv (at least two chunks a text)
 FLOOR_KEYS = (
     "hf_noise_mean",
@@ -68,16 +70,21 @@ def large_positions(device: str) -> int:
 
 
 def other_prompts(tokenizer: Any, bos: str, max_len: int, device: str = "cuda") -> list[list[int]]:
-    """The bundled sentences as token ids, those that fit the engines' context (fewer on a CPU)."""
-    count = OTHER_PROMPTS if str(device).startswith("cuda") else OTHER_PROMPTS_CPU
-    lines = (Path(__file__).resolve().parent.parent / "data" / "sentences.txt").read_text().splitlines()[:count]
+    """The bundled sentences as token ids, those that fit the engines' context."""
+    lines = (Path(__file__).resolve().parent.parent / "data" / "sentences.txt").read_text().splitlines()[:OTHER_PROMPTS]
     ids, _ = encode_texts(tokenizer, lines, bos)
     return [x for x in ids if len(x) < max_len]
 
 
+SAMPLE_SHARE = 20  # the sample holds at most 1/20 of the comparison's positions (at least one text)
+
+
 def sample_of(seqs: list[list[int]], device: str = "cuda") -> int:
-    """How many of the first sequences the floor is measured on: up to noise_tokens(device) positions, at least one."""
-    n, used, cap = 0, 0, noise_tokens(device)
+    """How many of the first sequences the floor is measured on: up to noise_tokens(device)
+    positions and 1/SAMPLE_SHARE of the comparison's, at least one text. Its four variations cost about
+    four passes of HF over the sample, so the floor stays a small share of a large comparison."""
+    total = sum(len(s) - 1 for s in seqs)
+    n, used, cap = 0, 0, min(noise_tokens(device), total // SAMPLE_SHARE)
     for s in seqs:
         if n and used + len(s) - 1 > cap:
             break
@@ -118,7 +125,10 @@ def variation_words(key: str, v: dict[str, Any]) -> str:
 def variation_when(key: str, v: dict[str, Any]) -> str:
     """What changed in a variation, in words."""
     if key == "micro_batch":
-        return f"when its micro-batch changes from 1 to {v.get('to', '?')} sequences ({v.get('positions', '?'):,} positions)"
+        return (
+            f"when its micro-batch changes from {v.get('from', 1)} to {v.get('to', '?')} sequences "
+            f"({v.get('positions', '?'):,} positions)"
+        )
     if key == "padding_side":
         return f"when that batch of {v.get('to', '?')} is padded on the left instead of the right"
     if key == "packed":
@@ -137,34 +147,38 @@ def hf_variations(
     starts: list[int] | None = None,
     hf_batch_size: int = 1,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Each variation of the definition on `seqs` (hf: an HF engine host; base: the values HF gave
-    them one a forward, per position with NaN where unscored, or the comparison's own when it batched
-    HF, in which case they are scored alone first). Gaps count positions from `starts` on (a rollout's
-    completion; 1 = every scored position). Returns (measured variations, skipped: key -> why)."""
+    """Each variation of the definition on `seqs` (hf: an HF engine host; base: the values the
+    comparison's HF gave them in its micro-batch of hf_batch_size sequences, per position with NaN
+    where unscored). Each variation is against base, padding_side against the same large batch padded
+    on the right. Gaps count positions from `starts` on (a rollout's completion; 1 = every scored
+    position). Returns (measured variations, skipped: key -> why)."""
     n = len(seqs)
     starts = list(starts) if starts is not None else [1] * n
 
     def cut(arrs: list[np.ndarray]) -> list[np.ndarray]:
         return [np.asarray(a, np.float64)[s:] for a, s in zip(arrs, starts)]
 
-    alone = base if hf_batch_size == 1 else [s.logprob for s in hf.score(seqs, 1, None, 1)]
-    big = filled(seqs, others, large_positions(device))
+    # a padded batch costs its longest text a row: on a CPU, one other prompt in it (packing wastes nothing)
+    in_batch = others if str(device).startswith("cuda") else others[:OTHER_PROMPTS_CPU]
+    big = filled(seqs, in_batch, large_positions(device))
     size = {"to": len(big), "positions": sum(len(x) - 1 for x in big)}
     right = [s.logprob for s in hf.score(big, 1, None, len(big), "right")[:n]]
     left = [s.logprob for s in hf.score(big, 1, None, len(big), "left")[:n]]
     out = {
-        "micro_batch": {**gap(cut(alone), cut(right)), **size},
+        # from the micro-batch the comparison used (base: its values) to the large one
+        "micro_batch": {**gap(cut(base), cut(right)), "from": hf_batch_size, **size},
         "padding_side": {**gap(cut(right), cut(left)), **size},
     }
     skipped: dict[str, str] = {}
-    packed = hf.score_packed(seqs + others, max(size["positions"], *map(len, seqs)))
+    # one row holds the texts and the other prompts (a trainer packs to its row length)
+    packed = hf.score_packed(seqs + others, max(large_positions(device), sum(map(len, seqs + others))))
     if isinstance(packed, str):
         skipped["packed"] = packed
     else:
-        out["packed"] = {**gap(cut(alone), cut([s.logprob for s in packed[:n]])), "rows_of": len(seqs) + len(others)}
+        out["packed"] = {**gap(cut(base), cut([s.logprob for s in packed[:n]])), "rows_of": len(seqs) + len(others)}
     chunk = max(1, min(CHUNK, min(len(x) - s for x, s in zip(seqs, starts)) // 2))
     chunked = hf.rollout_score(seqs, starts, chunk=chunk)
-    out["chunked_kv"] = {**gap(cut(alone), [c["logprob"] for c in chunked]), "chunk": chunk}
+    out["chunked_kv"] = {**gap(cut(base), [c["logprob"] for c in chunked]), "chunk": chunk}
     for k, v in out.items():
         v["words"] = variation_words(k, v)
     return out, skipped
