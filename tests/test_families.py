@@ -157,3 +157,42 @@ def test_bfloat16_routing_flips_show_per_token_in_the_view_the_gate_and_the_diff
     assert not check([bf16], Bounds(max_routing_flip_frac=0.0)).passed and check([f32], Bounds(max_routing_flip_frac=0.0)).passed
     d = diff_runs(f32, bf16)
     assert d.routing["routing_flip_frac"] == {"a": 0.0, "b": s["routing_flip_frac"]} and "routers" in diff_text(d)
+
+
+def test_routing_replay_with_hfs_own_routes_changes_nothing_and_with_vllms_routes_takes_vllms_experts(matrix_home):
+    """R3's rule on HF: forcing HF's own expert choices gives its values bit for bit; forcing vLLM's
+    makes every router return vLLM's sets (no flip left), and the gap to vLLM that remains is what
+    Diagnostics' setting-by-setting table reports for routing replay."""
+    import torch
+
+    from logprob_parity.analysis.diagnostics import REPLAY_KNOB, _replay_row
+    from logprob_parity.engines import routing
+    from logprob_parity.engines.backends.hf import HFBackend
+    from logprob_parity.engines.pool import POOL
+    from logprob_parity.engines.records import LoadRequest
+    from logprob_parity.inputs.settings import EngineSettings
+
+    path = build_family(family("qwen3_moe"))
+    (run,) = lp.compare(TEXT, model=str(path), dtypes=("bfloat16",), home=str(matrix_home), progress=False)
+    ids = list(run.sequences[0].token_ids)
+    hf = HFBackend(str(path), "bfloat16", "cpu", EngineSettings(), 256)
+    own = hf.routes([ids])[0]
+    plain = hf.score([ids], 1)[0].logprob
+    assert np.array_equal(hf.replay_score([ids], [own])[0][1:], plain[1:])  # bit for bit
+    flips = run.sequences[0].routing["flips"]
+    assert flips
+    vllm_routes = np.sort(own, axis=-1)
+    for t, layer, v, _h in flips:
+        vllm_routes[t, layer] = v
+    with routing.Replay(hf.model, vllm_routes) as rp, torch.inference_mode():
+        hf.model(input_ids=torch.tensor([ids]), use_cache=False)
+    assert routing.compare_routes(vllm_routes, np.stack(rp.chosen, axis=1))["flips"] == []
+    # the Diagnostics row, on the warm engines of the comparison
+    reqs = [
+        LoadRequest(b, str(path), "bfloat16", "cpu", EngineSettings(), run.meta.settings["max_model_len"]) for b in ("hf", "vllm")
+    ]
+    with POOL.lease(reqs) as lease:
+        row = _replay_row(run, lease.host(reqs[0]), lease.host(reqs[1]), [ids], [run.sequences[0].vllm.logprob], lambda *a: None)
+    base = run.summary["mean_abs_delta"]
+    print(f"REPLAY qwen3_moe bfloat16: mean gap {base:.3e} -> {row['mean_abs_delta']:.3e} with vLLM's routes replayed")
+    assert row["knob"] == REPLAY_KNOB and row["mean_abs_delta"] < base and row["change"] < 0

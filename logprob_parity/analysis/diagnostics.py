@@ -118,6 +118,7 @@ def diagnose(
 
     dtypes: dict[str, DtypeDiagnosis] = {}
     picks: dict[str, dict[str, list[int]]] = {}
+    replayed: dict[str, dict[str, Any]] = {}  # dtype -> the routing-replay row of the ablation (MoE models)
     for run in base_runs:
         d = run.dtype
         out: dict[str, Any] = {
@@ -157,6 +158,11 @@ def diagnose(
                 with turn(what="the float64 reference"):
                     ref = _lp(ref_w.score(seqs, 1))
                 out["reference"] = _reference(base_v, base_hf, ref)
+            if "ablation" in parts:  # an MoE model: the setting-by-setting table gains routing replay
+                with turn(what="routing replay"):
+                    row = _replay_row(run, hf, vl, seqs, base_v, emit)
+                if row is not None:
+                    replayed[d] = row
             if "downstream" in parts:
                 emit("downstream", d, f"greedy {gen} tokens; {len(mcq)} multiple-choice options")
                 with turn(what="downstream checks"):
@@ -170,6 +176,7 @@ def diagnose(
         out["verdict"] = {}  # filled below, once the ablation's evidence is in
         dtypes[d] = DtypeDiagnosis.from_dict(out)
     ablation = _ablation(spec, ctx, base_runs, p.device, slow_knobs) if "ablation" in parts else []
+    ablation += list(replayed.values())
     identity = {
         "model": p.model.name,
         "device": device_name(p.device),
@@ -322,6 +329,33 @@ def _dtype_flips(picks: dict[str, dict[str, list[int]]]) -> dict[str, Any]:
         f"{engine} {d} vs {ref}": sum(a != b for a, b in zip(picks[d][engine], picks[ref][engine]))
         for d in order[1:]
         for engine in ("hf", "vllm")
+    }
+
+
+REPLAY_KNOB = "HF with vLLM's expert choices replayed (routing replay)"
+
+
+def _replay_row(run: Run, hf: Any, vl: Any, seqs: list[list[int]], base_v: list[np.ndarray], emit: Any) -> dict[str, Any] | None:
+    """For an MoE model: HF scored again with vLLM's expert ids forced on every MoE layer, weights
+    from HF's own router logits (R3's rule, logprob_parity.engines.routing.Replay), and the gap to vLLM
+    that is left: the share of the gap that routing explains. None for a dense model."""
+    h_routes = hf.routes(seqs)
+    if isinstance(h_routes, str):
+        return None
+    v_routes = vl.routes(seqs)
+    if isinstance(v_routes, str):
+        return None
+    emit("ablation", run.dtype, "HF again with vLLM's expert choices replayed on every MoE layer (routing replay)")
+    g = gap(base_v, hf.replay_score(seqs, v_routes))
+    base = run.summary["mean_abs_delta"]
+    return {
+        "dtype": run.dtype,
+        "knob": REPLAY_KNOB,
+        "mean_abs_delta": g["mean"],
+        "max_abs_delta": g["max"],
+        "change": None if g["mean"] is None else g["mean"] - base,
+        "run_id": None,
+        "note": "HF scored with vLLM's expert ids forced, their weights from HF's router logits (R3, arXiv 2510.11370)",
     }
 
 

@@ -41,6 +41,7 @@ BACKEND_OPS = (
     "rollout_score",
     "score_packed",
     "routes",
+    "replay_score",
     "write_full",
     "share_rows",
     "release_rows",
@@ -370,6 +371,9 @@ class HostClient:
 
     def routes(self, sequences: list[list[int]], timeout: float = 3600.0) -> Any:
         return self._request(HostRequest("routes", (sequences,)), "reading the experts each token was routed to", timeout)
+
+    def replay_score(self, sequences: list[list[int]], routes: list[Any], timeout: float = 3600.0) -> Any:
+        return self._request(HostRequest("replay_score", (sequences, routes)), "scoring with the experts replayed", timeout)
 
     def share_rows(self, token: str, timeout: float = 600.0) -> dict[str, Any]:
         return self._request(HostRequest("share_rows", (token,)), "sharing full logprobs", timeout)

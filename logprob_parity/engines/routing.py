@@ -108,3 +108,50 @@ def hf_routes(model: Any, ids: list[int], device: str) -> np.ndarray | None:
         return None
     rows = [lg.reshape(len(ids), -1).float().topk(int(k), dim=-1).indices.cpu().numpy() for lg in logits]
     return np.stack(rows, axis=1).astype(np.int64)
+
+
+def moe_gates(model: Any) -> list[Any]:
+    """HF's MoE routers in model order (a block with `gate` and `experts`; the gate returns
+    (router_logits, routing_weights, selected_experts), as transformers 5's MoE families do)."""
+    return [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+
+
+class Replay:
+    """HF's MoE routers forced to given expert ids while in this context: R3's rule (arXiv
+    2510.11370), the selection replayed and its weights recomputed from HF's own router logits
+    (softmax, the forced experts' probabilities, renormalised where the family renormalises).
+    `routes`: [tokens, MoE layers, k] for the one sequence scored inside. `chosen` keeps, per layer,
+    the ids the routers returned, so a test can see the replay took."""
+
+    def __init__(self, model: Any, routes: np.ndarray) -> None:
+        self.gates = moe_gates(model)
+        if len(self.gates) != routes.shape[1]:
+            raise ValueError(f"{len(self.gates)} MoE layers in HF's model, {routes.shape[1]} in the routes")
+        self.routes = routes
+        self.chosen: list[np.ndarray] = []
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> Replay:
+        import torch
+
+        for layer, gate in enumerate(self.gates):
+            original = gate.forward
+            norm = bool(getattr(gate, "norm_topk_prob", True))  # Mixtral's router always renormalises
+
+            def forward(hidden_states: Any, _orig: Any = original, _layer: int = layer, _norm: bool = norm) -> Any:
+                logits, scores, idx = _orig(hidden_states)
+                ids = torch.as_tensor(self.routes[:, _layer], dtype=torch.long, device=logits.device)
+                probs = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+                if _norm:
+                    probs = probs / probs.sum(dim=-1, keepdim=True)
+                self.chosen.append(ids.cpu().numpy())
+                return logits, probs.to(scores.dtype), ids.to(idx.dtype)
+
+            self._saved.append((gate, original))
+            gate.forward = forward
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for gate, original in self._saved:
+            gate.forward = original
+        self._saved = []

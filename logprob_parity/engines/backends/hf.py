@@ -131,10 +131,30 @@ class HFBackend(Backend):
 
         out = []
         for ids in sequences:
-            got = routing.hf_routes(self.model, list(ids), self.device)
+            try:
+                got = routing.hf_routes(self.model, list(ids), self.device)
+            except (TypeError, ValueError, AttributeError, RuntimeError) as exc:  # a model whose forward has no router output
+                return f"HF's {type(self.model).__name__} does not return its router logits ({type(exc).__name__}: {exc})"
             if got is None:
                 return routing.NOT_MOE
             out.append(got)
+        return out
+
+    @torch.inference_mode()
+    def replay_score(self, sequences: list[list[int]], routes: list[np.ndarray]) -> list[np.ndarray]:
+        """Each sequence's logprobs (float32 log_softmax, NaN at position 0) with its MoE routers
+        forced to `routes` ([tokens, MoE layers, k], e.g. vLLM's): routing replay
+        (logprob_parity.engines.routing.Replay), one sequence a forward."""
+        from logprob_parity.engines import routing
+
+        out = []
+        for ids, r in zip(sequences, routes):
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            with routing.Replay(self.model, np.asarray(r)):
+                logits = self.model(input_ids=x, use_cache=False).logits[0, :-1]
+            lp = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+            got = lp.gather(1, x[0, 1:, None])[:, 0].double().cpu().numpy()
+            out.append(np.concatenate([[np.nan], got]))
         return out
 
     @torch.inference_mode()

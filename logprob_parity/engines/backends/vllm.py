@@ -84,8 +84,8 @@ class VLLMBackend(Backend):
             layers = self.llm.collective_rpc(routing.install)[0]
         except (ImportError, AttributeError) as exc:
             return f"vLLM {vllm.__version__} offers no router capture here ({exc})"
-        if not layers:
-            return routing.NOT_MOE
+        if not layers:  # HF found routers (it is asked first), this engine's model has none the capture reaches
+            return f"vLLM's model has no MoE router the capture reaches (vLLM {vllm.__version__})"
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         out = []
         for ids in sequences:
