@@ -14,8 +14,10 @@ Parts, on warm engines (each started and used once before any timing):
   set    N x L tokens (--set) with the exact KL at every position, in batches: tokens/s, batches,
          and this process's peak memory.
 Models: tinyllama is TinyLlama-1.1B's shape, llama8b Llama-3.1-8B's (128,256-entry vocabulary),
-both random weights with the demo model's tokenizer (its ids are a subset of the vocabulary), built
-here. Results go to --out as they come (a run cut short keeps what it measured).
+and the other families' shapes of benchmarks/shapes.py (qwen3_8b, gemma2_9b, qwen3_30b_a3b; --layers
+cuts their depth), all random weights with the demo model's tokenizer (its ids are a subset of the
+vocabulary), built here (--build-dir keeps them between runs). An MoE model's speed part also reports
+its routing keys and the share of the gap that routing replay removes, on --replay-texts texts. Results go to --out as they come (a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -80,6 +82,35 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def replay_share(run, seqs, vh, hh) -> dict:
+    """The gap to vLLM on these texts before and after routing replay (HF scored again with vLLM's
+    expert ids forced): the share of it that routing explains (logprob_parity.analysis.diagnostics)."""
+    from logprob_parity.analysis.floors import gap
+
+    v_routes = vh.routes(seqs)
+    if isinstance(v_routes, str):
+        return {
+            "texts": len(seqs),
+            "before": float("nan"),
+            "after": float("nan"),
+            "share": float("nan"),
+            "max_before": float("nan"),
+            "max_after": float("nan"),
+            "why": v_routes,
+        }
+    base_v = [s.vllm.logprob for s in run.sequences[: len(seqs)]]
+    before = gap(base_v, [s.hf.logprob for s in run.sequences[: len(seqs)]])
+    after = gap(base_v, hh.replay_score(seqs, v_routes))
+    return {
+        "texts": len(seqs),
+        "before": before["mean"],
+        "after": after["mean"],
+        "share": 1 - after["mean"] / before["mean"],
+        "max_before": before["max"],
+        "max_after": after["max"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -94,6 +125,10 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=32000)
     ap.add_argument("--set", default="1000x2048", help="N x L of the set part")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats of each speed measurement (the median is reported)")
+    ap.add_argument("--layers", type=int, default=None, help="a shape of benchmarks/shapes.py cut to this many layers")
+    ap.add_argument("--attn", default=None, help="HF's attn_implementation (Gemma 2's soft-cap needs eager)")
+    ap.add_argument("--build-dir", default=None, help="where the random shapes are built and kept")
+    ap.add_argument("--replay-texts", type=int, default=16)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     parts = set(a.parts.split(","))
@@ -121,12 +156,18 @@ def main() -> None:
 
     device = resolve_device("auto")
     work = Path(tempfile.mkdtemp(prefix="lpp-speed-"))
-    tok_path = a.tokenizer or (resolve_model(None).path if a.model in ("tinyllama", "llama8b") else a.model)
+    from benchmarks.shapes import SHAPES, build_shape
+
+    tok_path = a.tokenizer or (resolve_model(None).path if a.model in ("tinyllama", "llama8b", *SHAPES) else a.model)
     t = time.perf_counter()
     if a.model == "tinyllama":
         model = resolve_model(build_tinyllama(work / "tinyllama-1.1b-random", tok_path, device))
     elif a.model == "llama8b":
         model = resolve_model(build_llama8b(work / "llama-3.1-8b-shape-random", tok_path, device))
+    elif a.model in SHAPES:
+        where = Path(a.build_dir) if a.build_dir else work
+        name = f"{a.model}-shape" + (f"-{a.layers}l" if a.layers else "")
+        model = resolve_model(build_shape(a.model, where / name, tok_path, device, a.layers))
     else:
         model = resolve_model(None if a.model == "demo" else a.model)
     built = time.perf_counter() - t
@@ -140,7 +181,7 @@ def main() -> None:
         f"{os.cpu_count()} CPU cores · `python benchmarks/compare_speed.py {' '.join(sys.argv[1:])}`",
     )
     table.add("model built (random weights, saved) or found", f"{built:.1f} s")
-    settings = dataclasses.replace(EngineSettings(), hf_batch_size=a.hf_batch)
+    settings = dataclasses.replace(EngineSettings(), hf_batch_size=a.hf_batch, attn_implementation=a.attn)
     store = Store(work / "home")
 
     def texts_of(n: int, length: int) -> tuple[str, ...]:
@@ -185,6 +226,7 @@ def main() -> None:
             hh.call("bare_forward", p.seqs, a.hf_batch, spec.top_k)
             bare_v = [min(vh.call("bare_prefill", p.seqs, spec.top_k, flat) for flat in (True, False)) for _ in range(a.repeats)]
             bare_h = [hh.call("bare_forward", p.seqs, a.hf_batch, spec.top_k) for _ in range(a.repeats)]
+            replay = replay_share(with_kl, p.seqs[: a.replay_texts], vh, hh) if with_kl.meta.routing.get("measured") else None
         med = statistics.median
         bare = med(bare_v) + med(bare_h)
         t_plain, t_kl, t_bare = med(plain_t), med(kl_t), med(bare_t)
@@ -246,6 +288,29 @@ def main() -> None:
             "speed: exact KL mean ± err, max; same top token",
             f"{s['kl_full_mean']:.4e} ± {s['kl_full_mean_err']:.1e}, {s['kl_full_max']:.4e}; {s['same_top_p']:.4f}",
         )
+        table.add(
+            "speed: mean / max |Δ logp|; its level",
+            f"{s['mean_abs_delta']:.4e} / {s['max_abs_delta']:.4e}; {s.get('noise_words')}",
+        )
+        rt = with_kl.meta.routing
+        if rt.get("measured"):
+            table.add(
+                "routing: routers that differ (routing_flip_frac); tokens with one or more; layers per token",
+                f"**{s['routing_flip_frac']:.4f}; {s['routing_tokens_flipped']:.4f}; {s['routing_layers_flipped_mean']:.3f}** "
+                f"(on {rt['texts']} texts, {rt['tokens']:,} tokens, {rt['layers']} MoE layers, top-{rt['top_k']}; vLLM: {rt['vllm_from']})",
+            )
+            table.add(
+                "routing: the compare's time reading the routes (inside the times above)",
+                f"{with_kl.meta.timing.get('routing_s', float('nan')):.3f} s",
+            )
+        else:
+            table.add("routing", rt.get("why", "not measured"))
+        if replay is not None:
+            table.add(
+                f"**routing replay (HF with vLLM's experts forced, R3's rule), first {replay['texts']} texts**",
+                f"**mean |Δ logp| {replay['before']:.4e} -> {replay['after']:.4e}: replay removes {replay['share']:.0%} of the gap** "
+                f"(max {replay['max_before']:.4e} -> {replay['max_after']:.4e})",
+            )
     if "long" in parts or "set" in parts:
         # one engine pair for both parts: the longest text's max_model_len for every request here
         longest = max(a.long_tokens if "long" in parts else 0, int(a.set.split("x")[1]) if "set" in parts else 0)

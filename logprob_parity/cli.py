@@ -310,7 +310,8 @@ ROLLOUT_ROWS = (
 
 
 def rollout_text(ro: Any) -> str:
-    """A rollout in words and tables: verdict, the three-way metrics, the noise floors."""
+    """A rollout in words and tables: verdict, the three-way metrics, an MoE model's routing, the noise floors."""
+    from logprob_parity.present.rollout_view import routing_words
     from logprob_parity.results.rollout import PAIRS
 
     m = ro.meta
@@ -327,6 +328,7 @@ def rollout_text(ro: Any) -> str:
         f"{m.dtype}: rollout {m.rollout_id} ({'from the store' if ro.from_store else 'computed'}); "
         f"{len(ro.samples)} samples; decode_processed: {m.processed}",
         *table,
+        *(["", *routing_words(ro)] if routing_words(ro) else []),
         "",
         "noise floors (|Δ logp| when only this changes):",
     ]

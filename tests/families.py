@@ -129,6 +129,19 @@ FAMILIES = (
 )
 
 
+# A family transformers runs and this vLLM does not (no vLLM class, and its HF code is not one vLLM's
+# Transformers backend takes): the matrix's refusal case.
+REFUSED = Family(
+    "codegen",
+    "CodeGenConfig",
+    "CodeGenForCausalLM",
+    {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 256, "rotary_dim": 16},
+    bos="</s>",
+    adds_bos=False,
+    quirks=("no vLLM implementation",),
+)
+
+
 def family(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 

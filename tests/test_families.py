@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from families import FAMILIES, WINDOW, build_family, family
+from families import FAMILIES, REFUSED, WINDOW, build_family, family
 
 import logprob_parity as lp
 from logprob_parity.analysis.verdict import VLLM_TEST_TOL, run_verdicts
@@ -34,35 +34,80 @@ def matrix_home(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES])
-def test_each_family_compares_in_float32_within_vllms_tolerance_with_the_exact_kl(name, matrix_home):
+def test_each_family_compares_in_both_dtypes_with_the_exact_kl_rolls_out_and_diagnoses(name, matrix_home):
+    """float32: within vLLM's own tight tolerance, routing identical on an MoE; bfloat16: a wider gap
+    than float32, still with the exact KL; a rollout scored by all three (vLLM decode and prefill, HF),
+    within the tolerance in float32; Diagnostics give the comparison's level; the BOS policy gives the
+    family tokenizer's own ids."""
+    from logprob_parity.analysis.diagnostics import diagnose
+    from logprob_parity.analysis.verdict import diagnosis_verdicts
+    from logprob_parity.inputs.spec import EngineSettings, RunSpec
+    from logprob_parity.results.store import Store
+
     f = family(name)
     path = build_family(f)
-    (run,) = lp.compare(
-        TEXT, model=str(path), dtypes=("float32",), settings=SETTINGS.get(name), home=str(matrix_home), progress=False
+    f32, bf16 = lp.compare(
+        TEXT, model=str(path), dtypes=("float32", "bfloat16"), settings=SETTINGS.get(name), home=str(matrix_home), progress=False
     )
-    s = run.summary
+    s, b = f32.summary, bf16.summary
     print(
         f"FAMILY {name}: max |Δ| {s['max_abs_delta']:.3e}, mean {s['mean_abs_delta']:.3e}, exact KL {s['kl_full_mean']:.3e}, "
-        f"floor {s['hf_noise_mean']:.3e} ({s['noise_set_by']}), {s['n_tokens']} tokens, bos_added {run.meta.sequences[0].bos_added}"
+        f"floor {s['hf_noise_mean']:.3e} ({s['noise_set_by']}), {s['n_tokens']} tokens, bos_added {f32.meta.sequences[0].bos_added}; "
+        f"bfloat16 mean |Δ| {b['mean_abs_delta']:.3e}, exact KL {b['kl_full_mean']:.3e}, routers flipped {b.get('routing_flip_frac')}"
     )
     assert s["max_abs_delta"] <= VLLM_TEST_TOL[0], (name, s["max_abs_delta"])
     if f.moe:  # float32 on a CPU: the same experts on both sides, at every token and layer
-        assert run.meta.routing["measured"] and s["routing_flip_frac"] == 0 and s["routing_tokens_flipped"] == 0
+        assert f32.meta.routing["measured"] and s["routing_flip_frac"] == 0 and s["routing_tokens_flipped"] == 0
+        assert bf16.meta.routing["measured"] and b["routing_flip_frac"] is not None
     else:  # a dense model shows no routing keys and says why
-        assert run.meta.routing == {"measured": False, "why": "not an MoE model"} and "routing_flip_frac" not in s
+        assert f32.meta.routing == {"measured": False, "why": "not an MoE model"} and "routing_flip_frac" not in s
     assert s["kl_full_mean"] is not None and s["kl_full_mean"] < 1e-6
-    assert run_verdicts([run])[0].level in ("match", "systematic")
+    assert b["kl_full_mean"] is not None and b["kl_full_mean"] > s["kl_full_mean"]
+    assert b["mean_abs_delta"] > s["mean_abs_delta"]  # bfloat16 rounds both sides differently
+    (own,) = run_verdicts([f32])
+    assert own.level in ("match", "systematic")
     # the BOS policy against the family's own tokenizer
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    ids = list(run.sequences[0].token_ids)
-    own = tok(TEXT)["input_ids"]
-    assert run.meta.sequences[0].bos_added == (f.bos is not None)
+    ids = list(f32.sequences[0].token_ids)
+    plain = tok(TEXT)["input_ids"]
+    assert f32.meta.sequences[0].bos_added == (f.bos is not None)
     if f.adds_bos or f.bos is None:
-        assert ids == own  # exactly what the family's tokenizer gives
+        assert ids == plain  # exactly what the family's tokenizer gives
     else:  # a BOS the family's tokenizer does not add itself: the policy's own choice, said by bos_added
-        assert ids == [tok.bos_token_id, *own]
+        assert ids == [tok.bos_token_id, *plain]
+    # a rollout on the same warm engines: vLLM samples, then vLLM prefill and HF rescore its tokens
+    rolled = lp.rollout(
+        ["The quick brown fox", "Shall I compare"],
+        model=str(path),
+        dtypes=("float32", "bfloat16"),
+        max_tokens=12,
+        ignore_eos=True,
+        settings=SETTINGS.get(name),
+        home=str(matrix_home),
+        progress=False,
+    )
+    for ro in rolled:
+        assert [len(x.completion_token_ids) for x in ro.samples] == [12, 12], (name, ro.dtype)
+        print(
+            f"ROLLOUT {name} {ro.dtype}: decode vs HF mean |Δ| {ro.meta.summary['decode_vs_hf']['mean_abs_delta']:.3e}, "
+            f"prefill vs HF {ro.meta.summary['prefill_vs_hf']['mean_abs_delta']:.3e}"
+        )
+    for pair in ("decode_vs_hf", "prefill_vs_hf"):
+        assert rolled[0].meta.summary[pair]["max_abs_delta"] <= VLLM_TEST_TOL[0], (name, pair)
+    if f.moe:  # float32: the decode's experts are HF's at every completion token, so replay changes nothing
+        rt = rolled[0].meta.routing
+        assert rt["measured"] and rt["tokens"] == 24 and rt["routing_flip_frac"] == 0
+        assert rt["replay"]["mean_abs_delta_after"] == rt["replay"]["mean_abs_delta_before"]
+    else:
+        assert rolled[0].meta.routing == {"measured": False, "why": "not an MoE model"}
+    # Diagnostics (HF's noise floor on every text) on the same ids: the comparison's level
+    spec = RunSpec(
+        texts=(TEXT,), model=str(path), dtypes=("float32",), device="cpu", settings=EngineSettings(**(SETTINGS.get(name) or {}))
+    )
+    diag = diagnose(spec, store=Store(matrix_home), parts=("noise",))
+    assert diagnosis_verdicts(diag)["float32"].level == own.level, name
 
 
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.window])
@@ -159,6 +204,44 @@ def test_bfloat16_routing_flips_show_per_token_in_the_view_the_gate_and_the_diff
     assert d.routing["routing_flip_frac"] == {"a": 0.0, "b": s["routing_flip_frac"]} and "routers" in diff_text(d)
 
 
+def test_an_moe_rollout_compares_the_decodes_experts_with_hfs_and_replay_shrinks_the_gap(matrix_home):
+    """The rollout path (issue 30, part 3): in bfloat16 vLLM's decode of the tiny Qwen3-MoE picks other
+    experts than HF teacher-forced on some steps; each sample keeps its tokens' flipped layers, the
+    CLI, the page and the report say it in words, a token's hover lists both expert sets, and HF
+    rescored with the decode's experts forced is closer to the decode than plain HF."""
+    from logprob_parity.cli import rollout_text
+    from logprob_parity.present.rollout_view import _tip, rollout_report_html, routing_words
+
+    path = build_family(family("qwen3_moe"))
+    (ro,) = lp.rollout(
+        ["The quick brown fox", "Shall I compare", "Numbers like"],
+        model=str(path),
+        dtypes=("bfloat16",),
+        samples=2,
+        max_tokens=12,
+        ignore_eos=True,
+        home=str(matrix_home),
+        progress=False,
+    )
+    rt = ro.meta.routing
+    per = [info["routing"] for info in ro.meta.samples]
+    assert rt["measured"] and rt["tokens"] == 72 == sum(len(r["flipped"]) for r in per)
+    assert [len(r["flipped"]) for r in per] == [len(x.completion_token_ids) for x in ro.samples]
+    assert rt["routing_flip_frac"] > 0, "bfloat16 decode and HF route some token differently on this model"
+    flips = sum(sum(r["flipped"]) for r in per)
+    assert flips == round(rt["routing_flip_frac"] * rt["tokens"] * rt["layers"])
+    rp = rt["replay"]
+    print(f"ROLLOUT ROUTING qwen3_moe bfloat16: {rt['routing_flip_frac']:.4f} of routers, replay {rp}")
+    assert rp["mean_abs_delta_before"] == ro.meta.summary["decode_vs_hf"]["mean_abs_delta"]
+    assert rp["mean_abs_delta_after"] < rp["mean_abs_delta_before"] and 0 < rp["share_removed"] < 1
+    words = routing_words(ro)
+    assert "picked other experts" in words[0] and "removes" in words[1]
+    assert all(w in rollout_text(ro) for w in words) and "Routing replay" in rollout_report_html(ro)
+    i = next(k for k, r in enumerate(per) if r["flips"])
+    t, layer, v, h = per[i]["flips"][0]
+    assert f"layer {layer}: vLLM {v}  HF {h}" in _tip(ro, i, t)
+
+
 def test_routing_replay_with_hfs_own_routes_changes_nothing_and_with_vllms_routes_takes_vllms_experts(matrix_home):
     """R3's rule on HF: forcing HF's own expert choices gives its values bit for bit; forcing vLLM's
     makes every router return vLLM's sets (no flip left), and the gap to vLLM that remains is what
@@ -196,3 +279,21 @@ def test_routing_replay_with_hfs_own_routes_changes_nothing_and_with_vllms_route
     base = run.summary["mean_abs_delta"]
     print(f"REPLAY qwen3_moe bfloat16: mean gap {base:.3e} -> {row['mean_abs_delta']:.3e} with vLLM's routes replayed")
     assert row["knob"] == REPLAY_KNOB and row["mean_abs_delta"] < base and row["change"] < 0
+
+
+def test_a_family_vllm_cannot_run_is_refused_in_words_naming_it_and_nothing_is_stored(tmp_path):
+    """CodeGen: transformers runs it, this vLLM has no implementation. The error names the engine,
+    the family and the reason in one line (no traceback, not vLLM's list of every architecture), and
+    the store stays empty."""
+    from logprob_parity.errors import UserError
+    from logprob_parity.results.store import Store
+
+    path = build_family(REFUSED)
+    with pytest.raises(UserError) as err:
+        lp.compare(TEXT, model=str(path), dtypes=("float32",), home=str(tmp_path), progress=False)
+    text = str(err.value)
+    print("REFUSED", text)
+    assert "vllm (float32) cannot run the codegen (CodeGenForCausalLM) family" in text
+    assert "does not support this model's architecture" in text and "['CodeGenForCausalLM'] are not supported" in text
+    assert "Traceback" not in text and "Supported architectures" not in text and "\n" not in text
+    assert Store(tmp_path).list_runs().empty

@@ -346,7 +346,7 @@ def test_compare_verdict_equals_the_diagnostics_level_and_the_floor_is_above_zer
     assert own.level == full.level and own.level != "unmeasured"
 
 
-def test_a_qwen3_moe_shape_compares_and_both_vllm_capture_paths_give_the_same_experts(tmp_path, store):
+def test_a_qwen3_moe_shape_compares_and_both_vllm_capture_paths_give_the_same_experts(tmp_path, store, monkeypatch):
     """Issue 30 on the card: a Qwen3-MoE shape (4 layers, 128 experts, top-8, random weights, built
     here) compares in bfloat16 with its routing keys, and vLLM's own `enable_return_routed_experts`
     gives, at every prompt token and layer, the expert set our router capture read."""
@@ -378,17 +378,20 @@ def test_a_qwen3_moe_shape_compares_and_both_vllm_capture_paths_give_the_same_ex
     s = run.summary
     print({k: s.get(k) for k in ("mean_abs_delta", "max_abs_delta", "routing_flip_frac", "routing_tokens_flipped")})
     assert run.meta.routing["measured"] and s["routing_flip_frac"] is not None
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    assert run.meta.routing["vllm_from"].startswith("vLLM's own")
+    from vllm import LLM
+
+    from logprob_parity.engines import routing
 
     ids = [list(run.sequences[i].token_ids) for i in range(4)]
+    # one eager engine with vLLM's own option on, in this process as our hosts run it: both ways read the same forwards
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = LLM(
         model=str(path), dtype="bfloat16", enable_return_routed_experts=True, gpu_memory_utilization=0.3, enforce_eager=True
     )
-    outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], SamplingParams(max_tokens=1), use_tqdm=False)
-    from logprob_parity.engines.backends.vllm import VLLMBackend
-
-    ours = VLLMBackend.routes.__get__(type("B", (), {"llm": llm})())(ids)
-    for x, o, mine in zip(ids, outs, ours):
-        theirs = np.asarray(o.outputs[0].routed_experts)[: len(x)]
+    own = routing.own_routes(llm, ids)
+    captured = routing.captured_routes(llm, ids)
+    assert not isinstance(captured, str), captured
+    for x, theirs, mine in zip(ids, own, captured):
+        assert theirs.shape == mine.shape == (len(x), 4, 8), (theirs.shape, mine.shape)
         assert np.array_equal(np.sort(theirs, axis=-1), np.sort(mine, axis=-1))

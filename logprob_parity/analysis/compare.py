@@ -16,7 +16,7 @@ from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.host import start_words
 from logprob_parity.engines.pool import Lease
-from logprob_parity.engines.routing import compare_routes, routing_summary
+from logprob_parity.engines.routing import VLLM_CAPTURE, VLLM_OWN, compare_routes, routing_summary
 from logprob_parity.env import device_name, versions
 from logprob_parity.inputs.models import ResolvedModel
 from logprob_parity.inputs.spec import RunSpec, content_hash
@@ -286,7 +286,10 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
             for side in ("hf", "vllm")
         }
         floor, timing["noise_s"] = _measure_floor(p, dtype, requests, lease, first, main)
+    t_routing = time.perf_counter()
     routing, per_seq = _measure_routing(p, dtype, requests, lease, seqs)
+    if routing.get("measured"):
+        timing["routing_s"] = time.perf_counter() - t_routing
     for i, r in enumerate(per_seq):
         seq_infos[i] = replace(seq_infos[i], routing=r)
     if reused:
@@ -422,7 +425,8 @@ def _measure_routing(
         "tokens": used,
         "layers": per[0]["layers"] if per else 0,
         "top_k": int(hf[0].shape[-1]) if hf else 0,
-        "vllm_from": "a capture on each MoE router of the engine (BaseRouter.set_capture_fn), each text prefilled alone",
+        # the vLLM backend starts an MoE model's GPU engine with vLLM's own option (routing.vllm_source)
+        "vllm_from": VLLM_CAPTURE if p.device == "cpu" else VLLM_OWN,
         "hf_from": "each MoE layer's router logits, top-k",
     }, per
 

@@ -28,6 +28,7 @@ from logprob_parity.analysis.verdict import rollout_verdict
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.host import start_words
 from logprob_parity.engines.records import LoadRequest
+from logprob_parity.engines.routing import NOT_MOE, VLLM_OWN, compare_routes, routing_summary
 from logprob_parity.env import device_name, resolve_device, versions
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.spec import RunSpec, content_hash
@@ -48,6 +49,7 @@ from logprob_parity.results.rollout import (
 )
 
 RAW, PROCESSED = "raw_logprobs", "processed_logprobs"
+ROUTING_DEFINITION = "decode steps vs HF teacher-forced, every completion token; replay with the decode's experts"
 NOISE_SAMPLES = 2  # seeded samples re-decoded alone and rescored in chunks / token by token
 # The floors' costs, kept below the rollout's own (a per-token loop over every token of a long
 # completion took ten times the rollout): the re-decoded samples stop after this many tokens (the
@@ -70,6 +72,7 @@ def _identity(p: Prepared, sampling: Sampling, dtype: str, noise: int) -> dict[s
         "sampling": sampling.to_dict(),
         "noise": noise,
         **({"noise_floor": floors_def.DEFINITION} if noise else {}),
+        "routing": ROUTING_DEFINITION,  # an MoE model's decode routes and their replay (_decode_routing)
         "versions": {k: v[k] for k in ("torch", "transformers", "vllm")},
         "device": device_name(p.device),
         "texts": list(p.spec.texts),
@@ -206,6 +209,10 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
                 timing["hf_s"] = time.perf_counter() - t
             finally:
                 ex.close(vllm)
+            t = time.perf_counter()
+            routing, per_sample = _decode_routing(ctx, dtype, lease, hreq, hf, samples, full, starts, hf_scores)
+            if routing.get("measured"):
+                timing["routing_s"] = time.perf_counter() - t
             floors = _noise_floors(
                 p, dtype, lease, vreq, hreq, req_prompts, seeds, samples, full, starts, hf_scores, sdict, noise, timing
             )
@@ -284,9 +291,67 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         timing={k: round(x, 3) for k, x in timing.items()},
         summary=summary,
         floors=floors,
-        samples=tuple(r.info() for r in recs),
+        samples=tuple({**r.info(), **({"routing": per_sample[k]} if per_sample else {})} for k, r in enumerate(recs)),
+        routing=routing,
     )
     return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
+
+
+def _decode_routing(
+    ctx: Any,
+    dtype: str,
+    lease: Any,
+    hreq: LoadRequest,
+    hf: Any,
+    samples: list[dict[str, Any]],
+    full: list[list[int]],
+    starts: list[int],
+    hf_scores: list[dict[str, Any]],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """An MoE model: the experts vLLM's decode picked against the trainer's (HF teacher-forced on the
+    same ids), at each completion token's decode step (the forward that gave its logprob), and
+    routing replay: HF rescored with the decode's experts forced (R3's rule), the decode-vs-HF gap
+    before and after. ({"measured": False, "why": ...}, []) for a dense model or where vLLM gave none."""
+    routes = [s.get("routes") for s in samples]
+    whys = [s["routes_why"] for s in samples if s.get("routes_why")]
+    if whys or any(r is None for r in routes):
+        return {"measured": False, "why": whys[0] if whys else NOT_MOE}, []
+    ctx.emit("routing", dtype, "the experts each MoE layer picked at each decode step, against HF's on the same ids")
+    h = lease.call(hreq, lambda: hf.routes(full))
+    if isinstance(h, str):
+        return {"measured": False, "why": h}, []
+    per = [compare_routes(r[n0 - 1 : len(f) - 1], hr[n0 - 1 : len(f) - 1]) for r, hr, n0, f in zip(routes, h, starts, full)]
+    ctx.emit("routing", dtype, "HF again with the decode's experts forced on every MoE layer (routing replay)")
+    # the decode's experts at every forwarded token; the last token (never forwarded) keeps HF's own
+    forced = [np.concatenate([r, hr[len(r) :]]) for r, hr in zip(routes, h)]
+    replayed = lease.call(hreq, lambda: hf.replay_score(full, forced))
+    decode = [np.asarray(s["logprobs"][RAW], dtype=np.float64) for s in samples]
+    before = floors_def.gap(decode, [np.asarray(x["logprob"], dtype=np.float64) for x in hf_scores])
+    after = floors_def.gap(decode, [np.asarray(rep, dtype=np.float64)[n0:] for rep, n0 in zip(replayed, starts)])
+    share = None if not before["mean"] or after["mean"] is None else 1.0 - after["mean"] / before["mean"]
+    return {
+        "measured": True,
+        "samples": len(per),
+        "tokens": int(sum(len(x["flipped"]) for x in per)),
+        "layers": per[0]["layers"] if per else 0,
+        "top_k": int(h[0].shape[-1]) if h else 0,
+        "positions": "each completion token's decode step: the forward that gave its logprob",
+        "vllm_from": (  # as the vLLM backend reads them (VLLMBackend._decode_routes)
+            "a capture on each MoE router of the engine, cut request by request in the rollout's own batched generate"
+            if hreq.device == "cpu"
+            else VLLM_OWN + ", from the rollout's own generate"
+        ),
+        "hf_from": "each MoE layer's router logits, top-k, on the prompt and completion teacher-forced",
+        **routing_summary(per),
+        "replay": {
+            "mean_abs_delta_before": before["mean"],
+            "mean_abs_delta_after": after["mean"],
+            "max_abs_delta_before": before["max"],
+            "max_abs_delta_after": after["max"],
+            "share_removed": share,
+            "what": "HF rescored with the decode's expert ids forced, weights from HF's router logits (R3, arXiv 2510.11370)",
+        },
+    }, per
 
 
 def _noise_floors(

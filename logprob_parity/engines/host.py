@@ -97,7 +97,8 @@ def _describe_error(exc: BaseException) -> tuple[str, str]:
     if "trust_remote_code" in low:
         return "user", "this model needs custom code: turn on trust_remote_code only if you trust its authors"
     if "not supported" in low and "architecture" in low:
-        return "user", f"vLLM does not support this model's architecture: {text[:300]}"
+        m = re.search(r"Model architectures? \[[^\]]*\] (?:are|is) not supported[^.]*", text)
+        return "user", f"vLLM does not support this model's architecture ({m.group(0) if m else text[:300]})"
     if isinstance(exc, UserError):
         return "user", str(exc)
     return "engine", text
@@ -286,6 +287,7 @@ class HostClient:
             m = pattern.search(log)
             if m:
                 line = next((ln for ln in log.splitlines() if m.group(0) in ln), m.group(0))
+                line = line.split(" Supported architectures:")[0]  # vLLM then lists its hundreds of architectures
                 return f"{message} ({line.strip()[-300:]})"
         return None
 
@@ -314,7 +316,17 @@ class HostClient:
         start = time.monotonic()
         self._connect(timeout=timeout)
         left = max(timeout - (time.monotonic() - start), 1.0)
-        self.info = self._request(HostRequest("load", load=request), "loading the model", left)
+        try:
+            self.info = self._request(HostRequest("load", load=request), "loading the model", left)
+        except (UserError, EngineError) as exc:  # name the family: "vllm (float32) cannot run the codegen family ..."
+            from logprob_parity.inputs.models import family_of
+
+            family = family_of(request.model_path)
+            if not family:
+                raise
+            text = str(exc).removeprefix(f"{self.label}: ")
+            raise type(exc)(f"{self.label} cannot run the {family} family: {text}") from None
+
         t = (self.info or {}).get("load_timing") or {}
         if t:
             kind = "cuda" if request.device.startswith("cuda") else "cpu"

@@ -5,12 +5,17 @@ computed by other weights; routing flips are the largest source of mismatch RL t
 engine and trainer (arXiv 2510.11370, "R3"). Routes are compared as sets, since engines return the
 ids in no fixed order (vLLM's CPU router returns its top-k unsorted).
 
-vLLM's side: a capture function on every MoE router of our in-process engine core
-(`BaseRouter.set_capture_fn`, the hook vLLM's own `enable_return_routed_experts` uses; on this CPU
-build that option needs Model Runner V2, which is not installed), bound through `collective_rpc`,
-each sequence prefilled alone so the captured rows are its tokens in order (prefix caching is off by
-default, so no token is skipped). HF's side: each MoE layer's router logits
-(`output_router_logits=True`), top-k by logit, the selection softmax-then-top-k makes.
+vLLM's side, two ways that read the same ids (a GPU test holds them equal):
+- `own_routes`: vLLM's own `enable_return_routed_experts`, which the vLLM backend turns on for an
+  MoE model on a GPU. It is bound before CUDA graphs are captured, so it sees every forward.
+- `captured_routes`: a capture function on every MoE router of our in-process engine core
+  (`BaseRouter.set_capture_fn`, the hook vLLM's own option uses), bound through `collective_rpc`,
+  each sequence prefilled alone so the captured rows are its tokens in order. Python must run at each
+  forward, so this is for an eager engine: the CPU (where vLLM's own option needs Model Runner V2,
+  which is not installed) or a GPU engine with `enforce_eager`. A capture already bound (vLLM's own)
+  is kept and called first.
+HF's side: each MoE layer's router logits (`output_router_logits=True`), top-k by logit, the
+selection softmax-then-top-k makes.
 """
 
 from __future__ import annotations
@@ -34,19 +39,54 @@ def install(worker: Any) -> int:
     for module in worker.model_runner.model.modules():
         if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):
             if not getattr(module.router, "_lpp_routes", False):
-                module.router.set_capture_fn(partial(_capture, int(module.layer_id)))
+                before = getattr(module.router, "capture_fn", None)
+                module.router.set_capture_fn(partial(_capture, int(module.layer_id), before, worker.model_runner))
                 module.router._lpp_routes = True
             n += 1
     return n
 
 
-def _capture(layer: int, topk_ids: Any) -> None:
-    if _STATE["on"]:
-        _STATE["got"].setdefault(layer, []).append(topk_ids.detach().to("cpu").numpy().astype(np.int64))
+def _capture(layer: int, before: Any, runner: Any, topk_ids: Any) -> None:
+    if before is not None:
+        before(topk_ids)
+    if not _STATE["on"]:
+        return
+    rows = topk_ids.detach().to("cpu").numpy().astype(np.int64)
+    if not _STATE.get("split"):
+        _STATE["got"].setdefault(layer, []).append(rows)
+        return
+    # a batch of requests (a rollout decoding together): cut the rows by request, as the model
+    # runner laid them out for this forward (its request order and query_start_loc)
+    n = int(runner.input_batch.num_reqs)
+    ids = list(runner.input_batch.req_ids[:n])
+    bounds = np.asarray(runner.query_start_loc.np[: n + 1]).copy()
+    if int(bounds[-1]) != len(rows):
+        _STATE["unsplit"] = f"a forward of {len(rows)} router rows for {int(bounds[-1])} scheduled tokens"
+        return
+    for j, rid in enumerate(ids):
+        if rid not in _STATE["order"]:
+            _STATE["order"].append(rid)
+        _STATE["by_req"].setdefault(rid, {}).setdefault(layer, []).append(rows[bounds[j] : bounds[j + 1]])
 
 
 def begin(worker: Any) -> None:
-    _STATE["got"], _STATE["on"] = {}, True
+    _STATE["got"], _STATE["on"], _STATE["split"] = {}, True, False
+
+
+def begin_split(worker: Any) -> None:
+    """Capture a batched generate's forwards request by request (take_split)."""
+    _STATE.update(on=True, split=True, order=[], by_req={}, unsplit=None)
+
+
+def take_split(worker: Any) -> list[dict[int, np.ndarray]] | str:
+    """Each request's rows per layer, requests in the order they first ran (the order they were
+    submitted: vLLM schedules first come, first served); a sentence when a forward could not be cut."""
+    _STATE.update(on=False, split=False)
+    if _STATE.get("unsplit"):
+        return f"vLLM's router capture could not tell the requests apart ({_STATE['unsplit']})"
+    out = [{layer: np.concatenate(parts) for layer, parts in _STATE["by_req"][rid].items()} for rid in _STATE["order"]]
+    _STATE.update(order=[], by_req={})
+    return out
 
 
 def take(worker: Any) -> dict[int, np.ndarray]:
@@ -54,6 +94,57 @@ def take(worker: Any) -> dict[int, np.ndarray]:
     _STATE["on"] = False
     got, _STATE["got"] = _STATE["got"], {}
     return {layer: np.concatenate(parts) for layer, parts in got.items()}
+
+
+VLLM_OWN = "vLLM's own enable_return_routed_experts (CompletionOutput.routed_experts)"
+VLLM_CAPTURE = "a capture on each MoE router of the engine (BaseRouter.set_capture_fn), each text prefilled alone"
+
+
+def vllm_source(llm: Any) -> str | None:
+    """Which way this engine's routes are read (VLLM_OWN or VLLM_CAPTURE), or a sentence starting
+    with "no:" when neither works: an engine with CUDA graphs and without vLLM's own option, whose
+    graphs replay without running the capture."""
+    m = llm.llm_engine.vllm_config.model_config
+    if getattr(m, "enable_return_routed_experts", False):
+        return VLLM_OWN
+    if m.enforce_eager or str(getattr(llm.llm_engine.vllm_config.device_config, "device_type", "cpu")) == "cpu":
+        return VLLM_CAPTURE
+    return (
+        "no: this engine replays CUDA graphs, where a router capture does not run, and was started without "
+        "enable_return_routed_experts"
+    )
+
+
+def own_routes(llm: Any, sequences: list[list[int]]) -> list[np.ndarray]:
+    """[tokens, MoE layers, k] per sequence from vLLM's own routed experts (prompt tokens first)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params, use_tqdm=False)
+    return [np.asarray(o.outputs[0].routed_experts)[: len(ids)].astype(np.int64) for ids, o in zip(sequences, outs)]
+
+
+def captured_routes(llm: Any, sequences: list[list[int]]) -> list[np.ndarray] | str:
+    """[tokens, MoE layers, k] per sequence from the capture on each router (install), each sequence
+    prefilled alone; a sentence when the model has no router the capture reaches."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if not llm.collective_rpc(install)[0]:
+        return "vLLM's model has no MoE router the capture reaches"
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    out = []
+    for ids in sequences:
+        llm.collective_rpc(begin)
+        try:
+            llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
+        finally:
+            got = llm.collective_rpc(take)[0]
+        if not got:
+            return "vLLM's router capture saw no forward (an engine whose CUDA graphs replay without it)"
+        out.append(stacked(got, len(ids)))
+    return out
 
 
 def stacked(by_layer: dict[int, np.ndarray], n_tokens: int) -> np.ndarray:

@@ -166,3 +166,15 @@ def _file_hash(path: Path) -> str:
             pass
         db.close()
     return value
+
+
+def family_of(model_path: str) -> str:
+    """The model's family in words, from its config.json: "codegen (CodeGenForCausalLM)"; "" when
+    the folder has no readable config (messages then name the folder alone)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    kind = str(cfg.get("model_type") or "")
+    arch = ", ".join(cfg.get("architectures") or ())
+    return f"{kind} ({arch})" if kind and arch else kind or arch

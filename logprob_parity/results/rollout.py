@@ -166,8 +166,10 @@ class RolloutMeta:
     timing: dict[str, Any]
     summary: dict[str, dict[str, Any]]  # pair -> mismatch metrics (logprob_parity.results.offpolicy)
     floors: dict[str, dict[str, Any]]  # noise floor name -> {"mean", "max", "n", "what", ...}
-    samples: tuple[dict[str, Any], ...] = ()  # Sample.info() per sample
+    samples: tuple[dict[str, Any], ...] = ()  # Sample.info() per sample (an MoE model's: with its "routing")
     verdict: dict[str, Any] = field(default_factory=dict)
+    # An MoE model: the decode's experts against HF's, and routing replay (logprob_parity.analysis.rollout)
+    routing: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,16 @@ from logprob_parity.engines.backends.base import Backend, apply_tf32
 from logprob_parity.engines.memory import engine_share, kv_cache_bytes
 from logprob_parity.engines.scores import TokenScores
 from logprob_parity.inputs.spec import MAX_TOP_K, EngineSettings
+
+
+def _is_moe(model_path: str, settings: EngineSettings) -> bool:
+    from logprob_parity.engines.memory import text_config
+
+    try:
+        cfg = text_config(model_path, settings.trust_remote_code)
+    except Exception:
+        return False
+    return bool(getattr(cfg, "num_experts_per_tok", None))
 
 
 class VLLMBackend(Backend):
@@ -40,6 +51,11 @@ class VLLMBackend(Backend):
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, dtype, max_model_len, device, settings.trust_remote_code)
             if device != "cpu":  # vLLM still checks that this share of the card is free at start
                 kwargs["gpu_memory_utilization"] = engine_share(model_path, dtype, max_model_len, settings)
+        if device != "cpu" and "enable_return_routed_experts" not in kwargs and _is_moe(model_path, settings):
+            # vLLM's own routed experts: bound before CUDA graphs are captured, so every forward is
+            # seen (a router capture of ours would not run inside a replayed graph). CPU builds need
+            # Model Runner V2 for it; there the capture of logprob_parity.engines.routing serves.
+            kwargs["enable_return_routed_experts"] = True
         self.engine_kwargs = kwargs
         self.llm = LLM(**kwargs)
 
@@ -75,27 +91,24 @@ class VLLMBackend(Backend):
         return results
 
     def routes(self, sequences: list[list[int]]) -> list[np.ndarray] | str:
-        """Each sequence's expert ids [tokens, MoE layers, k], captured from the routers of this
-        in-process engine (logprob_parity.engines.routing), each sequence prefilled alone so its
-        rows are its tokens in order; a sentence for a dense model or a build without the hook."""
+        """Each sequence's expert ids [tokens, MoE layers, k]: vLLM's own routed experts where this
+        engine was started with them (an MoE model on a GPU), else a capture on the routers of this
+        eager in-process engine (logprob_parity.engines.routing); a sentence for a dense model, a build
+        without the hook, or a graph-replaying engine without vLLM's own option."""
         from logprob_parity.engines import routing
 
+        way = routing.vllm_source(self.llm)
+        if way.startswith("no:"):
+            return f"vLLM {vllm.__version__}: {way[4:]}"
         try:
-            layers = self.llm.collective_rpc(routing.install)[0]
+            got = (
+                routing.own_routes(self.llm, sequences)
+                if way == routing.VLLM_OWN
+                else routing.captured_routes(self.llm, sequences)
+            )
         except (ImportError, AttributeError) as exc:
             return f"vLLM {vllm.__version__} offers no router capture here ({exc})"
-        if not layers:  # HF found routers (it is asked first), this engine's model has none the capture reaches
-            return f"vLLM's model has no MoE router the capture reaches (vLLM {vllm.__version__})"
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        out = []
-        for ids in sequences:
-            self.llm.collective_rpc(routing.begin)
-            try:
-                self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
-            finally:
-                got = self.llm.collective_rpc(routing.take)[0]
-            out.append(routing.stacked(got, len(ids)))
-        return out
+        return f"{got} (vLLM {vllm.__version__})" if isinstance(got, str) else got
 
     def bare_prefill(self, sequences: list[list[int]], top_k: int, flat: bool = True) -> float:
         """Seconds one plain `LLM.generate(prompt_logprobs=top_k)` of these ids takes on this engine,
@@ -139,7 +152,12 @@ class VLLMBackend(Backend):
             for mode in modes:
                 self._logprobs_mode(mode)
                 params = [self._sampling_params(sampling, seed) for seed in seeds]
-                results = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts], params, use_tqdm=False)
+                first = mode == modes[0]
+                with self._decode_routes(first, out) as read_routes:
+                    results = self.llm.generate(
+                        [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts], params, use_tqdm=False
+                    )
+                read_routes(prompts, results)
                 for slot, ids, res in zip(out, prompts, results):
                     if list(res.prompt_token_ids) != list(ids):
                         raise AssertionError("vLLM sampled from other prompt ids than it was given")
@@ -159,6 +177,48 @@ class VLLMBackend(Backend):
         finally:
             self._logprobs_mode(self.engine_kwargs["logprobs_mode"])
         return out
+
+    @contextlib.contextmanager
+    def _decode_routes(self, on: bool, out: list[dict[str, Any]]) -> Any:
+        """For an MoE model, the experts each forward of the rollout's own generate picked, prompt
+        and decode steps: [prompt + completion - 1 tokens, MoE layers, k] in each slot's "routes"
+        (the last sampled token is never forwarded), or a sentence in "routes_why". vLLM's own routed
+        experts where the engine has them, else the router capture cut request by request."""
+        from logprob_parity.engines import routing
+
+        way = routing.vllm_source(self.llm) if on else None
+        split = way == routing.VLLM_CAPTURE and bool(self.llm.collective_rpc(routing.install)[0])
+        got: Any = None
+        if way is not None and way != routing.VLLM_OWN and not split:
+            way = None  # a dense model (no router the capture reaches), or an engine neither way reads
+        if split:
+            self.llm.collective_rpc(routing.begin_split)
+        try:
+            yield lambda prompts, results: self._put_routes(way, got, prompts, results, out)
+        finally:
+            if split:
+                got = self.llm.collective_rpc(routing.take_split)[0]
+
+    @staticmethod
+    def _put_routes(way: str | None, got: Any, prompts: list[list[int]], results: Any, out: list[dict[str, Any]]) -> None:
+        from logprob_parity.engines import routing
+
+        if way is None:
+            return
+        for k, (slot, ids, res) in enumerate(zip(out, prompts, results)):
+            n = len(ids) + len(res.outputs[0].token_ids) - 1  # every token but the last sampled one was forwarded
+            if way == routing.VLLM_OWN:
+                r = res.outputs[0].routed_experts
+                arr = None if r is None else np.asarray(r).astype(np.int64)
+            elif isinstance(got, list) and len(got) == len(prompts):
+                arr = routing.stacked(got[k], n) if got[k] else None
+            else:
+                slot["routes_why"] = got if isinstance(got, str) else way
+                continue
+            if arr is None or len(arr) < n:
+                slot["routes_why"] = f"vLLM returned routes for {0 if arr is None else len(arr)} of the {n} forwarded tokens"
+                continue
+            slot["routes"] = arr[:n]
 
     @staticmethod
     def _sampling_params(s: dict[str, Any], seed: int) -> SamplingParams:
