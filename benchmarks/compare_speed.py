@@ -89,15 +89,7 @@ def replay_share(run, seqs, vh, hh) -> dict:
 
     v_routes = vh.routes(seqs)
     if isinstance(v_routes, str):
-        return {
-            "texts": len(seqs),
-            "before": float("nan"),
-            "after": float("nan"),
-            "share": float("nan"),
-            "max_before": float("nan"),
-            "max_after": float("nan"),
-            "why": v_routes,
-        }
+        return {"why": v_routes}
     base_v = [s.vllm.logprob for s in run.sequences[: len(seqs)]]
     before = gap(base_v, [s.hf.logprob for s in run.sequences[: len(seqs)]])
     after = gap(base_v, hh.replay_score(seqs, v_routes))
@@ -226,7 +218,12 @@ def main() -> None:
             hh.call("bare_forward", p.seqs, a.hf_batch, spec.top_k)
             bare_v = [min(vh.call("bare_prefill", p.seqs, spec.top_k, flat) for flat in (True, False)) for _ in range(a.repeats)]
             bare_h = [hh.call("bare_forward", p.seqs, a.hf_batch, spec.top_k) for _ in range(a.repeats)]
-            replay = replay_share(with_kl, p.seqs[: a.replay_texts], vh, hh) if with_kl.meta.routing.get("measured") else None
+            replay = None
+            if with_kl.meta.routing.get("measured"):
+                try:
+                    replay = replay_share(with_kl, p.seqs[: a.replay_texts], vh, hh)
+                except Exception as exc:  # the speed rows are still written; the table says why replay is missing
+                    replay = {"why": f"{type(exc).__name__}: {str(exc)[:300]}"}
         med = statistics.median
         bare = med(bare_v) + med(bare_h)
         t_plain, t_kl, t_bare = med(plain_t), med(kl_t), med(bare_t)
@@ -305,7 +302,9 @@ def main() -> None:
             )
         else:
             table.add("routing", rt.get("why", "not measured"))
-        if replay is not None:
+        if replay is not None and "why" in replay:
+            table.add("routing replay", f"not measured: {replay['why']}")
+        elif replay is not None:
             table.add(
                 f"**routing replay (HF with vLLM's experts forced, R3's rule), first {replay['texts']} texts**",
                 f"**mean |Δ logp| {replay['before']:.4e} -> {replay['after']:.4e}: replay removes {replay['share']:.0%} of the gap** "

@@ -10,8 +10,8 @@
 #   bash benchmarks/h200.sh frontier  the demo model's frontier on the default GPU grid (speed on 64 x 512)
 #   bash benchmarks/h200.sh rescore   logged rollouts rescored on the 1.1B shape (exact KL), 1,000 and 6,000 sequences of
 #                                     256 + 512 tokens: time and the CLI process's peak memory
-#   bash benchmarks/h200.sh moe       issue 30: the Qwen3-MoE GPU test (vLLM's two ways read the same experts), then
-#                                     the Qwen3-30B-A3B shape (16 of 48 layers): speed, exact KL, routing, replay
+#   bash benchmarks/h200.sh moe       issue 30: the Qwen3-30B-A3B shape (16 of 48 layers): speed, exact KL, routing, replay
+#   bash benchmarks/h200.sh moetest   issue 30: the Qwen3-MoE GPU test (vLLM's two ways read the same experts)
 #   bash benchmarks/h200.sh qwen3     issue 30: the Qwen3-8B shape: speed against the bare engines, exact KL
 #   bash benchmarks/h200.sh gemma2    issue 30: the Gemma-2-9B shape (soft-caps; HF eager, which applies them)
 #   bash benchmarks/h200.sh now       the exact KL's transport alone, the IPC test, the 1.1B compare speed, and
@@ -62,14 +62,16 @@ build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
         --no-resume --no-json --out "$OUT/rescore_scale_1b_$n.md" 2>&1 | tail -8
     done ;;
   moe)
-    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py -k "qwen3_moe" 2>&1 | tail -8 | tee "$OUT/tests-moe.log"
     python benchmarks/compare_speed.py --model qwen3_30b_a3b --layers 16 --tokenizer $TOK --build-dir /root/models \
-      --out "$OUT/compare_speed_qwen3_30b_a3b.md" 2>&1 | tail -22
+      --repeats 2 --out "$OUT/compare_speed_qwen3_30b_a3b.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -24
     rm -rf /root/models/qwen3_30b_a3b-shape-16l ;;
+  moetest)
+    python -m pytest -q -x -s -p no:cacheprovider -m gpu tests/test_gpu.py -k "qwen3_moe" 2>&1 | grep -E "passed|failed|Error|assert|routing_flip" \
+      | tail -12 | tee "$OUT/tests-moe.log" ;;
   qwen3|gemma2)
     shape=$([ "$1" = qwen3 ] && echo qwen3_8b || echo "gemma2_9b --attn eager")
-    python benchmarks/compare_speed.py --model $shape --tokenizer $TOK --build-dir /root/models \
-      --out "$OUT/compare_speed_$1.md" 2>&1 | tail -20
+    python benchmarks/compare_speed.py --model $shape --tokenizer $TOK --build-dir /root/models --repeats 1 \
+      --out "$OUT/compare_speed_$1.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -20
     rm -rf /root/models/*-shape ;;
-  *) echo "usage: $0 tests|rollout|again|8b|set|frontier|now|rescore|moe|qwen3|gemma2" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|rollout|again|8b|set|frontier|now|rescore|moe|moetest|qwen3|gemma2" >&2; exit 2 ;;
 esac

@@ -310,8 +310,8 @@ ROLLOUT_ROWS = (
 
 
 def rollout_text(ro: Any) -> str:
-    """A rollout in words and tables: verdict, the three-way metrics, an MoE model's routing, the noise floors."""
-    from logprob_parity.present.rollout_view import routing_words
+    """A rollout in words and tables: verdict (an MoE model's routing among its reasons), the three-way
+    metrics, the noise floors."""
     from logprob_parity.results.rollout import PAIRS
 
     m = ro.meta
@@ -328,7 +328,6 @@ def rollout_text(ro: Any) -> str:
         f"{m.dtype}: rollout {m.rollout_id} ({'from the store' if ro.from_store else 'computed'}); "
         f"{len(ro.samples)} samples; decode_processed: {m.processed}",
         *table,
-        *(["", *routing_words(ro)] if routing_words(ro) else []),
         "",
         "noise floors (|Δ logp| when only this changes):",
     ]

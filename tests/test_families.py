@@ -207,10 +207,11 @@ def test_bfloat16_routing_flips_show_per_token_in_the_view_the_gate_and_the_diff
 def test_an_moe_rollout_compares_the_decodes_experts_with_hfs_and_replay_shrinks_the_gap(matrix_home):
     """The rollout path (issue 30, part 3): in bfloat16 vLLM's decode of the tiny Qwen3-MoE picks other
     experts than HF teacher-forced on some steps; each sample keeps its tokens' flipped layers, the
-    CLI, the page and the report say it in words, a token's hover lists both expert sets, and HF
+    verdict (CLI, page, report) says it in words, a token's hover lists both expert sets, and HF
     rescored with the decode's experts forced is closer to the decode than plain HF."""
+    from logprob_parity.analysis.verdict import routing_reasons
     from logprob_parity.cli import rollout_text
-    from logprob_parity.present.rollout_view import _tip, rollout_report_html, routing_words
+    from logprob_parity.present.rollout_view import _tip, rollout_report_html
 
     path = build_family(family("qwen3_moe"))
     (ro,) = lp.rollout(
@@ -234,8 +235,9 @@ def test_an_moe_rollout_compares_the_decodes_experts_with_hfs_and_replay_shrinks
     print(f"ROLLOUT ROUTING qwen3_moe bfloat16: {rt['routing_flip_frac']:.4f} of routers, replay {rp}")
     assert rp["mean_abs_delta_before"] == ro.meta.summary["decode_vs_hf"]["mean_abs_delta"]
     assert rp["mean_abs_delta_after"] < rp["mean_abs_delta_before"] and 0 < rp["share_removed"] < 1
-    words = routing_words(ro)
+    words = routing_reasons(rt)
     assert "picked other experts" in words[0] and "removes" in words[1]
+    assert words == list(ro.meta.verdict["reasons"][-2:])  # the verdict says it, on the page and in the CLI
     assert all(w in rollout_text(ro) for w in words) and "Routing replay" in rollout_report_html(ro)
     i = next(k for k, r in enumerate(per) if r["flips"])
     t, layer, v, h = per[i]["flips"][0]

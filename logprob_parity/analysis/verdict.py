@@ -370,4 +370,30 @@ def rollout_verdict(meta: Any) -> Verdict:
                 f"logprobs sit {pv['mean_delta']:.3g} above the trainer's on average, the log of the kept mass. "
                 "A trainer that rescores without the cut sees this as mismatch."
             )
+    reasons += routing_reasons(getattr(meta, "routing", None))
     return Verdict(base.level, "Rollout " + base.headline, tuple(reasons))
+
+
+def routing_reasons(r: dict[str, Any] | None) -> list[str]:
+    """An MoE rollout's routing in sentences: how many routers of vLLM's decode picked other experts
+    than HF teacher-forced, and what routing replay leaves of the gap. [] for a dense model (and for
+    a rollout stored before routing was measured); one sentence saying why when it was not measured."""
+    from logprob_parity.engines.routing import NOT_MOE
+
+    if not r or r.get("why") == NOT_MOE:
+        return []
+    if not r.get("measured"):
+        return [f"MoE routing was not compared: {r.get('why')}"]
+    lines = [
+        f"MoE routing, vLLM's decode against HF (the trainer) on the same ids: {r['routing_flip_frac']:.2%} of "
+        f"(token, layer) routers picked other experts; {r['routing_tokens_flipped']:.2%} of the {r['tokens']:,} "
+        f"completion tokens were routed differently in at least one of {r['layers']} MoE layers (top-{r['top_k']})."
+    ]
+    rp = r.get("replay") or {}
+    if rp.get("share_removed") is not None:
+        lines.append(
+            f"Routing replay (HF rescored with the decode's experts forced, R3's rule): mean |Δ logp| "
+            f"{rp['mean_abs_delta_before']:.3g} → {rp['mean_abs_delta_after']:.3g}, so replaying vLLM's routing "
+            f"removes {rp['share_removed']:.0%} of the gap (largest {rp['max_abs_delta_before']:.3g} → {rp['max_abs_delta_after']:.3g})."
+        )
+    return lines

@@ -103,32 +103,6 @@ def floors_table(ro: Rollout) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def routing_words(ro: Rollout) -> list[str]:
-    """An MoE rollout's routing in sentences: how many routers of vLLM's decode picked other experts
-    than HF teacher-forced, and what routing replay leaves of the gap. [] for a dense model (and for
-    a rollout stored before routing was measured); one sentence saying why when it was not measured."""
-    from logprob_parity.engines.routing import NOT_MOE
-
-    r = ro.meta.routing or {}
-    if not r or r.get("why") == NOT_MOE:
-        return []
-    if not r.get("measured"):
-        return [f"MoE routing was not compared: {r.get('why')}"]
-    lines = [
-        f"MoE routing, vLLM's decode against HF (the trainer) on the same ids: {r['routing_flip_frac']:.2%} of "
-        f"(token, layer) routers picked other experts; {r['routing_tokens_flipped']:.2%} of the {r['tokens']:,} "
-        f"completion tokens were routed differently in at least one of {r['layers']} MoE layers (top-{r['top_k']})."
-    ]
-    rp = r.get("replay") or {}
-    if rp.get("share_removed") is not None:
-        lines.append(
-            f"Routing replay (HF rescored with the decode's experts forced, R3's rule): mean |Δ logp| "
-            f"{rp['mean_abs_delta_before']:.3g} → {rp['mean_abs_delta_after']:.3g}, so replaying vLLM's routing "
-            f"removes {rp['share_removed']:.0%} of the gap (largest {rp['max_abs_delta_before']:.3g} → {rp['max_abs_delta_after']:.3g})."
-        )
-    return lines
-
-
 def _routing_tip(ro: Rollout, i: int, t: int) -> list[str]:
     """The MoE layers that routed completion token t's decode step differently, with both sets."""
     info = ro.meta.samples[i] if i < len(ro.meta.samples) else {}
@@ -394,8 +368,7 @@ def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
         f"<!doctype html><html><head><meta charset=utf-8><title>logprob-parity rollout {html.escape(m.rollout_id)}</title>"
         f"<style>{_PAGE_CSS}</style></head><body><h1>Rollout: {html.escape(m.model)} · {html.escape(m.dtype)}</h1>"
         f"{verdict_html([m.verdict]) if m.verdict else ''}<table class=meta>{meta}</table>"
-        + "".join(f"<p>{html.escape(line)}</p>" for line in routing_words(ro))
-        + f"<h2>Three-way comparison</h2>{_df_html(metrics_table(ro))}<h2>Noise floors</h2>{_df_html(floors_table(ro))}"
+        f"<h2>Three-way comparison</h2>{_df_html(metrics_table(ro))}<h2>Noise floors</h2>{_df_html(floors_table(ro))}"
         f"<h2>Completions (coloured by vLLM decode vs HF)</h2>{samples}<h2>Distributions</h2><div class=charts>{charts}</div>"
         "</body></html>"
     )

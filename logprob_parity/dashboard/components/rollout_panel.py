@@ -38,7 +38,6 @@ from logprob_parity.present.rollout_view import (
     ratio_histogram,
     ratio_strip,
     rollout_report_html,
-    routing_words,
     shown_pairs,
     strip_samples,
     token_frame,
@@ -432,8 +431,6 @@ def show_rollouts(ros: list[Rollout]) -> None:
             )
             table = metrics_table(r)
             st.dataframe(table, hide_index=True, width="stretch", height=35 * (len(table) + 1) + 3)
-            for line in routing_words(r):  # an MoE model: the decode's routing against HF's, and its replay
-                st.markdown(f":material/alt_route: {line}")
             st.markdown("**Noise floors**: how much one side moves when only this changes")
             st.dataframe(floors_table(r), hide_index=True, width="stretch")
             d1, d2, d3 = st.columns(3)
