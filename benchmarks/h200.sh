@@ -13,7 +13,7 @@
 #   bash benchmarks/h200.sh moe       issue 30: the Qwen3-30B-A3B shape (16 of 48 layers): speed, exact KL, routing, replay
 #   bash benchmarks/h200.sh moetest   issue 30: the Qwen3-MoE GPU test (vLLM's two ways read the same experts)
 #   bash benchmarks/h200.sh qwen3     issue 30: the Qwen3-8B shape: speed against the bare engines, exact KL
-#   bash benchmarks/h200.sh gemma2    issue 30: the Gemma-2-9B shape (soft-caps; HF eager, which applies them)
+#   bash benchmarks/h200.sh gemma2    issue 30: the Gemma-2-9B shape (soft-caps: HF runs eager attention for it, which applies them)
 #   bash benchmarks/h200.sh now       the exact KL's transport alone, the IPC test, the 1.1B compare speed, and
 #                                     a profile of a compare with the exact KL (the HF host's phases included)
 set -uo pipefail
@@ -69,7 +69,7 @@ build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
     python -m pytest -q -x -s -p no:cacheprovider -m gpu tests/test_gpu.py -k "qwen3_moe" 2>&1 | grep -E "passed|failed|Error|assert|routing_flip" \
       | tail -12 | tee "$OUT/tests-moe.log" ;;
   qwen3|gemma2)
-    shape=$([ "$1" = qwen3 ] && echo qwen3_8b || echo "gemma2_9b --attn eager")
+    shape=$([ "$1" = qwen3 ] && echo qwen3_8b || echo gemma2_9b)
     python benchmarks/compare_speed.py --model $shape --tokenizer $TOK --build-dir /root/models --repeats 1 \
       --out "$OUT/compare_speed_$1.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -20
     rm -rf /root/models/*-shape ;;

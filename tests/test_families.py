@@ -24,8 +24,6 @@ TEXT = (
     "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
     "Numbers like 3.14159 and 2.71828 appear in mathematics, physics and engineering."
 )
-# Gemma 2's attention soft-cap is applied by HF's eager attention only (see the docs' family page).
-SETTINGS = {"gemma2": {"attn_implementation": "eager"}}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +44,7 @@ def test_each_family_compares_in_both_dtypes_with_the_exact_kl_rolls_out_and_dia
 
     f = family(name)
     path = build_family(f)
-    f32, bf16 = lp.compare(
-        TEXT, model=str(path), dtypes=("float32", "bfloat16"), settings=SETTINGS.get(name), home=str(matrix_home), progress=False
-    )
+    f32, bf16 = lp.compare(TEXT, model=str(path), dtypes=("float32", "bfloat16"), home=str(matrix_home), progress=False)
     s, b = f32.summary, bf16.summary
     print(
         f"FAMILY {name}: max |Δ| {s['max_abs_delta']:.3e}, mean {s['mean_abs_delta']:.3e}, exact KL {s['kl_full_mean']:.3e}, "
@@ -64,6 +60,10 @@ def test_each_family_compares_in_both_dtypes_with_the_exact_kl_rolls_out_and_dia
     assert s["kl_full_mean"] is not None and s["kl_full_mean"] < 1e-6
     assert b["kl_full_mean"] is not None and b["kl_full_mean"] > s["kl_full_mean"]
     assert b["mean_abs_delta"] > s["mean_abs_delta"]  # bfloat16 rounds both sides differently
+    # Gemma 2 soft-caps its attention logits, which HF's default SDPA leaves out: its HF engine runs eager, and says why
+    hf_engine = f32.meta.env.hf_engine
+    assert hf_engine["attn_implementation"] == ("eager" if name == "gemma2" else "sdpa"), hf_engine
+    assert ("attn_implementation_why" in hf_engine) == (name == "gemma2")
     (own,) = run_verdicts([f32])
     assert own.level in ("match", "systematic")
     # the BOS policy against the family's own tokenizer
@@ -84,7 +84,6 @@ def test_each_family_compares_in_both_dtypes_with_the_exact_kl_rolls_out_and_dia
         dtypes=("float32", "bfloat16"),
         max_tokens=12,
         ignore_eos=True,
-        settings=SETTINGS.get(name),
         home=str(matrix_home),
         progress=False,
     )
@@ -103,9 +102,7 @@ def test_each_family_compares_in_both_dtypes_with_the_exact_kl_rolls_out_and_dia
     else:
         assert rolled[0].meta.routing == {"measured": False, "why": "not an MoE model"}
     # Diagnostics (HF's noise floor on every text) on the same ids: the comparison's level
-    spec = RunSpec(
-        texts=(TEXT,), model=str(path), dtypes=("float32",), device="cpu", settings=EngineSettings(**(SETTINGS.get(name) or {}))
-    )
+    spec = RunSpec(texts=(TEXT,), model=str(path), dtypes=("float32",), device="cpu", settings=EngineSettings())
     diag = diagnose(spec, store=Store(matrix_home), parts=("noise",))
     assert diagnosis_verdicts(diag)["float32"].level == own.level, name
 
@@ -118,9 +115,7 @@ def test_both_engines_apply_the_sliding_window(name, matrix_home):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = build_family(family(name))
-    (run,) = lp.compare(
-        TEXT, model=str(path), dtypes=("float32",), settings=SETTINGS.get(name), home=str(matrix_home), progress=False
-    )
+    (run,) = lp.compare(TEXT, model=str(path), dtypes=("float32",), home=str(matrix_home), progress=False)
     ids = list(run.sequences[0].token_ids)
     assert len(ids) > 3 * WINDOW
     cfg = AutoConfig.from_pretrained(path)

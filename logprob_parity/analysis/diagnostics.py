@@ -20,6 +20,7 @@ from logprob_parity.analysis.floors import VARIATIONS, floor_of, gap, hf_variati
 from logprob_parity.analysis.request import Context, EventFn, prepare
 from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS
 from logprob_parity.analysis.verdict import diagnosis_verdicts
+from logprob_parity.engines.attention import soft_caps_attention
 from logprob_parity.engines.host import start_words
 from logprob_parity.env import device_name, versions
 from logprob_parity.errors import UserError
@@ -130,7 +131,11 @@ def diagnose(
             },
         }
         hf_r, v_r = p.load("hf", d), p.load("vllm", d)
-        other = "eager" if (p.spec.settings.attn_implementation or "sdpa") != "eager" else "sdpa"
+        # the kernel the HF engine runs: the setting, else eager for a soft-capped model (hf.soft_caps_attention), else SDPA
+        own = p.spec.settings.attn_implementation or (
+            "eager" if soft_caps_attention(p.model.path, p.spec.settings.trust_remote_code) else "sdpa"
+        )
+        other = "eager" if own != "eager" else "sdpa"
         other_r = p.load("hf", d, replace(p.spec.settings, attn_implementation=other))
         ref_r = p.load("hf", REFERENCE_DTYPE, device="cpu")
         needed = [hf_r, v_r] + ([other_r] if "noise" in parts else []) + ([ref_r] if "reference" in parts else [])

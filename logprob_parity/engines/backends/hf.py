@@ -13,6 +13,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from logprob_parity.engines import fullvocab
+from logprob_parity.engines.attention import EAGER_FOR_SOFTCAP, soft_caps_attention
 from logprob_parity.engines.backends.base import Backend, apply_tf32
 from logprob_parity.engines.scores import TokenScores
 from logprob_parity.inputs.spec import EngineSettings
@@ -31,6 +32,10 @@ class HFBackend(Backend):
             torch.backends.cuda.enable_cudnn_sdp(bool(settings.hf_cudnn_attention))
         # every registered HF setting that is set, under its own name (logprob_parity.inputs.settings)
         kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), **settings.passthrough("hf")}
+        self.attn_why = None
+        if "attn_implementation" not in kwargs and soft_caps_attention(model_path, settings.trust_remote_code):
+            kwargs["attn_implementation"] = "eager"
+            self.attn_why = EAGER_FOR_SOFTCAP
         if settings.hf_device_map:  # accelerate spreads the layers over every visible GPU
             self.model = AutoModelForCausalLM.from_pretrained(model_path, device_map=settings.hf_device_map, **kwargs).eval()
             self.device = str(self.model.get_input_embeddings().weight.device)
@@ -408,6 +413,7 @@ class HFBackend(Backend):
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+            **({"attn_implementation_why": self.attn_why} if self.attn_why else {}),
             "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if self.device.startswith("cuda") else None,
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
         }
