@@ -34,48 +34,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B).
-LLAMA8B = {
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "vocab_size": 128256,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-}
 TARGETS = {"ratio": 1.5, "kl_ratio": 1.25, "kl_rate_1b": 20000.0}
 
 
 def build_llama8b(out: Path, tokenizer_path: str, device: str) -> str:
     """Random weights (std 0.02) in bfloat16 with Llama-3.1-8B's config, saved as a plain HF folder."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from benchmarks.shapes import build_shape
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    cfg = LlamaConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **LLAMA8B)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model.save_pretrained(out, max_shard_size="5GB")
-    tok.save_pretrained(out)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return str(out)
+    return build_shape("llama3_8b", out, tokenizer_path, device)
 
 
 def peak_rss_gb() -> float:

@@ -13,6 +13,29 @@ from typing import Any
 
 # name: (config class, model class, sizes from the model's config.json)
 SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama3_8b": (  # config.json of meta-llama/Llama-3.1-8B (the 128,256-entry vocabulary)
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "vocab_size": 128256,
+            "tie_word_embeddings": False,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+    ),
     "qwen3_8b": (
         "Qwen3Config",
         "Qwen3ForCausalLM",
