@@ -59,7 +59,7 @@ def _interactive() -> bool:
     )
 
 
-def _ctx(home: str | None, progress: bool | None) -> Any:
+def _ctx(home: str | None, progress: bool | None, ray: Any = None) -> Any:
     """`progress`: print each step (None: when a person is watching, so a four-minute rollout in a
     notebook says what it waits for; a script piped to a log stays quiet unless asked)."""
     if progress is None:
@@ -72,7 +72,10 @@ def _ctx(home: str | None, progress: bool | None) -> Any:
         print(f"{stage}{f' [{dtype}]' if dtype else ''}: {detail}", flush=True)
 
     return Context.of(
-        store=Store(home) if home else Store(), on_event=say if progress else None, model_roots=model_roots_from_env()
+        store=Store(home) if home else Store(),
+        on_event=say if progress else None,
+        model_roots=model_roots_from_env(),
+        ray=ray,
     )
 
 
@@ -90,13 +93,16 @@ def compare(
     use_cache: bool = True,
     home: str | None = None,
     progress: bool | None = None,
+    ray: Any = None,
 ) -> list[Any]:
     """Score `texts` with HF and vLLM on the same token ids: one stored Run per dtype. `settings`:
-    engine settings by name (logprob_parity.inputs.settings), e.g. {"attention_backend": "FLEX_ATTENTION"}."""
+    engine settings by name (logprob_parity.inputs.settings), e.g. {"attention_backend": "FLEX_ATTENTION"}.
+    `ray`: score the batches on a Ray cluster's workers: True (start Ray here), "auto", an address, or
+    a dict of logprob_parity.analysis.cluster.RayOptions fields; the run is the one computed here."""
     from logprob_parity.analysis.compare import compare as _compare
 
     spec = _spec(texts, model, dtypes, device, bos, settings, top_k=top_k, noise_floor=noise_floor, truncate=truncate)
-    return _compare(spec, _ctx(home, progress), use_cache=use_cache)
+    return _compare(spec, _ctx(home, progress, ray), use_cache=use_cache)
 
 
 def rollout(
@@ -149,9 +155,11 @@ def rescore(
     use_cache: bool = True,
     home: str | None = None,
     progress: bool | None = None,
+    ray: Any = None,
 ) -> list[Any]:
     """Rescore logged rollouts (a JSONL/Parquet file, or its bytes with `name`) with vLLM prefill and
-    HF; `map` renames fields ("logprobs=rollout_log_probs,..." or a dict). One stored Rollout per dtype."""
+    HF; `map` renames fields ("logprobs=rollout_log_probs,..." or a dict). One stored Rollout per dtype.
+    `ray`: as `compare`'s."""
     from logprob_parity.analysis.rescore import rescore as _rescore
     from logprob_parity.inputs.rollout_logs import parse_mapping
 
@@ -164,7 +172,7 @@ def rescore(
         name = name or data.name
     mapping = map if isinstance(map, dict) else parse_mapping(map)
     spec = _spec(("logged rollouts",), model, dtypes, device, bos, settings)
-    return _rescore(data, name, spec, _ctx(home, progress), mapping=mapping, use_cache=use_cache)
+    return _rescore(data, name, spec, _ctx(home, progress, ray), mapping=mapping, use_cache=use_cache)
 
 
 def check(

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from logprob_parity.errors import EngineError, UserError
 from logprob_parity.inputs.settings import SETTINGS, EngineSettings, Setting, settings_class
@@ -132,20 +132,58 @@ def _spec_from_args(args: argparse.Namespace, rollout: bool = False) -> RunSpec:
     return spec
 
 
+class Reporter(NamedTuple):
+    """What a long command reports through: words (on_event), tokens done (on_progress) and the
+    numbers behind them (on_status: rate, time left, Ray workers alive)."""
+
+    on_event: Any
+    on_progress: Any
+    on_status: Any
+
+    def context(self, args: argparse.Namespace) -> Any:
+        """A Context reporting here, on a Ray cluster when --ray asks for one."""
+        from logprob_parity.analysis.request import Context
+
+        return Context.of(on_event=self.on_event, on_progress=self.on_progress, on_status=self.on_status, ray=_ray_options(args))
+
+
+def _ray_options(args: argparse.Namespace) -> Any:
+    if getattr(args, "ray", None) is None:
+        for flag in ("ray_workers", "ray_gpus_per_worker"):
+            if getattr(args, flag, None) is not None:
+                raise UserError(f"--{flag.replace('_', '-')} needs --ray")
+        return None
+    from logprob_parity.analysis.cluster import RayOptions
+
+    if args.ray_workers is not None and args.ray_workers < 1:
+        raise UserError("--ray-workers must be 1 or more")
+    if args.ray_gpus_per_worker is not None and not 0 < args.ray_gpus_per_worker <= 8:
+        raise UserError("--ray-gpus-per-worker must be above 0 (a fraction shares a card), at most 8")
+    return RayOptions(address=args.ray, gpus_per_worker=args.ray_gpus_per_worker, workers=args.ray_workers)
+
+
 @contextlib.contextmanager
-def progress(args: argparse.Namespace, desc: str, steps: int | None, n_dtypes: int = 1) -> Iterator[tuple[Any, Any]]:
-    """(on_event, on_progress) for a long command, with a tqdm bar where a person watches a terminal:
-    tokens scored over every dtype where the work reports them (its rate and time left are tokens/s and
-    the rest), else its steps. Each event is also a line on stderr, the only output when piped (CI,
-    logs); --quiet silences both."""
+def progress(args: argparse.Namespace, desc: str, steps: int | None, n_dtypes: int = 1) -> Iterator[Reporter]:
+    """A Reporter for a long command, with a tqdm bar where a person watches a terminal: tokens scored
+    over every dtype where the work reports them (its rate and time left are tokens/s and the rest;
+    on a Ray cluster the workers alive too), else its steps. Each event is also a line on stderr, the
+    only output when piped (CI, logs); --quiet silences both. --events FILE writes every event and
+    every progress report as a JSON line, for a machine to follow."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, smoothing=0.1, disable=args.quiet or not sys.stderr.isatty())
     done: dict[str, int] = {}
     by_tokens = False
+    events = open(args.events, "a", encoding="utf-8") if getattr(args, "events", None) else None  # noqa: SIM115 - closed below
+
+    def log(record: dict[str, Any]) -> None:
+        if events is not None:
+            events.write(json.dumps({"t": round(time.perf_counter() - t0, 3), "command": desc, **record}) + "\n")
+            events.flush()
 
     def on_event(stage: str, dtype: str | None, detail: str) -> None:
+        log({"event": stage, "dtype": dtype, "detail": detail})
         if args.quiet:
             return
         bar.set_description(f"{stage}{f' [{dtype}]' if dtype else ''}")
@@ -162,20 +200,26 @@ def progress(args: argparse.Namespace, desc: str, steps: int | None, n_dtypes: i
         done[dtype or ""] = n
         bar.update(sum(done.values()) - bar.n)
 
+    def on_status(dtype: str | None, numbers: dict[str, Any]) -> None:
+        log({"event": "progress", "dtype": dtype, **numbers})
+        if "workers" in numbers:
+            bar.set_postfix_str(f"{numbers['workers_alive']}/{numbers['workers']} Ray workers alive", refresh=True)
+
     try:
-        yield on_event, on_progress
+        yield Reporter(on_event, on_progress, on_status)
     finally:
         bar.close()
+        if events is not None:
+            events.close()
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from logprob_parity.analysis.compare import compare
-    from logprob_parity.analysis.request import Context
 
     spec = _spec_from_args(args)
     t0 = time.perf_counter()
-    with progress(args, "compare", 2 + 6 * len(spec.dtypes), len(spec.dtypes)) as (on_event, on_progress):
-        runs = compare(spec, Context.of(on_event=on_event, on_progress=on_progress), use_cache=not args.no_cache)
+    with progress(args, "compare", 2 + 6 * len(spec.dtypes), len(spec.dtypes)) as rep:
+        runs = compare(spec, rep.context(args), use_cache=not args.no_cache)
     from logprob_parity.analysis.verdict import run_verdicts
     from logprob_parity.results.store import Store
 
@@ -273,8 +317,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     spec = _spec_from_args(args)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip()) if args.parts != "all" else PARTS
-    with progress(args, "diagnose", (3 + 4 * len(parts)) * len(spec.dtypes)) as (on_event, _):
-        result = diagnose(spec, parts=parts, gen_tokens=args.gen_tokens, slow_knobs=args.slow_knobs, on_event=on_event)
+    with progress(args, "diagnose", (3 + 4 * len(parts)) * len(spec.dtypes)) as rep:
+        result = diagnose(spec, parts=parts, gen_tokens=args.gen_tokens, slow_knobs=args.slow_knobs, on_event=rep.on_event)
     print(diagnostics_text(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False))
@@ -352,7 +396,6 @@ def _print_rollouts(args: argparse.Namespace, ros: list[Any], t0: float) -> int:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from logprob_parity.analysis.request import Context
     from logprob_parity.analysis.rollout import STEPS_PER_DTYPE, rollout
     from logprob_parity.results.rollout import Sampling
 
@@ -368,14 +411,13 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     )
     sampling.validate()
     t0 = time.perf_counter()
-    with progress(args, "rollout", 2 + STEPS_PER_DTYPE * len(spec.dtypes), len(spec.dtypes)) as (on_event, on_progress):
-        ctx = Context.of(on_event=on_event, on_progress=on_progress)
+    with progress(args, "rollout", 2 + STEPS_PER_DTYPE * len(spec.dtypes), len(spec.dtypes)) as rep:
+        ctx = rep.context(args)
         ros = rollout(spec, sampling, ctx, use_cache=not args.no_cache, noise_samples=args.noise_samples)
     return _print_rollouts(args, ros, t0)
 
 
 def cmd_rescore(args: argparse.Namespace) -> int:
-    from logprob_parity.analysis.request import Context
     from logprob_parity.analysis.rescore import rescore
     from logprob_parity.inputs.rollout_logs import parse_mapping
 
@@ -385,15 +427,14 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     args.prompt, args.prompts = "logged rollouts", None  # the prompts come from the file
     spec = _spec_from_args(args)
     t0 = time.perf_counter()
-    with progress(args, "rescore", 2 + 5 * len(spec.dtypes), len(spec.dtypes)) as (on_event, on_progress):
-        ctx = Context.of(on_event=on_event, on_progress=on_progress)
+    with progress(args, "rescore", 2 + 5 * len(spec.dtypes), len(spec.dtypes)) as rep:
+        ctx = rep.context(args)
         ros = rescore(path, path.name, spec, ctx, mapping=parse_mapping(args.map), use_cache=not args.no_cache)
     return _print_rollouts(args, ros, t0)
 
 
 def cmd_frontier(args: argparse.Namespace) -> int:
     from logprob_parity.analysis.frontier import default_grid, frontier, frontier_text, parse_configs
-    from logprob_parity.analysis.request import Context
     from logprob_parity.env import resolve_device
 
     args.dtype = "float32"  # each configuration names its own dtype
@@ -411,8 +452,8 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         load = (n, length)
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
-    with progress(args, "frontier", 2 + len(configs)) as (on_event, on_progress):
-        ctx = Context.of(on_event=on_event, on_progress=on_progress)
+    with progress(args, "frontier", 2 + len(configs)) as rep:
+        ctx = rep.context(args)
         result = frontier(spec, configs, ctx, tolerance=args.tolerance, speed_load=load, repeats=args.repeats)
     print(frontier_text(result))
     print(f"elapsed {time.perf_counter() - t0:.2f} s")
@@ -594,6 +635,7 @@ def _add_spec_args(
     c.add_argument("--no-cache", action="store_true", help="recompute even if the store has this run")
     c.add_argument("--truncate", action="store_true", help="keep the first positions of prompts longer than the model allows")
     c.add_argument("--quiet", action="store_true", help="no progress output")
+    c.add_argument("--events", default=None, metavar="FILE", help="append every progress event to FILE, a JSON object a line")
     if rollout:  # a rollout engine decodes with CUDA graphs unless told otherwise (logprob_parity.analysis.rollout)
         add_setting_flags(
             c,
@@ -619,6 +661,30 @@ def version_line() -> str:
     ]
     return f"logprob-parity {__version__}" + (
         f" ({', '.join(libs)})" if libs else " (vLLM, transformers and torch not installed)"
+    )
+
+
+def _add_ray_args(c: argparse.ArgumentParser) -> None:
+    """Past one machine: the set's batches on a Ray cluster's workers (logprob_parity.analysis.cluster)."""
+    g = c.add_argument_group("on a Ray cluster (pip install 'logprob-parity[ray]')")
+    g.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="score the batches on Ray workers, each with its own warm engines: no ADDRESS starts Ray here, "
+        "'auto' joins the cluster running here (ray start --head), host:port joins that one",
+    )
+    g.add_argument(
+        "--ray-workers", type=int, default=None, metavar="N", help="workers to start (default: one a GPU, or one a node on CPUs)"
+    )
+    g.add_argument(
+        "--ray-gpus-per-worker",
+        type=float,
+        default=None,
+        metavar="G",
+        help="GPUs each worker asks Ray for (default 1 on a GPU; 0.5 puts two workers on one card)",
     )
 
 
@@ -655,6 +721,7 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     df.add_argument("b", metavar="RUN_B")
     df.add_argument("--json", default=None, metavar="OUT")
     df.set_defaults(func=cmd_diff)
+    _add_ray_args(c)
     c.set_defaults(func=cmd_compare)
 
     g = sub.add_parser("diagnose", help="noise floor, knob ablation, float64 reference, downstream impact, verdict")
@@ -699,6 +766,7 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
         help="read a field from another column, e.g. logprobs=rollout_log_probs,completion_token_ids=responses",
     )
     _add_spec_args(rs, registry, texts=False)
+    _add_ray_args(rs)
     rs.set_defaults(func=cmd_rescore)
 
     fr = sub.add_parser("frontier", help="accuracy against speed over dtypes, kernels and quantization, against HF float64")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv for logprob-parity: vLLM's CUDA build where an NVIDIA GPU is present, its CPU build
-# elsewhere. `--test` adds the test tools (pytest, Playwright, ruff), the docs' tools (MkDocs) and
-# Debian's Chromium for the browser test.
+# elsewhere. `--test` adds the test tools (pytest, Playwright, ruff), the docs' tools (MkDocs), Ray
+# (the optional extra .[ray], so CI runs the cluster tests) and Debian's Chromium for the browser test.
 # Re-running is cheap: pip is skipped while pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ VENV=.venv
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=gpu; else FLAVOUR=cpu; fi
 EXTRAS=$FLAVOUR
-[ $WITH_TEST = 1 ] && EXTRAS="$EXTRAS,test,docs"
+[ $WITH_TEST = 1 ] && EXTRAS="$EXTRAS,test,docs,ray"
 STAMP="$VENV/.lpp-setup-$(cat pyproject.toml "$0" | sha256sum | cut -c1-16)-${EXTRAS//,/-}"
 
 if [ ! -f "$STAMP" ]; then

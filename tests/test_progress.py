@@ -22,7 +22,7 @@ class Terminal(io.StringIO):
 def test_a_long_command_shows_a_bar_on_a_terminal_and_only_its_event_lines_when_piped(monkeypatch, tty):
     err = Terminal() if tty else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    with progress(argparse.Namespace(quiet=False), "rollout", steps=4) as (on_event, _):
+    with progress(argparse.Namespace(quiet=False), "rollout", steps=4) as (on_event, _, _):
         on_event("load", "float32", "vllm (float32) engine starting")
         on_event("sample", "float32", "2 samples")
     out = err.getvalue()
@@ -33,7 +33,7 @@ def test_a_long_command_shows_a_bar_on_a_terminal_and_only_its_event_lines_when_
 def test_the_bar_counts_tokens_once_the_work_reports_them(monkeypatch):
     err = Terminal()
     monkeypatch.setattr(sys, "stderr", err)
-    with progress(argparse.Namespace(quiet=False), "rescore", steps=7, n_dtypes=2) as (on_event, on_progress):
+    with progress(argparse.Namespace(quiet=False), "rescore", steps=7, n_dtypes=2) as (on_event, on_progress, _):
         on_event("load", None, "engines")
         on_progress("float32", 500, 1000)
         on_progress("bfloat16", 250, 1000)
@@ -44,7 +44,7 @@ def test_the_bar_counts_tokens_once_the_work_reports_them(monkeypatch):
 def test_quiet_silences_both(monkeypatch):
     err = Terminal()
     monkeypatch.setattr(sys, "stderr", err)
-    with progress(argparse.Namespace(quiet=True), "frontier", steps=3) as (on_event, _):
+    with progress(argparse.Namespace(quiet=True), "frontier", steps=3) as (on_event, _, _):
         on_event("load", None, "engines")
     assert err.getvalue() == ""
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from logprob_parity.analysis import floors
+from logprob_parity.analysis.cluster import Job, words_left
 from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.host import start_words
@@ -133,10 +134,18 @@ def _compare_locked(p: Prepared, use_cache: bool, keys: dict[str, str]) -> list[
         steps = [(todo, everything)]
     else:
         steps = [([d], plan[d]) for d in todo]
+    if ctx.ray is not None:  # the engines run on a Ray cluster's workers; this process stores the parts
+        from logprob_parity.analysis.cluster import open_cluster
+
+        with open_cluster(ctx.ray, p) as cluster:
+            for d in todo:
+                runs[d] = _score_dtype(p, d, _OnCluster(p, d, cluster), keys[d], use_cache)
+                ctx.emit("store", d, f"run {runs[d].run_id} saved")
+        return [runs[d] for d in spec.dtypes]
     for dtypes, requests in steps:
         with ctx.pool.lease(requests, on_wait=ctx.waiter(dtypes[0])) as lease:
             for d in dtypes:
-                runs[d] = _score_dtype(p, d, plan[d], lease, keys[d], use_cache)
+                runs[d] = _score_dtype(p, d, _Here(p, d, plan[d], lease), keys[d], use_cache)
                 ctx.emit("store", d, f"run {runs[d].run_id} saved")
     return [runs[d] for d in spec.dtypes]
 
@@ -163,18 +172,11 @@ def plan_batches(lengths: list[int], vocab: int | None, device: str) -> list[tup
     return out
 
 
-def words_left(seconds: float) -> str:
-    if seconds < 90:
-        return f"about {seconds:.0f} s left"
-    if seconds < 5400:
-        return f"about {seconds / 60:.0f} min left"
-    return f"about {seconds / 3600:.1f} h left"
-
-
-def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, request_key: str, use_cache: bool) -> Run:
+def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_cache: bool) -> Run:
     """Score, compare and store one dtype, a batch at a time: each batch's table is stored as it
-    finishes (with more than one batch), so memory is bounded by a batch and a killed run, started
-    again with the same request, computes only the batches it lacks."""
+    finishes (with more than one batch, or on a Ray cluster), so memory is bounded by a batch and a
+    killed run, started again with the same request, computes only the batches it lacks. `engines`
+    scores the batches: this process's lease (_Here) or a Ray cluster's workers (_OnCluster)."""
     ctx, spec, store = p.ctx, p.spec, p.ctx.store
     t0 = time.perf_counter()
     seqs = p.seqs
@@ -182,93 +184,53 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
     rid = run_id_for_ids(spec, p.model, dtype, p.device, p.texts, seqs, mml)
     n_floor = floors.sample_of(seqs, p.device)
     batches = plan_batches([len(s) for s in seqs], p.model.vocab_size, p.device)
-    many = len(batches) > 1
+    many = len(batches) > 1 or engines.many
     if not use_cache:
         store.drop_partial(rid)
-    infos: dict[str, Any] = {}
     timing: dict[str, float] = {"vllm_load_s": 0.0, "hf_load_s": 0.0, "vllm_score_s": 0.0, "hf_score_s": 0.0, "noise_s": 0.0}
-    floor: dict[str, Any] | None = None
-    kl_why: dict[str, int] = {}  # why the exact KL is missing -> how many batches
-    via: set[str] = set()
-    seq_infos: list[Any] = []
+    parts: dict[int, dict[str, Any]] = {}  # batch -> its part's info (stored now or by an earlier run)
     tables: list[Any] = []  # the one batch's table when there is one batch
     metrics = None
     total = sum(len(s) - 1 for s in seqs)
-    done = computed = reused = 0
-    t_compute = 0.0
+    done = reused = 0
+    jobs = []
     for b, (lo, hi) in enumerate(batches):
-        batch = seqs[lo:hi]
-        n_pos = sum(len(x) - 1 for x in batch)
-        digest = content_hash([list(x) for x in batch], 16)
+        n_pos = sum(len(x) - 1 for x in seqs[lo:hi])
+        digest = content_hash([list(x) for x in seqs[lo:hi]], 16)
         old = store.part_info(rid, b) if many else None
         if old is not None and (old.get("lo"), old.get("hi"), old.get("ids")) == (lo, hi, digest):
-            seq_infos.extend(SequenceInfo.from_dict(x) for x in old["sequences"])
-            infos = infos or old.get("engines", {})
-            for why, k in (old.get("kl_why") or {}).items():
-                kl_why[why] = kl_why.get(why, 0) + k
-            via.update(old.get("via") or [])
-            floor = floor or old.get("floor")
+            parts[b] = old
             done += n_pos
             reused += 1
             continue
-        t_b = time.perf_counter()
-        # the texts' token names and pieces are made while the engines score (no engine waits on them)
-        described = _BESIDE.submit(lambda lo=lo, hi=hi: [p.tokenized(i) for i in range(lo, hi)])
-        scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, len(batches))
-        infos = infos or info_b["engines"]
         # the floor is measured on the run's first texts (floors.sample_of): beside the first batch's
         # table when that batch holds them all, else once every batch is scored
-        floor_job = (
-            _BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores)
-            if spec.noise_floor and b == 0 and hi >= n_floor
-            else None
-        )
-        try:
-            table, part_infos, m = batch_table(described.result(), scores["hf"], scores["vllm"], p.decode_many, lo)
-        finally:  # the engines measured their own noise while this process built the table (never left running)
-            measured = floor_job.result() if floor_job is not None else None
-        if measured is not None:
-            floor, info_b["timing"]["noise_s"] = measured
-            info_b["floor"] = floor
-        for k in timing:
-            timing[k] += info_b["timing"].get(k, 0.0)
-        if why_b:
-            kl_why[why_b] = kl_why.get(why_b, 0) + 1
-        via.update(via_b)
-        seq_infos.extend(part_infos)
+        with_floor = spec.noise_floor and b == 0 and hi >= n_floor
+        jobs.append(Job(b, (dtype, b, lo, hi, len(batches), with_floor, digest), n_pos))
+
+    def stored(job: Job, result: tuple[Any, dict[str, Any], Any], worker: int) -> None:
+        nonlocal tables, metrics
+        table, info, m = result
         if many:
-            store.save_part(
-                rid,
-                b,
-                table,
-                {
-                    "lo": lo,
-                    "hi": hi,
-                    "ids": digest,
-                    "sequences": [asdict(x) for x in part_infos],
-                    "engines": info_b["engines"],
-                    "kl_why": {why_b: 1} if why_b else {},
-                    "via": sorted(via_b),
-                    "floor": info_b.get("floor"),
-                },
-            )
+            store.save_part(rid, job.key, table, info)
         else:
             tables, metrics = [table], m
-        done += n_pos
-        computed += n_pos
-        t_compute += time.perf_counter() - t_b
-        ctx.on_progress(dtype, done, total)
-        if many:
-            rate = computed / t_compute if t_compute else 0.0
-            left = f", {words_left((total - done) / rate)}" if rate and done < total else ""
-            ctx.emit(
-                "batch",
-                dtype,
-                f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s{left}"
-                + (f" ({reused} batch(es) were already in the store)" if reused else ""),
-            )
+        parts[job.key] = info
+        for k in timing:
+            timing[k] += info["timing"].get(k, 0.0)
+
+    engines.parts(jobs, stored, dtype, total, done, reused)
+    floor = next((parts[b].get("floor") for b in sorted(parts) if parts[b].get("floor")), None)
+    seq_infos = [SequenceInfo.from_dict(x) for b in sorted(parts) for x in parts[b]["sequences"]]
+    kl_why: dict[str, int] = {}  # why the exact KL is missing -> how many batches
+    via: set[str] = set()
+    infos: dict[str, Any] = {}
+    for b in sorted(parts):
+        infos = infos or parts[b].get("engines", {})
+        for why, k in (parts[b].get("kl_why") or {}).items():
+            kl_why[why] = kl_why.get(why, 0) + k
+        via.update(parts[b].get("via") or [])
     if spec.noise_floor and floor is None and many:
-        first = seqs[:n_floor]
         rows = store.part_table(rid, 0, ["seq", "hf_logprob", "vllm_logprob"]) if batches[0][1] >= n_floor else None
         if rows is None:
             import pyarrow as pa
@@ -285,9 +247,9 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
             side: [_Scored(rows.column(f"{side}_logprob").to_numpy()[seq_col == i]) for i in range(n_floor)]
             for side in ("hf", "vllm")
         }
-        floor, timing["noise_s"] = _measure_floor(p, dtype, requests, lease, first, main)
+        floor, timing["noise_s"] = engines.floor(seqs[:n_floor], main)
     t_routing = time.perf_counter()
-    routing, per_seq = _measure_routing(p, dtype, requests, lease, seqs)
+    routing, per_seq = engines.routing(seqs)
     if routing.get("measured"):
         timing["routing_s"] = time.perf_counter() - t_routing
     for i, r in enumerate(per_seq):
@@ -350,6 +312,7 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
             **{k: round(x, 3) for k, x in timing.items()},
             "batches": len(batches),
             "batches_from_store": reused,
+            **engines.timing_words(),
             "total_s": round(time.perf_counter() - t0, 3),
         },
         summary=summary,
@@ -357,10 +320,140 @@ def _score_dtype(p: Prepared, dtype: str, requests: list[Any], lease: Lease, req
         noise=floor or {},
         routing=routing,
     )
-    parts = tables if not many else (store.part_table(rid, b) for b in range(len(batches)))
-    store.write_run(meta, parts, request_key=request_key)
+    out = tables if not many else (store.part_table(rid, b) for b in range(len(batches)))
+    store.write_run(meta, out, request_key=request_key)
     store.drop_partial(rid)
     return Run(meta=meta, sequences=StoredSequences(store.path_of(rid), meta.sequences))
+
+
+def _part(
+    p: Prepared,
+    dtype: str,
+    requests: list[Any],
+    lease: Lease,
+    b: int,
+    lo: int,
+    hi: int,
+    n_batches: int,
+    with_floor: bool,
+    digest: str,
+) -> tuple[Any, dict[str, Any], Any]:
+    """One batch scored by both engines, compared: (its table, its part's info, its metrics). The
+    same function runs here and on a Ray worker, so both give the same numbers."""
+    batch = p.seqs[lo:hi]
+    # the texts' token names and pieces are made while the engines score (no engine waits on them)
+    described = _BESIDE.submit(lambda: [p.tokenized(i) for i in range(lo, hi)])
+    scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, n_batches)
+    floor_job = _BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores) if with_floor else None
+    try:
+        table, part_infos, m = batch_table(described.result(), scores["hf"], scores["vllm"], p.decode_many, lo)
+    finally:  # the engines measured their own noise while this process built the table (never left running)
+        measured = floor_job.result() if floor_job is not None else None
+    floor = None
+    if measured is not None:
+        floor, info_b["timing"]["noise_s"] = measured
+    info = {
+        "lo": lo,
+        "hi": hi,
+        "ids": digest,
+        "sequences": [asdict(x) for x in part_infos],
+        "engines": info_b["engines"],
+        "kl_why": {why_b: 1} if why_b else {},
+        "via": sorted(via_b),
+        "floor": floor,
+        "timing": info_b["timing"],
+    }
+    return table, info, m
+
+
+class _Here:
+    """Batches scored by this process's engines, under its lease."""
+
+    many = False  # one batch is kept in memory, not stored as a part
+
+    def __init__(self, p: Prepared, dtype: str, requests: list[Any], lease: Lease) -> None:
+        self.p, self.dtype, self.requests, self.lease = p, dtype, requests, lease
+
+    def parts(self, jobs: list[Job], on_done: Any, dtype: str, total: int, done: int, reused: int) -> None:
+        computed, t_compute = 0, 0.0
+        for job in jobs:
+            t_b = time.perf_counter()
+            on_done(job, _part(self.p, self.dtype, self.requests, self.lease, *job.args[1:]), 0)
+            done += job.tokens
+            computed += job.tokens
+            t_compute += time.perf_counter() - t_b
+            self.p.ctx.on_progress(dtype, done, total)
+            n_batches = job.args[4]
+            if n_batches > 1:
+                rate = computed / t_compute if t_compute else 0.0
+                left = (total - done) / rate if rate and done < total else 0.0
+                self.p.ctx.on_status(dtype, {"done": done, "total": total, "unit": "tokens", "per_s": rate, "seconds_left": left})
+                self.p.ctx.emit(
+                    "batch",
+                    dtype,
+                    f"batch {job.key + 1} of {n_batches} done: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s"
+                    + (f", {words_left(left)}" if left else "")
+                    + (f" ({reused} batch(es) were already in the store)" if reused else ""),
+                )
+
+    def floor(self, first: list[list[int]], main: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        return _measure_floor(self.p, self.dtype, self.requests, self.lease, first, main)
+
+    def routing(self, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return _measure_routing(self.p, self.dtype, self.requests, self.lease, seqs)
+
+    def timing_words(self) -> dict[str, Any]:
+        return {}
+
+
+class _OnCluster:
+    """Batches scored by a Ray cluster's workers (logprob_parity.analysis.cluster): each runs `_part` on
+    its own warm engines and sends back the part, which this process stores."""
+
+    many = True  # every batch is a stored part: the driver's resume and memory bound, whatever the size
+
+    def __init__(self, p: Prepared, dtype: str, cluster: Any) -> None:
+        self.p, self.dtype, self.cluster = p, dtype, cluster
+
+    def parts(self, jobs: list[Job], on_done: Any, dtype: str, total: int, done: int, reused: int) -> None:
+        if reused:
+            self.p.ctx.emit("cache", dtype, f"{reused} batch(es) already in the store; {len(jobs)} go to the workers")
+        self.cluster.map(f"{__name__}:part_on_worker", jobs, on_done, dtype, total, done, batches=len(jobs) + reused)
+
+    def floor(self, first: list[list[int]], main: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        return self.cluster.call(f"{__name__}:floor_on_worker", self.dtype, first, main, dtype=self.dtype, what="the noise floor")
+
+    def routing(self, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return self.cluster.call(f"{__name__}:routing_on_worker", self.dtype, seqs, dtype=self.dtype, what="the routing")
+
+    def timing_words(self) -> dict[str, Any]:
+        return {"ray_workers": len(self.cluster.workers), "ray_workers_alive": len(self.cluster.alive)}
+
+
+def _worker_engines(p: Prepared, dtype: str) -> tuple[list[Any], Any]:
+    requests = [p.load(b, dtype) for b in BACKEND_ORDER]
+    return requests, p.ctx.pool.lease(requests)
+
+
+def part_on_worker(p: Prepared, *args: Any) -> tuple[Any, dict[str, Any], None]:
+    """`_part` on a Ray worker's warm engines (the metrics are read back from the stored table)."""
+    dtype = args[0]
+    requests, lease = _worker_engines(p, dtype)
+    with lease:
+        table, info, _ = _part(p, dtype, requests, lease, *args[1:])
+    return table, info, None
+
+
+def floor_on_worker(p: Prepared, dtype: str, first: list[list[int]], main: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    requests, lease = _worker_engines(p, dtype)
+    with lease:
+        return _measure_floor(p, dtype, requests, lease, first, main)
+
+
+def routing_on_worker(p: Prepared, dtype: str, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    requests, lease = _worker_engines(p, dtype)
+    with lease:
+        return _measure_routing(p, dtype, requests, lease, seqs)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ EventFn = Callable[[str, "str | None", str], None]
 # on_progress(dtype, tokens done, tokens in all): the numbers behind a long job's "batch" events, for
 # a progress bar (the words go to on_event).
 ProgressFn = Callable[["str | None", int, int], None]
+# on_status(dtype, numbers): a long job's progress as numbers (done, total, unit, per_s, seconds_left,
+# and on a Ray cluster workers_alive and workers), for the CLI's bar and its --events file.
+StatusFn = Callable[["str | None", dict], None]
 
 
 def _noop(stage: str, dtype: str | None, detail: str) -> None:
@@ -39,6 +42,10 @@ def _noop(stage: str, dtype: str | None, detail: str) -> None:
 
 
 def _no_progress(dtype: str | None, done: int, total: int) -> None:
+    pass
+
+
+def _no_status(dtype: str | None, numbers: dict) -> None:
     pass
 
 
@@ -56,6 +63,9 @@ class Context:
     on_event: EventFn = _noop
     pool: EnginePool = POOL
     on_progress: ProgressFn = _no_progress
+    on_status: StatusFn = _no_status
+    # prompt sets and logged rollouts on a Ray cluster: what RayOptions.of takes (logprob_parity.analysis.cluster); None: here
+    ray: Any = None
 
     def emit(self, stage: str, dtype: str | None, detail: str) -> None:
         self.on_event(stage, dtype, detail)
@@ -72,6 +82,8 @@ class Context:
         model_roots: list[str] | None = None,
         pool: EnginePool | None = None,
         on_progress: ProgressFn | None = None,
+        on_status: StatusFn | None = None,
+        ray: Any = None,
     ) -> Context:
         return cls(
             store=store or Store(),
@@ -79,6 +91,8 @@ class Context:
             on_event=on_event or _noop,
             pool=pool or POOL,
             on_progress=on_progress or _no_progress,
+            on_status=on_status or _no_status,
+            ray=ray,
         )
 
 

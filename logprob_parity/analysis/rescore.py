@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from logprob_parity.analysis import floors as floors_def
+from logprob_parity.analysis.cluster import Job
 from logprob_parity.analysis.compare import plan_batches, words_left
 from logprob_parity.analysis.request import Context, model_max_len, prepare
 from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS, with_trainer_defaults
@@ -148,19 +149,18 @@ def _batches(logged: LoggedIndex, vocab: int | None, device: str) -> list[tuple[
 
 
 def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, noise: int) -> None:
-    """Score every batch (or find it stored), then the floors, the summary and the stored file."""
+    """Score every batch (or find it stored), then the floors, the summary and the stored file. The
+    batches run on this process's engines, or on a Ray cluster's workers (ctx.ray) that send each part
+    back to be stored here."""
     ctx = p.ctx
     t_all = time.perf_counter()
-    vreq = LoadRequest("vllm", p.model.path, dtype, p.device, p.spec.settings, mml)
-    hreq = LoadRequest("hf", p.model.path, dtype, p.device, p.spec.settings, mml)
-    timing = {"prefill_s": 0.0, "hf_s": 0.0}
-    kl_why: set[str] = set()
-    total, done, computed, reused, t_compute = logged.n_tokens, 0, 0, 0, 0.0
-    store = ctx.store
-    batches = _batches(logged, p.model.vocab_size, p.device)
-    # the sequences the floors rescore: the noise sequences and the others that fill their micro-batch
-    n_first = min(len(logged), noise + floors_def.OTHER_PROMPTS) if noise else 0
-    first_hf: dict[int, np.ndarray] = {}  # and their HF logprobs in the rescore
+    vreq, hreq = _requests(p, dtype, mml)
+    if ctx.ray is not None:
+        from logprob_parity.analysis.cluster import open_cluster
+
+        with open_cluster(ctx.ray, p) as cluster:
+            _rescore_with(p, logged, dtype, rid, mml, noise, _RescoreOnCluster(p, dtype, mml, cluster), t_all)
+        return
     with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
         for req in (vreq, hreq):
             ctx.emit(
@@ -170,87 +170,227 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
                 if lease.warm(req)
                 else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
             )
-        vllm, hf = lease.host(vreq), lease.host(hreq)
-        for b, (_, idx) in enumerate(batches):
-            seqs = logged.read(idx)
-            batch = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
-            n_tok = int(logged.completion_len[idx].sum())
-            digest = content_hash([batch, [s.logprobs for s in seqs]], 16)
-            old = store.part_info(rid, b)
-            if old is not None and (old.get("idx"), old.get("ids"), old.get("layout")) == (idx, digest, PART_LAYOUT):
-                table = None  # read below only if it holds a sequence the floors rescore
-                if old.get("kl_why"):
-                    kl_why.add(old["kl_why"])
-                reused += 1
-            else:
-                t_b = time.perf_counter()
-                s0 = seqs[0]
-                starts = [len(s.prompt_token_ids) for s in seqs]
-                with ctx.pool.device_turn(ctx.waiter(dtype), what="rescoring"):
-                    ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device)
-                    try:
-                        t = time.perf_counter()
-                        pre = lease.call(
-                            vreq, lambda batch=batch, ex=ex: vllm.score(batch, 1, None, None, "right", ex.vllm_target)
-                        )
-                        ex.after_vllm(vllm)
-                        timing["prefill_s"] += time.perf_counter() - t
-                        t = time.perf_counter()
-                        got = lease.call(
-                            hreq,
-                            lambda batch=batch, starts=starts, s0=s0, ex=ex: hf.rollout_score(
-                                batch, starts, s0.temperature, s0.top_k, s0.top_p, None, ex.hf_source
-                            ),
-                        )
-                        timing["hf_s"] += time.perf_counter() - t
-                    finally:
-                        ex.close(vllm)
-                if ex.why:
-                    kl_why.add(ex.why)
-                table = sample_table(_samples(p.tokenizer, seqs, idx, pre, got), idx)
-                store.save_part(rid, b, table, {"idx": idx, "ids": digest, "kl_why": ex.why, "layout": PART_LAYOUT})
-                computed += n_tok
-                t_compute += time.perf_counter() - t_b
+        _rescore_with(p, logged, dtype, rid, mml, noise, _RescoreHere(p, dtype, mml, lease), t_all)
+
+
+def _requests(p: Any, dtype: str, mml: int) -> tuple[LoadRequest, LoadRequest]:
+    return (
+        LoadRequest("vllm", p.model.path, dtype, p.device, p.spec.settings, mml),
+        LoadRequest("hf", p.model.path, dtype, p.device, p.spec.settings, mml),
+    )
+
+
+def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, noise: int, engines: Any, t_all: float) -> None:
+    ctx = p.ctx
+    timing = {"prefill_s": 0.0, "hf_s": 0.0}
+    kl_why: set[str] = set()
+    total, done, reused = logged.n_tokens, 0, 0
+    store = ctx.store
+    batches = _batches(logged, p.model.vocab_size, p.device)
+    # the sequences the floors rescore: the noise sequences and the others that fill their micro-batch
+    n_first = min(len(logged), noise + floors_def.OTHER_PROMPTS) if noise else 0
+    first_hf: dict[int, np.ndarray] = {}  # and their HF logprobs in the rescore
+    jobs: list[Job] = []
+    engine_info: dict[str, Any] = {}
+
+    def keep_first(b: int, idx: list[int], table: Any) -> None:
+        wanted = [i for i in idx if i < n_first]
+        if wanted:
+            table = table if table is not None else store.part_table(rid, b, ["sample", "hf"])
+            hf_col, seq_col = table.column("hf").to_numpy(), table.column("sample").to_numpy()
+            first_hf.update({i: hf_col[seq_col == i] for i in wanted})
+
+    for b, (_, idx) in enumerate(batches):
+        seqs = logged.read(idx)
+        n_tok = int(logged.completion_len[idx].sum())
+        digest = content_hash(
+            [[list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs], [s.logprobs for s in seqs]], 16
+        )
+        old = store.part_info(rid, b)
+        if old is not None and (old.get("idx"), old.get("ids"), old.get("layout")) == (idx, digest, PART_LAYOUT):
+            if old.get("kl_why"):
+                kl_why.add(old["kl_why"])
+            reused += 1
             done += n_tok
-            wanted = [i for i in idx if i < n_first]
-            if wanted:
-                table = table if table is not None else store.part_table(rid, b, ["sample", "hf"])
-                hf_col, seq_col = table.column("hf").to_numpy(), table.column("sample").to_numpy()
-                first_hf.update({i: hf_col[seq_col == i] for i in wanted})
+            keep_first(b, idx, None)
+            continue
+        jobs.append(Job(b, (dtype, mml, b, idx, seqs, digest), n_tok))
+
+    def stored(job: Job, result: tuple[Any, dict[str, Any], dict[str, Any]], worker: int) -> None:
+        table, info, extra = result
+        store.save_part(rid, job.key, table, info)
+        if info.get("kl_why"):
+            kl_why.add(info["kl_why"])
+        for k in timing:
+            timing[k] += extra["timing"].get(k, 0.0)
+        engine_info.update({k: v for k, v in extra["engines"].items() if k not in engine_info})
+        keep_first(job.key, job.args[3], table)
+
+    engines.parts(jobs, stored, dtype, total, done, reused, len(batches))
+    if reused:
+        ctx.emit(
+            "cache",
+            dtype,
+            f"{reused} of {len(batches)} batches came from the store (an earlier rescore of this file "
+            f"stopped before it finished); {len(batches) - reused} computed now",
+        )
+    firsts = logged.read(range(n_first))
+    full = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in firsts]
+    floors, noise_timing, infos = engines.floors(
+        full, [len(s.prompt_token_ids) for s in firsts], [first_hf[i] for i in range(n_first)], min(noise, len(logged))
+    )
+    timing.update(noise_timing)
+    engine_info = engine_info or infos
+    timing.update(batches=len(batches), batches_from_store=reused, **engines.timing_words())
+    kl_words = "exact, every completion token of prefill_vs_hf" if not kl_why else "not computed: " + "; ".join(sorted(kl_why))
+    engines_out = {"hf": engine_info.get("hf") or {}, "vllm": {**(engine_info.get("vllm") or {}), "kl_full": kl_words}}
+    finish(p, logged, batches, dtype, rid, mml, floors, timing, engines_out, t_all)
+
+
+def _score_logged(
+    p: Any, dtype: str, mml: int, lease: Any, b: int, idx: list[int], seqs: list[LoggedSequence]
+) -> tuple[Any, Any, Any, dict[str, float]]:
+    """Both engines on one batch of logged sequences, on one device turn: (vLLM prefill, HF, the KL
+    exchange's why, timing)."""
+    ctx = p.ctx
+    vreq, hreq = _requests(p, dtype, mml)
+    vllm, hf = lease.host(vreq), lease.host(hreq)
+    batch = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
+    s0 = seqs[0]
+    starts = [len(s.prompt_token_ids) for s in seqs]
+    timing = {}
+    with ctx.pool.device_turn(ctx.waiter(dtype), what="rescoring"):
+        ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device)
+        try:
+            t = time.perf_counter()
+            pre = lease.call(vreq, lambda: vllm.score(batch, 1, None, None, "right", ex.vllm_target))
+            ex.after_vllm(vllm)
+            timing["prefill_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            got = lease.call(
+                hreq, lambda: hf.rollout_score(batch, starts, s0.temperature, s0.top_k, s0.top_p, None, ex.hf_source)
+            )
+            timing["hf_s"] = time.perf_counter() - t
+        finally:
+            ex.close(vllm)
+    return pre, got, ex.why, timing
+
+
+def _part_of(
+    p: Any,
+    seqs: list[LoggedSequence],
+    idx: list[int],
+    digest: str,
+    scored: tuple[Any, Any, Any, dict[str, float]],
+    engines: dict[str, Any],
+) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """A scored batch as its stored part: (table, the part's info, {"timing", "engines"})."""
+    pre, got, why, timing = scored
+    table = sample_table(_samples(p.tokenizer, seqs, idx, pre, got), idx)
+    return table, {"idx": idx, "ids": digest, "kl_why": why, "layout": PART_LAYOUT}, {"timing": timing, "engines": engines}
+
+
+def _engine_infos(p: Any, dtype: str, mml: int, lease: Any) -> dict[str, Any]:
+    vreq, hreq = _requests(p, dtype, mml)
+    return {"vllm": lease.host(vreq).info or {}, "hf": lease.host(hreq).info or {}}
+
+
+class _RescoreHere:
+    """Batches rescored by this process's engines. While the engines score a batch, a thread here
+    builds and stores the part of the one before it (its pieces, prompt texts and Arrow table), so
+    the engines do not wait on that work."""
+
+    def __init__(self, p: Any, dtype: str, mml: int, lease: Any) -> None:
+        self.p, self.dtype, self.mml, self.lease = p, dtype, mml, lease
+
+    def parts(self, jobs: list[Job], on_done: Any, dtype: str, total: int, done: int, reused: int, n_batches: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        ctx = self.p.ctx
+        computed, t0 = 0, time.perf_counter()
+        engines = _engine_infos(self.p, dtype, self.mml, self.lease) if jobs else {}
+
+        def build(job: Job, scored: Any) -> None:
+            nonlocal done, computed
+            _, _, b, idx, seqs, digest = job.args
+            on_done(job, _part_of(self.p, seqs, idx, digest, scored, engines), 0)
+            done += job.tokens
+            computed += job.tokens
             ctx.on_progress(dtype, done, total)
-            rate = computed / t_compute if t_compute else 0.0
-            left = f", {words_left((total - done) / rate)}" if rate and done < total else ""
+            rate = computed / (time.perf_counter() - t0)
+            left = (total - done) / rate if rate and done < total else 0.0
+            ctx.on_status(dtype, {"done": done, "total": total, "unit": "logged tokens", "per_s": rate, "seconds_left": left})
             ctx.emit(
                 "batch",
                 dtype,
-                f"batch {b + 1} of {len(batches)} done: {done:,} of {total:,} logged tokens rescored, "
-                f"{rate:,.0f} tokens/s{left}" + (f" ({reused} batch(es) were already in the store)" if reused else ""),
+                f"batch {b + 1} of {n_batches} done: {done:,} of {total:,} logged tokens rescored, "
+                f"{rate:,.0f} tokens/s"
+                + (f", {words_left(left)}" if left else "")
+                + (f" ({reused} batch(es) were already in the store)" if reused else ""),
             )
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpp-part") as beside:
+            pending = None
+            for job in jobs:
+                _, mml, b, idx, seqs, _ = job.args
+                scored = _score_logged(self.p, dtype, mml, self.lease, b, idx, seqs)
+                if pending is not None:
+                    pending.result()  # one part in the making at a time: memory stays bounded by two batches
+                pending = beside.submit(build, job, scored)
+            if pending is not None:
+                pending.result()
+
+    def floors(
+        self, full: list[list[int]], starts: list[int], one: list[np.ndarray], k: int
+    ) -> tuple[dict[str, Any], dict[str, float], dict[str, Any]]:
+        return rescore_floors(self.p, self.dtype, self.mml, self.lease, full, starts, one, k)
+
+    def timing_words(self) -> dict[str, Any]:
+        return {}
+
+
+class _RescoreOnCluster:
+    """Batches rescored by a Ray cluster's workers (logprob_parity.analysis.cluster), each part stored here."""
+
+    def __init__(self, p: Any, dtype: str, mml: int, cluster: Any) -> None:
+        self.p, self.dtype, self.mml, self.cluster = p, dtype, mml, cluster
+
+    def parts(self, jobs: list[Job], on_done: Any, dtype: str, total: int, done: int, reused: int, n_batches: int) -> None:
         if reused:
-            ctx.emit(
-                "cache",
-                dtype,
-                f"{reused} of {len(batches)} batches came from the store (an earlier rescore of this file "
-                f"stopped before it finished); {len(batches) - reused} computed now",
-            )
-        firsts = logged.read(range(n_first))
-        full = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in firsts]
-        floors = _floors(
-            ctx,
-            dtype,
-            lease,
-            hreq,
-            hf,
-            full,
-            [len(s.prompt_token_ids) for s in firsts],
-            [first_hf[i] for i in range(n_first)],
-            min(noise, len(logged)),
-            timing,
+            self.p.ctx.emit("cache", dtype, f"{reused} batch(es) already in the store; {len(jobs)} go to the workers")
+        self.cluster.map(f"{__name__}:part_on_worker", jobs, on_done, dtype, total, done, unit="logged tokens", batches=n_batches)
+
+    def floors(
+        self, full: list[list[int]], starts: list[int], one: list[np.ndarray], k: int
+    ) -> tuple[dict[str, Any], dict[str, float], dict[str, Any]]:
+        return self.cluster.call(
+            f"{__name__}:floors_on_worker", self.dtype, self.mml, full, starts, one, k, dtype=self.dtype, what="the noise floors"
         )
-    timing.update(batches=len(batches), batches_from_store=reused)
-    kl_words = "exact, every completion token of prefill_vs_hf" if not kl_why else "not computed: " + "; ".join(sorted(kl_why))
-    engines = {"hf": hf.info or {}, "vllm": {**(vllm.info or {}), "kl_full": kl_words}}
-    finish(p, logged, batches, dtype, rid, mml, floors, timing, engines, t_all)
+
+    def timing_words(self) -> dict[str, Any]:
+        return {"ray_workers": len(self.cluster.workers), "ray_workers_alive": len(self.cluster.alive)}
+
+
+def part_on_worker(p: Any, dtype: str, mml: int, b: int, idx: list[int], seqs: list[LoggedSequence], digest: str) -> Any:
+    """One batch on a Ray worker's warm engines, as its part (the same functions as here)."""
+    with p.ctx.pool.lease(list(_requests(p, dtype, mml))) as lease:
+        scored = _score_logged(p, dtype, mml, lease, b, idx, seqs)
+        return _part_of(p, seqs, idx, digest, scored, _engine_infos(p, dtype, mml, lease))
+
+
+def floors_on_worker(p: Any, dtype: str, mml: int, *args: Any) -> Any:
+    with p.ctx.pool.lease(list(_requests(p, dtype, mml))) as lease:
+        return rescore_floors(p, dtype, mml, lease, *args)
+
+
+def rescore_floors(
+    p: Any, dtype: str, mml: int, lease: Any, full: list[list[int]], starts: list[int], one: list[np.ndarray], k: int
+) -> tuple[dict[str, Any], dict[str, float], dict[str, Any]]:
+    """`_floors` on these engines: (the floors, their timing, the engines' records)."""
+    timing: dict[str, float] = {}
+    _, hreq = _requests(p, dtype, mml)
+    floors = _floors(p.ctx, dtype, lease, hreq, lease.host(hreq), full, starts, one, k, timing)
+    return floors, timing, _engine_infos(p, dtype, mml, lease)
 
 
 def _samples(

@@ -87,10 +87,28 @@ class FakeBackend(Backend):
         full: Any = None,
         tail: int | None = None,
     ) -> list[dict[str, Any]]:
-        """The chunked scoring of the noise floor only: the same values as one pass (no KV cache here)."""
-        if chunk is None:
-            raise NotImplementedError("the fake backend scores a rollout's chunked noise floor only")
-        return [{"logprob": s.logprob[st:], "first": np.asarray(st)} for s, st in zip(self.score(sequences, 1), starts)]
+        """The trainer's side of a rollout, as HF's backend returns it (logprob, tempered, log_kept_mass,
+        top_id), from the seeded table; top-p is not modelled (the values mean nothing, the shapes are
+        right). Chunked (the noise floor): the same values as one pass (no KV cache here)."""
+        if chunk is not None:
+            return [{"logprob": s.logprob[st:], "first": np.asarray(st)} for s, st in zip(self.score(sequences, 1), starts)]
+        time.sleep(float(os.environ.get("LPP_FAKE_SCORE_S", "0")))
+        out = []
+        for ids, st in zip(sequences, starts):
+            rows = {"logprob": [], "tempered": [], "log_kept_mass": [], "top_id": []}
+            for t in range(st, len(ids)):
+                lp = self._logprobs(ids[:t])
+                z = lp / max(temperature, 1e-6)
+                if top_k > 0:
+                    z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+                z = z - z.max()
+                tempered = z - np.log(np.exp(z).sum())
+                rows["logprob"].append(lp[ids[t]])
+                rows["tempered"].append(tempered[ids[t]])
+                rows["log_kept_mass"].append(np.log(np.exp(lp[np.isfinite(z)]).sum()))
+                rows["top_id"].append(int(np.argmax(lp)))
+            out.append({k: np.asarray(v, dtype=np.int64 if k == "top_id" else np.float64) for k, v in rows.items()})
+        return out
 
     def routes(self, sequences: list[list[int]]) -> str:
         return "not an MoE model"
