@@ -124,8 +124,10 @@ def rollout(
     use_cache: bool = True,
     home: str | None = None,
     progress: bool | None = None,
+    ray: Any = None,
 ) -> list[Any]:
-    """Sample with vLLM's decode path and rescore with vLLM prefill and HF: one stored Rollout per dtype."""
+    """Sample with vLLM's decode path and rescore with vLLM prefill and HF: one stored Rollout per dtype.
+    `ray`: as `compare`'s (each worker samples its batch of prompts, as an RL cluster's workers do)."""
     from logprob_parity.analysis.rollout import rollout as _rollout
     from logprob_parity.results.rollout import Sampling
 
@@ -139,7 +141,7 @@ def rollout(
         seed=seed,
         ignore_eos=ignore_eos,
     )
-    return _rollout(spec, sampling, _ctx(home, progress), use_cache=use_cache, noise_samples=noise_samples)
+    return _rollout(spec, sampling, _ctx(home, progress, ray), use_cache=use_cache, noise_samples=noise_samples)
 
 
 def rescore(

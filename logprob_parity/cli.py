@@ -665,7 +665,8 @@ def version_line() -> str:
 
 
 def _add_ray_args(c: argparse.ArgumentParser) -> None:
-    """Past one machine: the set's batches on a Ray cluster's workers (logprob_parity.analysis.cluster)."""
+    """Past one machine: the batches (of texts, prompts or logged sequences) on a Ray cluster's workers
+    (logprob_parity.analysis.cluster)."""
     g = c.add_argument_group("on a Ray cluster (pip install 'logprob-parity[ray]')")
     g.add_argument(
         "--ray",
@@ -747,6 +748,7 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     )
     ro.add_argument("--ignore-eos", action="store_true", help="always sample --max-tokens tokens (benchmarks)")
     ro.add_argument("--noise-samples", type=int, default=2, help="samples re-decoded alone and rescored in chunks (noise floors)")
+    _add_ray_args(ro)
     ro.set_defaults(func=cmd_rollout)
 
     rs = sub.add_parser(

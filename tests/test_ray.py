@@ -238,3 +238,37 @@ def test_60_prompts_on_two_ray_workers_with_the_real_engines_match_one_process_b
     assert many.meta.timing["ray_workers"] == 2 and many.meta.timing["batches"] >= 4
     assert "exact" in many.meta.env.vllm_engine["kl_full"]
     _assert_same_run(one, many)
+
+
+@pytest.mark.engine
+def test_a_rollout_on_two_ray_workers_samples_the_batches_one_process_samples_bit_for_bit(
+    cluster, tiny_bos, tmp_path, monkeypatch
+):
+    """Real engines on the tiny Llama: 8 prompts x 2 samples in batches, each batch sampled and
+    rescored by a worker; the rollout id, summary, floors and every sample's tokens and values are
+    those of one process sampling the same batches."""
+    from logprob_parity.analysis.rollout import rollout
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.rollout import Sampling
+
+    monkeypatch.setenv("LPP_BATCH_TOKENS", "100")
+    spec = RunSpec(texts=TEXTS[:8], model=str(tiny_bos), dtypes=("float32",), device="cpu")
+    sampling = Sampling(samples=2, max_tokens=12, seed=3)
+    (one,) = rollout(spec, sampling, _ctx(tmp_path / "one"), use_cache=False)
+    words = []
+    ctx = _ctx(tmp_path / "ray", ray={"address": cluster.address, "workers": 2}, on_event=lambda s, d, x: words.append((s, x)))
+    (many,) = rollout(spec, sampling, ctx, use_cache=False)
+    assert many.meta.timing["ray_workers"] == 2 and many.meta.timing["batches"] == one.meta.timing["batches"] >= 3
+    assert sum(s == "batch" for s, _ in words) == many.meta.timing["batches"], words
+    assert many.meta.rollout_id == one.meta.rollout_id and many.meta.summary == one.meta.summary
+    assert many.meta.floors == one.meta.floors and many.meta.samples == one.meta.samples
+    assert len(many.samples) == 16
+    for x, y in zip(one.samples, many.samples):
+        assert (x.prompt_index, x.seed, x.completion_token_ids, x.pieces) == (
+            y.prompt_index,
+            y.seed,
+            y.completion_token_ids,
+            y.pieces,
+        )
+        for k in x.logprob:
+            np.testing.assert_array_equal(x.logprob[k], y.logprob[k], err_msg=k)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -151,72 +152,192 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     ctx = p.ctx
     t_all = time.perf_counter()
     ctx.emit("tokenize", None, f"{len(p.spec.texts)} prompt(s)")
-    prompts = p.seqs
     vreq, hreq = _engines(p, dtype, sampling)
-    seeds = sampling.seeds(len(prompts))
-    req_prompts = [prompts[k // sampling.samples] for k in range(len(seeds))]
+    timing: dict[str, float] = {}
+    if ctx.ray is not None:
+        from logprob_parity.analysis.cluster import open_cluster
+
+        with open_cluster(ctx.ray, p) as cluster:
+            done = _rollout_on_cluster(p, sampling, dtype, cluster, noise, timing)
+    else:
+        with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
+            for req in (vreq, hreq):
+                ctx.emit(
+                    "load",
+                    dtype,
+                    f"{req.backend}: warm engine"
+                    if lease.warm(req)
+                    else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
+                )
+            t = time.perf_counter()
+            lease.host(vreq), lease.host(hreq)
+            timing["load_s"] = time.perf_counter() - t
+            batches = _batches(p, sampling)
+            parts = []
+            with ctx.pool.device_turn(ctx.waiter(dtype), what="rollout"):
+                for b, (lo, hi) in enumerate(batches):
+                    if len(batches) > 1:
+                        ctx.emit("sample", dtype, f"batch {b + 1} of {len(batches)}: prompts {lo + 1} to {hi}")
+                    parts.append(_sample_and_score(p, sampling, dtype, lease, lo, hi, timing))
+                done = Sampled.join(parts)
+                floors = _noise_floors(p, dtype, lease, vreq, hreq, done.first(noise), sampling.to_dict(), noise, timing)
+            done = dataclasses.replace(done, floors=floors)
+            if len(batches) > 1:
+                timing["batches"] = len(batches)
+    timing["total_s"] = time.perf_counter() - t_all
+    recs, per_sample = done.samples, done.per_sample
+    routing = done.routing()
+    summary = {
+        pair: mismatch_metrics([r.logprob[a] for r in recs], [r.logprob[b] for r in recs]) for pair, (a, b, _) in PAIRS.items()
+    }
+    summary["prefill_vs_hf"].update(exact_stats(recs))
+    processes = sampling.processes(p.model.vocab_size)
+    now = dt.datetime.now(dt.timezone.utc)
+    v = versions()
+    kl_why = done.kl_why
+    meta = RolloutMeta(
+        rollout_id=rid,
+        created=now.isoformat(timespec="seconds"),
+        created_ts=now.timestamp(),
+        model=p.model.name,
+        model_path=p.model.path,
+        revision=p.model.revision,
+        model_identity=p.model.identity,
+        dtype=dtype,
+        device=p.device,
+        bos=p.spec.bos,
+        settings={**p.spec.settings.to_dict(), "max_model_len": vreq.max_model_len},
+        sampling=sampling.to_dict(),
+        prompts=tuple(p.spec.texts),
+        processed=(
+            "vLLM's own pass in processed_logprobs mode, same seeds, same tokens"
+            if processes
+            else "equal to raw: at temperature 1 with no top-k/top-p, processing changes nothing (checked in the tests)"
+        ),
+        env=RunEnv(
+            device=device_name(p.device),
+            torch=v["torch"],
+            transformers=v["transformers"],
+            vllm=v["vllm"],
+            vllm_dist=v["vllm_dist"],
+            hf_engine=done.engines.get("hf") or {},
+            vllm_engine={
+                **(done.engines.get("vllm") or {}),
+                "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None else f"not computed: {kl_why}",
+            },
+        ),
+        timing={k: round(x, 3) for k, x in timing.items()},
+        summary=summary,
+        floors=done.floors,
+        samples=tuple({**r.info(), **({"routing": per_sample[k]} if per_sample else {})} for k, r in enumerate(recs)),
+        routing=routing,
+    )
+    return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What a rollout's engines gave for some of its prompts (all of them, or one batch on a Ray
+    worker): the samples as records, and what the floors and the routing need of them."""
+
+    samples: tuple[Sample, ...]
+    decode_batch: int  # completions vLLM sampled together: the batch the decode floor compares against
+    kl_why: str | None
+    engines: dict[str, Any]
+    hf_first: tuple[np.ndarray, ...] = ()  # HF's logprobs of the first samples (the floors rescore those)
+    routes: tuple[Any, ...] = ()  # an MoE model: (why not measured | None, per-sample comparisons, replay gaps' inputs)
+    floors: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def per_sample(self) -> list[dict[str, Any]]:
+        return list(self.routes[1]) if self.routes and self.routes[0] is None else []
+
+    def routing(self) -> dict[str, Any]:
+        """The routing record over every sample (`_routing_record`)."""
+        return _routing_record(self.routes, self.samples)
+
+    def first(self, k: int) -> dict[str, Any]:
+        """The first k samples as the floors read them."""
+        s = self.samples[: min(k, len(self.samples))]
+        return {
+            "prompts": [list(x.prompt_token_ids) for x in s],
+            "seeds": [x.seed for x in s],
+            "completions": [list(x.completion_token_ids) for x in s],
+            "raw": [x.logprob["decode_raw"] for x in s],
+            "hf": [x.logprob["hf"] for x in s],
+            "batch": self.decode_batch,
+        }
+
+    @staticmethod
+    def join(parts: list[Sampled]) -> Sampled:
+        """Batches' results in prompt order, as one."""
+        routes: tuple[Any, ...] = ()
+        if parts and all(x.routes for x in parts):
+            why = next((x.routes[0] for x in parts if x.routes[0] is not None), None)
+            routes = (why, [r for x in parts for r in x.routes[1]], [g for x in parts for g in x.routes[2]], parts[0].routes[3])
+        whys = sorted({x.kl_why for x in parts if x.kl_why})
+        return Sampled(
+            samples=tuple(s for x in parts for s in x.samples),
+            decode_batch=parts[0].decode_batch,
+            kl_why="; ".join(whys) if whys else None,
+            engines=parts[0].engines,
+            routes=routes,
+        )
+
+
+def _sample_and_score(
+    p: Prepared, sampling: Sampling, dtype: str, lease: Any, lo: int, hi: int, timing: dict[str, float]
+) -> Sampled:
+    """Prompts [lo, hi): vLLM samples every (prompt, seed) request in one generate call, vLLM
+    prefill and HF rescore the ids, an MoE model's decode routes are compared and replayed; the
+    samples as records."""
+    ctx = p.ctx
+    vreq, hreq = _engines(p, dtype, sampling)
+    vllm, hf = lease.host(vreq), lease.host(hreq)
+    n = sampling.samples
+    seeds = sampling.seeds(len(p.seqs))[lo * n : hi * n]
+    req_prompts = [p.seqs[lo + k // n] for k in range(len(seeds))]
     processes = sampling.processes(p.model.vocab_size)
     modes = (RAW, PROCESSED) if processes else (RAW,)
     sdict = sampling.to_dict()
-    timing: dict[str, float] = {}
-    with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
-        for req in (vreq, hreq):
-            ctx.emit(
-                "load",
-                dtype,
-                f"{req.backend}: warm engine"
-                if lease.warm(req)
-                else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
+    ctx.emit(
+        "sample",
+        dtype,
+        f"vLLM samples {len(seeds)} completion(s) of up to {sampling.max_tokens} tokens, "
+        f"all submitted together{' (raw, then processed with the same seeds)' if processes else ''}",
+    )
+    t = time.perf_counter()
+    samples = lease.call(vreq, lambda: vllm.sample(req_prompts, seeds, sdict, modes))
+    timing["sample_s"] = timing.get("sample_s", 0.0) + time.perf_counter() - t
+    for k, s in enumerate(samples):
+        if processes and s["tokens_by_mode"][PROCESSED] != s["tokens_by_mode"][RAW]:
+            raise UserError(
+                f"sample {lo * n + k + 1} (seed {seeds[k]}) came out different in vLLM's second pass with the same seed: "
+                "its sampling is not reproducible here, so raw and processed logprobs cannot be paired"
             )
+    full = [list(pr) + s["completion_ids"] for pr, s in zip(req_prompts, samples)]
+    starts = [len(pr) for pr in req_prompts]
+    ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
+    # vLLM prefill leaves its full logprobs for the exact KL of prefill_vs_hf (logprob_parity.engines.fullvocab)
+    ex = fullvocab.Exchange(sum(len(f) - 1 for f in full), p.model.vocab_size, p.device)
+    try:
         t = time.perf_counter()
-        vllm, hf = lease.host(vreq), lease.host(hreq)
-        timing["load_s"] = time.perf_counter() - t
-        with ctx.pool.device_turn(ctx.waiter(dtype), what="rollout"):
-            ctx.emit(
-                "sample",
-                dtype,
-                f"vLLM samples {len(seeds)} completion(s) of up to {sampling.max_tokens} tokens, "
-                f"all submitted together{' (raw, then processed with the same seeds)' if processes else ''}",
-            )
-            t = time.perf_counter()
-            samples = lease.call(vreq, lambda: vllm.sample(req_prompts, seeds, sdict, modes))
-            timing["sample_s"] = time.perf_counter() - t
-            for k, s in enumerate(samples):
-                if processes and s["tokens_by_mode"][PROCESSED] != s["tokens_by_mode"][RAW]:
-                    raise UserError(
-                        f"sample {k + 1} (seed {seeds[k]}) came out different in vLLM's second pass with the same seed: "
-                        "its sampling is not reproducible here, so raw and processed logprobs cannot be paired"
-                    )
-            full = [list(pr) + s["completion_ids"] for pr, s in zip(req_prompts, samples)]
-            starts = [len(pr) for pr in req_prompts]
-            ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
-            # vLLM prefill leaves its full logprobs for the exact KL of prefill_vs_hf (logprob_parity.engines.fullvocab)
-            ex = fullvocab.Exchange(sum(len(f) - 1 for f in full), p.model.vocab_size, p.device)
-            try:
-                t = time.perf_counter()
-                prefill = lease.call(vreq, lambda: vllm.score(full, 1, None, None, "right", ex.vllm_target))
-                ex.after_vllm(vllm)
-                timing["prefill_s"] = time.perf_counter() - t
-                kl_why = ex.why
-                ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
-                t = time.perf_counter()
-                hf_scores = lease.call(
-                    hreq,
-                    lambda: hf.rollout_score(
-                        full, starts, sampling.temperature, sampling.top_k, sampling.top_p, None, ex.hf_source
-                    ),
-                )
-                timing["hf_s"] = time.perf_counter() - t
-            finally:
-                ex.close(vllm)
-            t = time.perf_counter()
-            routing, per_sample = _decode_routing(ctx, dtype, lease, hreq, hf, samples, full, starts, hf_scores)
-            if routing.get("measured"):
-                timing["routing_s"] = time.perf_counter() - t
-            floors = _noise_floors(
-                p, dtype, lease, vreq, hreq, req_prompts, seeds, samples, full, starts, hf_scores, sdict, noise, timing
-            )
-    timing["total_s"] = time.perf_counter() - t_all
+        prefill = lease.call(vreq, lambda: vllm.score(full, 1, None, None, "right", ex.vllm_target))
+        ex.after_vllm(vllm)
+        timing["prefill_s"] = timing.get("prefill_s", 0.0) + time.perf_counter() - t
+        ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
+        t = time.perf_counter()
+        hf_scores = lease.call(
+            hreq,
+            lambda: hf.rollout_score(full, starts, sampling.temperature, sampling.top_k, sampling.top_p, None, ex.hf_source),
+        )
+        timing["hf_s"] = timing.get("hf_s", 0.0) + time.perf_counter() - t
+    finally:
+        ex.close(vllm)
+    t = time.perf_counter()
+    routes = _decode_routes(ctx, dtype, lease, hreq, hf, samples, full, starts, hf_scores)
+    if routes[0] is None:
+        timing["routing_s"] = timing.get("routing_s", 0.0) + time.perf_counter() - t
     tokenizer = p.tokenizer
     recs = []
     for k, (s, pre, h) in enumerate(zip(samples, prefill, hf_scores)):
@@ -224,7 +345,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         n0 = starts[k]
         pre_ids = [int(x) for x in pre.token_ids[n0:]]
         if pre_ids != ids or len(h["logprob"]) != len(ids):
-            raise AssertionError(f"sample {k + 1}: the three scorings did not score the same completion ids")
+            raise AssertionError(f"sample {lo * n + k + 1}: the three scorings did not score the same completion ids")
         raw = np.asarray(s["logprobs"][RAW], dtype=np.float64)
         lp = {
             "decode_raw": raw,
@@ -241,7 +362,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         }
         recs.append(
             Sample(
-                prompt_index=k // sampling.samples,
+                prompt_index=lo + k // n,
                 seed=seeds[k],
                 prompt_token_ids=tuple(req_prompts[k]),
                 completion_token_ids=tuple(ids),
@@ -251,53 +372,16 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
                 exact=exact,
             )
         )
-    summary = {
-        pair: mismatch_metrics([r.logprob[a] for r in recs], [r.logprob[b] for r in recs]) for pair, (a, b, _) in PAIRS.items()
-    }
-    summary["prefill_vs_hf"].update(exact_stats(recs))
-    now = dt.datetime.now(dt.timezone.utc)
-    v = versions()
-    meta = RolloutMeta(
-        rollout_id=rid,
-        created=now.isoformat(timespec="seconds"),
-        created_ts=now.timestamp(),
-        model=p.model.name,
-        model_path=p.model.path,
-        revision=p.model.revision,
-        model_identity=p.model.identity,
-        dtype=dtype,
-        device=p.device,
-        bos=p.spec.bos,
-        settings={**p.spec.settings.to_dict(), "max_model_len": vreq.max_model_len},
-        sampling=sdict,
-        prompts=tuple(p.spec.texts),
-        processed=(
-            "vLLM's own pass in processed_logprobs mode, same seeds, same tokens"
-            if processes
-            else "equal to raw: at temperature 1 with no top-k/top-p, processing changes nothing (checked in the tests)"
-        ),
-        env=RunEnv(
-            device=device_name(p.device),
-            torch=v["torch"],
-            transformers=v["transformers"],
-            vllm=v["vllm"],
-            vllm_dist=v["vllm_dist"],
-            hf_engine=hf.info or {},
-            vllm_engine={
-                **(vllm.info or {}),
-                "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None else f"not computed: {kl_why}",
-            },
-        ),
-        timing={k: round(x, 3) for k, x in timing.items()},
-        summary=summary,
-        floors=floors,
-        samples=tuple({**r.info(), **({"routing": per_sample[k]} if per_sample else {})} for k, r in enumerate(recs)),
-        routing=routing,
+    return Sampled(
+        samples=tuple(recs),
+        decode_batch=len(samples),
+        kl_why=ex.why,
+        engines={"hf": hf.info or {}, "vllm": vllm.info or {}},
+        routes=routes,
     )
-    return Rollout(meta=dataclasses.replace(meta, verdict=rollout_verdict(meta).to_dict()), samples=tuple(recs))
 
 
-def _decode_routing(
+def _decode_routes(
     ctx: Any,
     dtype: str,
     lease: Any,
@@ -307,38 +391,55 @@ def _decode_routing(
     full: list[list[int]],
     starts: list[int],
     hf_scores: list[dict[str, Any]],
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[Any, ...]:
     """An MoE model: the experts vLLM's decode picked against the trainer's (HF teacher-forced on the
     same ids), at each completion token's decode step (the forward that gave its logprob), and
-    routing replay: HF rescored with the decode's experts forced (R3's rule), the decode-vs-HF gap
-    before and after. ({"measured": False, "why": ...}, []) for a dense model or where vLLM gave none."""
+    routing replay: HF rescored with the decode's experts forced (R3's rule). (None, per-sample
+    comparisons, each sample's (decode, HF, replayed HF) logprobs, (layers, top_k, device)), or
+    (why not, [], [], None) for a dense model or where vLLM gave none."""
     routes = [s.get("routes") for s in samples]
     whys = [s["routes_why"] for s in samples if s.get("routes_why")]
     if whys or any(r is None for r in routes):
-        return {"measured": False, "why": whys[0] if whys else NOT_MOE}, []
+        return (whys[0] if whys else NOT_MOE, [], [], None)
     ctx.emit("routing", dtype, "the experts each MoE layer picked at each decode step, against HF's on the same ids")
     h = lease.call(hreq, lambda: hf.routes(full))
     if isinstance(h, str):
-        return {"measured": False, "why": h}, []
+        return (h, [], [], None)
     per = [compare_routes(r[n0 - 1 : len(f) - 1], hr[n0 - 1 : len(f) - 1]) for r, hr, n0, f in zip(routes, h, starts, full)]
     ctx.emit("routing", dtype, "HF again with the decode's experts forced on every MoE layer (routing replay)")
     # the decode's experts at every forwarded token; the last token (never forwarded) keeps HF's own
     forced = [np.concatenate([r, hr[len(r) :]]) for r, hr in zip(routes, h)]
     replayed = lease.call(hreq, lambda: hf.replay_score(full, forced))
-    decode = [np.asarray(s["logprobs"][RAW], dtype=np.float64) for s in samples]
-    before = floors_def.gap(decode, [np.asarray(x["logprob"], dtype=np.float64) for x in hf_scores])
-    after = floors_def.gap(decode, [np.asarray(rep, dtype=np.float64)[n0:] for rep, n0 in zip(replayed, starts)])
+    gaps = [
+        (
+            np.asarray(s["logprobs"][RAW], dtype=np.float64),
+            np.asarray(x["logprob"], dtype=np.float64),
+            np.asarray(rep, dtype=np.float64)[n0:],
+        )
+        for s, x, rep, n0 in zip(samples, hf_scores, replayed, starts)
+    ]
+    return (None, per, gaps, (per[0]["layers"] if per else 0, int(h[0].shape[-1]) if h else 0, hreq.device))
+
+
+def _routing_record(routes: tuple[Any, ...], samples: Any) -> dict[str, Any]:
+    """The rollout's routing record from `_decode_routes` over every sample: the flips, and the
+    decode-vs-HF gap before and after replay."""
+    if not routes or routes[0] is not None:
+        return {"measured": False, "why": routes[0] if routes else NOT_MOE}
+    _, per, gaps, (layers, top_k, device) = routes
+    before = floors_def.gap([g[0] for g in gaps], [g[1] for g in gaps])
+    after = floors_def.gap([g[0] for g in gaps], [g[2] for g in gaps])
     share = None if not before["mean"] or after["mean"] is None else 1.0 - after["mean"] / before["mean"]
     return {
         "measured": True,
         "samples": len(per),
         "tokens": int(sum(len(x["flipped"]) for x in per)),
-        "layers": per[0]["layers"] if per else 0,
-        "top_k": int(h[0].shape[-1]) if h else 0,
+        "layers": layers,
+        "top_k": top_k,
         "positions": "each completion token's decode step: the forward that gave its logprob",
         "vllm_from": (  # as the vLLM backend reads them (VLLMBackend._decode_routes)
             "a capture on each MoE router of the engine, cut request by request in the rollout's own batched generate"
-            if hreq.device == "cpu"
+            if device == "cpu"
             else VLLM_OWN + ", from the rollout's own generate"
         ),
         "hf_from": "each MoE layer's router logits, top-k, on the prompt and completion teacher-forced",
@@ -351,7 +452,7 @@ def _decode_routing(
             "share_removed": share,
             "what": "HF rescored with the decode's expert ids forced, weights from HF's router logits (R3, arXiv 2510.11370)",
         },
-    }, per
+    }
 
 
 def _noise_floors(
@@ -360,51 +461,50 @@ def _noise_floors(
     lease: Any,
     vreq: LoadRequest,
     hreq: LoadRequest,
-    req_prompts: list[list[int]],
-    seeds: list[int],
-    samples: list[dict],
-    full: list[list[int]],
-    starts: list[int],
-    hf_scores: list[dict],
+    first: dict[str, Any],
     sdict: dict[str, Any],
     noise: int,
     timing: dict[str, float],
 ) -> dict[str, dict[str, Any]]:
-    """How much each side moves when only the batch or the way of scoring changes."""
+    """How much each side moves when only the batch or the way of scoring changes, on the first
+    samples (`Sampled.first`)."""
     ctx = p.ctx
     floors: dict[str, dict[str, Any]] = {}
-    k = min(noise, len(samples))
+    k = min(noise, len(first["seeds"]))
     if k == 0:
         return floors
     vllm, hf = lease.host(vreq), lease.host(hreq)
+    prompts, seeds, completions = first["prompts"], first["seeds"], first["completions"]
+    full = [pr + c for pr, c in zip(prompts, completions)]
+    starts = [len(pr) for pr in prompts]
     t = time.perf_counter()
     n_dec = min(sdict["max_tokens"], NOISE_DECODE_TOKENS)
     short = {**sdict, "max_tokens": n_dec}
     ctx.emit(
         "noise",
         dtype,
-        f"vLLM decodes {k} seeded sample(s) again, each alone (batch of 1 instead of {len(samples)}), their first {n_dec} tokens",
+        f"vLLM decodes {k} seeded sample(s) again, each alone (batch of 1 instead of {first['batch']}), their first {n_dec} tokens",
     )
     alone_raw, batch_raw, same = [], [], 0
     for i in range(k):
-        alone = lease.call(vreq, lambda i=i: vllm.sample([req_prompts[i]], [seeds[i]], short, (RAW,)))[0]
-        if alone["completion_ids"] == samples[i]["completion_ids"][:n_dec]:
+        alone = lease.call(vreq, lambda i=i: vllm.sample([prompts[i]], [seeds[i]], short, (RAW,)))[0]
+        if alone["completion_ids"] == completions[i][:n_dec]:
             same += 1
             alone_raw.append(alone["logprobs"][RAW])
-            batch_raw.append(samples[i]["logprobs"][RAW][: len(alone["completion_ids"])])
+            batch_raw.append(list(first["raw"][i][: len(alone["completion_ids"])]))
     floors["decode_batch"] = {
         **floor_stats(alone_raw, batch_raw),
         "same_tokens": same,
         "of": k,
         "side": "vllm",
-        "what": f"vLLM decode: each sample alone vs in the batch of {len(samples)} (the first {n_dec} tokens)",
+        "what": f"vLLM decode: each sample alone vs in the batch of {first['batch']} (the first {n_dec} tokens)",
     }
     ctx.emit(
         "noise",
         dtype,
         f"HF's floor on {k} sample(s): micro-batch, padding side, packed, chunked through its KV cache; and token by token",
     )
-    one = [h["logprob"] for h in hf_scores]
+    one = first["hf"]
     # the floor's definition (logprob_parity.analysis.floors), on the completions: position-aligned values
     base = [np.concatenate([np.full(s, np.nan), o]) for o, s in zip(one[:k], starts[:k])]
     others = floors_def.other_prompts(p.tokenizer, p.spec.bos, p.max_model_len, p.device)
@@ -425,6 +525,62 @@ def _noise_floors(
     }
     timing["noise_s"] = time.perf_counter() - t
     return floors
+
+
+def _batches(p: Prepared, sampling: Sampling) -> list[tuple[int, int]]:
+    """Consecutive prompts [lo, hi) a generate call, every sample of a prompt in its prompt's batch,
+    cut as a comparison's batches are (logprob_parity.analysis.compare.plan_batches: positions and the exact
+    KL's rows). The same plan here and on a Ray cluster, so both sample the same batches: a decode's
+    numbers can depend on what else is in its batch (the decode floor measures how much)."""
+    from logprob_parity.analysis.compare import plan_batches
+
+    n = sampling.samples
+    return plan_batches([(len(x) + sampling.max_tokens) * n for x in p.seqs], p.model.vocab_size, p.device)
+
+
+def _rollout_on_cluster(
+    p: Prepared, sampling: Sampling, dtype: str, cluster: Any, noise: int, timing: dict[str, float]
+) -> Sampled:
+    """The prompts in batches on a Ray cluster's workers (each samples and rescores its batch on its
+    own warm engines), then the floors on one worker, on the first batch's first samples."""
+    from logprob_parity.analysis.cluster import Job
+
+    n = sampling.samples
+    batches = _batches(p, sampling)
+    jobs = [Job(b, (dtype, sampling, lo, hi), (hi - lo) * n) for b, (lo, hi) in enumerate(batches)]
+    got: dict[int, Sampled] = {}
+
+    def keep(job: Job, result: tuple[Sampled, dict[str, float]], worker: int) -> None:
+        got[job.key] = result[0]
+        for k, x in result[1].items():
+            timing[k] = timing.get(k, 0.0) + x
+
+    p.ctx.emit("sample", dtype, f"{len(p.seqs)} prompt(s) x {n} sample(s) in {len(batches)} batch(es) on {cluster.words()}")
+    cluster.map(f"{__name__}:sample_on_worker", jobs, keep, dtype, unit="samples", batches=len(batches))
+    done = Sampled.join([got[b] for b in range(len(batches))])
+    floors, t_noise = cluster.call(
+        f"{__name__}:floors_on_worker", dtype, sampling, done.first(noise), noise, dtype=dtype, what="the noise floors"
+    )
+    timing["noise_s"] = t_noise
+    timing.update(ray_workers=len(cluster.workers), ray_workers_alive=len(cluster.alive), batches=len(batches))
+    return dataclasses.replace(done, floors=floors)
+
+
+def sample_on_worker(p: Prepared, dtype: str, sampling: Sampling, lo: int, hi: int) -> tuple[Sampled, dict[str, float]]:
+    """One batch of prompts on a Ray worker's warm engines (`_sample_and_score`, as here)."""
+    timing: dict[str, float] = {}
+    with p.ctx.pool.lease(list(_engines(p, dtype, sampling))) as lease:
+        return _sample_and_score(p, sampling, dtype, lease, lo, hi, timing), timing
+
+
+def floors_on_worker(
+    p: Prepared, dtype: str, sampling: Sampling, first: dict[str, Any], noise: int
+) -> tuple[dict[str, Any], float]:
+    timing: dict[str, float] = {}
+    vreq, hreq = _engines(p, dtype, sampling)
+    with p.ctx.pool.lease([vreq, hreq]) as lease:
+        floors = _noise_floors(p, dtype, lease, vreq, hreq, first, sampling.to_dict(), noise, timing)
+    return floors, timing.get("noise_s", 0.0)
 
 
 __all__ = ["COLUMNS", "MAIN_PAIR", "PAIRS", "Sampling", "hf_floor", "rollout"]
