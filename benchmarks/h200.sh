@@ -10,6 +10,7 @@
 #   bash benchmarks/h200.sh frontier  the demo model's frontier on the default GPU grid (speed on 64 x 512)
 #   bash benchmarks/h200.sh rescore   logged rollouts rescored on the 1.1B shape (exact KL), 1,000 and 6,000 sequences of
 #                                     256 + 512 tokens: time and the CLI process's peak memory
+#   bash benchmarks/h200.sh ray       issue 31: Ray's overhead, two half-card workers against one process (needs Ray there)
 #   bash benchmarks/h200.sh moe       issue 30: the Qwen3-30B-A3B shape (16 of 48 layers): speed, exact KL, routing, replay
 #   bash benchmarks/h200.sh moetest   issue 30: the Qwen3-MoE GPU test (vLLM's two ways read the same experts)
 #   bash benchmarks/h200.sh qwen3     issue 30: the Qwen3-8B shape: speed against the bare engines, exact KL
@@ -61,6 +62,16 @@ build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
       python benchmarks/rescore_scale.py --model $B1 --sequences $n --prompt 256 --completion 512 --device cuda --dtype bfloat16 \
         --no-resume --no-json --out "$OUT/rescore_scale_1b_$n.md" 2>&1 | tail -8
     done ;;
+  ray)
+    # issue 31: Ray's overhead, two workers at half the card each against one process (1.1B shape, 2,000
+    # prompts of about 512 tokens, exact KL). Needs Ray on the machine: ray==2.60.0 for cp312 and its
+    # dependencies added to the bundle (not in ../shared/gpu/device-requirements.txt as of 2026-12-05).
+    B1=/root/models/tinyllama-1.1b-random
+    [ -f "$B1/config.json" ] || python -c "
+from pathlib import Path; from benchmarks.engines import build_tinyllama
+build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
+    python benchmarks/ray_overhead.py --model $B1 --prompts 2000 --words 420 --workers 2 --gpus-per-worker 0.5 \
+      --device cuda --dtype bfloat16 --out "$OUT/ray_overhead_1b.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -12 ;;
   moe)
     python benchmarks/compare_speed.py --model qwen3_30b_a3b --layers 16 --tokenizer $TOK --build-dir /root/models \
       --repeats 2 --out "$OUT/compare_speed_qwen3_30b_a3b.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -24

@@ -30,6 +30,7 @@ from typing import Any
 from logprob_parity.errors import EngineError, UserError
 
 RAY_MISSING = "Ray is not installed here: pip install 'logprob-parity[ray]' (or: pip install ray)"
+IN_FLIGHT = 2  # jobs handed to one worker at a time
 START_TIMEOUT_S = 180.0  # a worker that Ray cannot place (no room anywhere) is refused in words after this
 FORWARDED_ENV = ("LPP_", "HF_", "VLLM_", "TRANSFORMERS_")  # engine options a driver's environment passes to its workers
 # Ray sets these to a worker's CPUs; the engines' numbers depend on them on a CPU (HF's KV-cache chunks
@@ -233,14 +234,22 @@ class Cluster:
         dead = self._dead_errors()
         queue = collections.deque(jobs)
         running: dict[Any, tuple[_Worker, Job]] = {}
-        idle = list(self.alive)
+        # each worker holds IN_FLIGHT jobs: Ray runs an actor's calls one after another, so the next
+        # batch starts on the worker while this process stores the last one
+        slots = [w for _ in range(IN_FLIGHT) for w in self.alive]
         total = total if total is not None else done + sum(j.tokens for j in jobs)
         finished: set[int] = set()
         computed, t0 = 0, time.perf_counter()
+
+        def fill() -> None:
+            while queue and slots:
+                w = slots.pop(0)
+                if w.alive:
+                    job = queue.popleft()
+                    running[w.handle.run.remote(target, *job.args)] = (w, job)
+
         while queue or running:
-            while queue and idle:
-                w, job = idle.pop(0), queue.popleft()
-                running[w.handle.run.remote(target, *job.args)] = (w, job)
+            fill()
             if not running:
                 raise EngineError(
                     f"every Ray worker stopped ({len(self.workers)} started); {len(finished)} of {len(jobs)} batches "
@@ -251,12 +260,14 @@ class Cluster:
             try:
                 result = ray.get(ready[0])
             except dead as e:
-                self._lost(w, e, dtype, f"its batch {job.key + 1}")
+                if w.alive:
+                    self._lost(w, e, dtype, f"its batch {job.key + 1}")
                 queue.appendleft(job)
                 continue
             except ray.exceptions.RayTaskError as e:
                 raise self._failed(e, w) from e
-            idle.append(w)
+            slots.append(w)
+            fill()  # the worker's next batch goes out before this one is stored
             if job.key in finished:  # cannot happen (a job runs on one worker at a time); never counted twice
                 continue
             finished.add(job.key)
