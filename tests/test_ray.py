@@ -206,6 +206,15 @@ def test_an_address_that_does_not_answer_fails_in_words_before_any_work(tiny_bos
     assert "--ray-workers needs --ray" in capsys.readouterr().err
 
 
+def test_without_ray_installed_the_ray_flag_says_how_to_install_it(tiny_bos, home, capsys, monkeypatch):
+    from logprob_parity.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed: `import ray` fails
+    rc = main(["compare", "--model", str(tiny_bos), "--prompt", "hello", "--device", "cpu", "--quiet", "--ray"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "pip install 'logprob-parity[ray]'" in err, err
+
+
 def test_a_gpu_run_on_a_cluster_without_a_gpu_is_refused_in_words_before_any_worker_starts(cluster, tiny_bos, tmp_path):
     """The engines need a GPU (the driver's device is cuda) and the cluster's nodes offer only CPUs."""
     from logprob_parity.analysis.cluster import RayOptions, open_cluster

@@ -68,6 +68,8 @@ class RayOptions:
 
 
 def words_left(seconds: float) -> str:
+    if seconds < 1:
+        return "under a second left"
     if seconds < 90:
         return f"about {seconds:.0f} s left"
     if seconds < 5400:

@@ -13,9 +13,8 @@ from typing import Any
 
 from logprob_parity.analysis import floors
 from logprob_parity.analysis.cluster import Job, words_left
-from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare
+from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare, say_loading
 from logprob_parity.engines import fullvocab
-from logprob_parity.engines.host import start_words
 from logprob_parity.engines.pool import Lease
 from logprob_parity.engines.routing import VLLM_CAPTURE, VLLM_OWN, compare_routes, routing_summary
 from logprob_parity.env import device_name, versions
@@ -541,13 +540,7 @@ def _score_batch(
     hosts = {}
     for req in requests:
         if b == 0:
-            ctx.emit(
-                "load",
-                dtype,
-                f"{req.backend}: warm engine"
-                if lease.warm(req)
-                else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
-            )
+            say_loading(ctx, dtype, lease, req, p.device)
         t = time.perf_counter()
         hosts[req.backend] = lease.host(req)
         engines[req.backend] = hosts[req.backend].info

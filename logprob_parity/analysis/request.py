@@ -96,6 +96,19 @@ class Context:
         )
 
 
+def say_loading(ctx: Context, dtype: str | None, lease: Any, request: LoadRequest, device: str) -> None:
+    """A `load` event: the engine is warm, or starting (how long that takes here; it stays warm)."""
+    from logprob_parity.engines.host import start_words
+
+    ctx.emit(
+        "load",
+        dtype,
+        f"{request.backend}: warm engine"
+        if lease.warm(request)
+        else f"{request.backend}: starting the engine ({start_words(request.backend, device)}; it stays warm for the next run)",
+    )
+
+
 def model_max_len(longest: int, max_positions: int | None) -> int:
     """vLLM's max_model_len: a power of two above the longest sequence (so a warm engine serves
     later, slightly longer prompts), at least 256, never above the model's positions."""

@@ -32,11 +32,10 @@ import numpy as np
 from logprob_parity.analysis import floors as floors_def
 from logprob_parity.analysis.cluster import Job
 from logprob_parity.analysis.compare import plan_batches, words_left
-from logprob_parity.analysis.request import Context, model_max_len, prepare
+from logprob_parity.analysis.request import Context, model_max_len, prepare, say_loading
 from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS, with_trainer_defaults
 from logprob_parity.analysis.verdict import rollout_verdict
 from logprob_parity.engines import fullvocab
-from logprob_parity.engines.host import start_words
 from logprob_parity.engines.records import LoadRequest
 from logprob_parity.env import device_name, versions
 from logprob_parity.errors import UserError
@@ -163,13 +162,7 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
         return
     with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
         for req in (vreq, hreq):
-            ctx.emit(
-                "load",
-                dtype,
-                f"{req.backend}: warm engine"
-                if lease.warm(req)
-                else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
-            )
+            say_loading(ctx, dtype, lease, req, p.device)
         _rescore_with(p, logged, dtype, rid, mml, noise, _RescoreHere(p, dtype, mml, lease), t_all)
 
 

@@ -24,10 +24,9 @@ from typing import Any
 import numpy as np
 
 from logprob_parity.analysis import floors as floors_def
-from logprob_parity.analysis.request import Context, Prepared, model_max_len, prepare
+from logprob_parity.analysis.request import Context, Prepared, model_max_len, prepare, say_loading
 from logprob_parity.analysis.verdict import rollout_verdict
 from logprob_parity.engines import fullvocab
-from logprob_parity.engines.host import start_words
 from logprob_parity.engines.records import LoadRequest
 from logprob_parity.engines.routing import NOT_MOE, VLLM_OWN, compare_routes, routing_summary
 from logprob_parity.env import device_name, resolve_device, versions
@@ -162,13 +161,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     else:
         with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
             for req in (vreq, hreq):
-                ctx.emit(
-                    "load",
-                    dtype,
-                    f"{req.backend}: warm engine"
-                    if lease.warm(req)
-                    else f"{req.backend}: starting the engine ({start_words(req.backend, p.device)}; it stays warm for the next run)",
-                )
+                say_loading(ctx, dtype, lease, req, p.device)
             t = time.perf_counter()
             lease.host(vreq), lease.host(hreq)
             timing["load_s"] = time.perf_counter() - t
