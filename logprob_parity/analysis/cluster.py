@@ -42,7 +42,8 @@ THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 class RayOptions:
     """Where and how wide. address: "local" starts a Ray instance on this machine, "auto" joins the one
     running here (`ray start --head`), anything else is a cluster's address (host:port or ray://...).
-    gpus_per_worker: None means 1 where the engines run on a GPU, 0 on a CPU (a fraction shares a card).
+    gpus_per_worker: None means the engine plan's GPUs (1, or the tensor x pipeline parallel size) where
+    the engines run on a GPU, 0 on a CPU (a fraction shares a card).
     workers: None means as many as the cluster's resources hold (on CPUs, one a node)."""
 
     address: str = "local"
@@ -344,7 +345,10 @@ def open_cluster(options: Any, prepared: Any) -> Iterator[Cluster]:
         res = ray.cluster_resources()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         on_gpu = device.startswith("cuda")
-        gpus = options.gpus_per_worker if options.gpus_per_worker is not None else (1.0 if on_gpu else 0.0)
+        # the engine plan's GPUs: a model split by tensor or pipeline parallelism takes that many cards
+        settings = prepared.spec.settings
+        plan = (settings.tensor_parallel_size or 1) * (settings.pipeline_parallel_size or 1)
+        gpus = options.gpus_per_worker if options.gpus_per_worker is not None else (float(plan) if on_gpu else 0.0)
         have_gpu, have_cpu = float(res.get("GPU", 0)), float(res.get("CPU", 0))
         if on_gpu and have_gpu < max(gpus, 1e-9):
             raise UserError(
