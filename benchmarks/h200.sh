@@ -11,6 +11,7 @@
 #   bash benchmarks/h200.sh rescore   logged rollouts rescored on the 1.1B shape (exact KL), 1,000 and 6,000 sequences of
 #                                     256 + 512 tokens: time and the CLI process's peak memory
 #   bash benchmarks/h200.sh ray       issue 31: Ray's overhead, two half-card workers against one process (needs Ray there)
+#   bash benchmarks/h200.sh rescorevs issue 31: a rescore's positions/s against a compare's on the same ids (1.1B shape)
 #   bash benchmarks/h200.sh moe       issue 30: the Qwen3-30B-A3B shape (16 of 48 layers): speed, exact KL, routing, replay
 #   bash benchmarks/h200.sh moetest   issue 30: the Qwen3-MoE GPU test (vLLM's two ways read the same experts)
 #   bash benchmarks/h200.sh qwen3     issue 30: the Qwen3-8B shape: speed against the bare engines, exact KL
@@ -72,6 +73,14 @@ from pathlib import Path; from benchmarks.engines import build_tinyllama
 build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
     python benchmarks/ray_overhead.py --model $B1 --prompts 2000 --words 420 --workers 2 --gpus-per-worker 0.5 \
       --device cuda --dtype bfloat16 --out "$OUT/ray_overhead_1b.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -12 ;;
+  rescorevs)
+    # issue 31, item 4: a rescore's scored positions/s against a compare's on the same ids (target >= 0.9x)
+    B1=/root/models/tinyllama-1.1b-random
+    [ -f "$B1/config.json" ] || python -c "
+from pathlib import Path; from benchmarks.engines import build_tinyllama
+build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
+    python benchmarks/rescore_vs_compare.py --model $B1 --sequences 6000 --prompt 256 --completion 512 --device cuda \
+      --dtype bfloat16 --out "$OUT/rescore_vs_compare_1b.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -10 ;;
   moe)
     python benchmarks/compare_speed.py --model qwen3_30b_a3b --layers 16 --tokenizer $TOK --build-dir /root/models \
       --repeats 2 --out "$OUT/compare_speed_qwen3_30b_a3b.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -24

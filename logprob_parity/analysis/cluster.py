@@ -140,8 +140,9 @@ class EngineWorker:
             else:
                 os.environ[name] = value
 
-        # the engines' own scratch store: nothing is kept here, the driver stores every part
-        ctx = Context.of(store=Store(tempfile.mkdtemp(prefix="lpp-ray-worker-")))
+        # a scratch store, one a machine (the part functions store nothing; the driver stores every
+        # part): a folder of its own per worker would be left behind when Ray kills the worker
+        ctx = Context.of(store=Store(os.path.join(tempfile.gettempdir(), "lpp-ray-worker-scratch")))
         self.prepared = Prepared(spec, ctx, model, device)
 
     def describe(self) -> dict[str, Any]:
