@@ -176,11 +176,16 @@ class _Worker:
 
 @dataclass(frozen=True)
 class Job:
-    """One batch of work: `key` identifies it (the batch number), `tokens` counts its progress."""
+    """One batch of work: `key` identifies it (the batch number), `tokens` counts its progress.
+    `args` may be a function that makes them: then they are made when the job is handed out, so a
+    run never holds every batch's inputs at once (a rescore's sequences stay in its spool)."""
 
     key: int
-    args: tuple[Any, ...]
+    args: tuple[Any, ...] | Callable[[], tuple[Any, ...]]
     tokens: int
+
+    def inputs(self) -> tuple[Any, ...]:
+        return self.args() if callable(self.args) else self.args
 
 
 class Cluster:
@@ -231,7 +236,7 @@ class Cluster:
         unit: str = "tokens",
         batches: int | None = None,
     ) -> None:
-        """Each job on one worker (target(prepared, *job.args) there); on_done(job, result, worker number)
+        """Each job on one worker (target(prepared, *job.inputs()) there); on_done(job, result, worker number)
         here, once per job, in the order they finish. A worker that dies gives its job back to the queue;
         with none left, the run stops in words (what is stored stays stored)."""
         ray = self._ray
@@ -250,7 +255,7 @@ class Cluster:
                 w = slots.pop(0)
                 if w.alive:
                     job = queue.popleft()
-                    running[w.handle.run.remote(target, *job.args)] = (w, job)
+                    running[w.handle.run.remote(target, *job.inputs())] = (w, job)
 
         while queue or running:
             fill()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -194,20 +195,21 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
             first_hf.update({i: hf_col[seq_col == i] for i in wanted})
 
     for b, (_, idx) in enumerate(batches):
-        seqs = logged.read(idx)
         n_tok = int(logged.completion_len[idx].sum())
-        digest = content_hash(
-            [[list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs], [s.logprobs for s in seqs]], 16
-        )
         old = store.part_info(rid, b)
-        if old is not None and (old.get("idx"), old.get("ids"), old.get("layout")) == (idx, digest, PART_LAYOUT):
+        if (
+            old is not None
+            and (old.get("idx"), old.get("layout")) == (idx, PART_LAYOUT)
+            and old.get("ids") == _inputs(logged, dtype, mml, b, idx)[-1]
+        ):
             if old.get("kl_why"):
                 kl_why.add(old["kl_why"])
             reused += 1
             done += n_tok
             keep_first(b, idx, None)
             continue
-        jobs.append(Job(b, (dtype, mml, b, idx, seqs, digest), n_tok))
+        # the batch's sequences are read from the spool when it is handed out: memory stays bounded by a batch
+        jobs.append(Job(b, functools.partial(_inputs, logged, dtype, mml, b, idx), n_tok))
 
     def stored(job: Job, result: tuple[Any, dict[str, Any], dict[str, Any]], worker: int) -> None:
         table, info, extra = result
@@ -217,7 +219,7 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
         for k in timing:
             timing[k] += extra["timing"].get(k, 0.0)
         engine_info.update({k: v for k, v in extra["engines"].items() if k not in engine_info})
-        keep_first(job.key, job.args[3], table)
+        keep_first(job.key, batches[job.key][1], table)
 
     engines.parts(jobs, stored, dtype, total, done, reused, len(batches))
     if reused:
@@ -238,6 +240,16 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
     kl_words = "exact, every completion token of prefill_vs_hf" if not kl_why else "not computed: " + "; ".join(sorted(kl_why))
     engines_out = {"hf": engine_info.get("hf") or {}, "vllm": {**(engine_info.get("vllm") or {}), "kl_full": kl_words}}
     finish(p, logged, batches, dtype, rid, mml, floors, timing, engines_out, t_all)
+
+
+def _inputs(logged: LoggedIndex, dtype: str, mml: int, b: int, idx: list[int]) -> tuple[Any, ...]:
+    """A batch's job arguments, its sequences read from the spool: (dtype, mml, b, idx, sequences,
+    digest of their ids and logged values, which names the stored part)."""
+    seqs = logged.read(idx)
+    digest = content_hash(
+        [[list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs], [s.logprobs for s in seqs]], 16
+    )
+    return (dtype, mml, b, idx, seqs, digest)
 
 
 def _score_logged(
@@ -303,9 +315,9 @@ class _RescoreHere:
         computed, t0 = 0, time.perf_counter()
         engines = _engine_infos(self.p, dtype, self.mml, self.lease) if jobs else {}
 
-        def build(job: Job, scored: Any) -> None:
+        def build(job: Job, args: tuple[Any, ...], scored: Any) -> None:
             nonlocal done, computed
-            _, _, b, idx, seqs, digest = job.args
+            _, _, b, idx, seqs, digest = args
             on_done(job, _part_of(self.p, seqs, idx, digest, scored, engines), 0)
             done += job.tokens
             computed += job.tokens
@@ -325,11 +337,12 @@ class _RescoreHere:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpp-part") as beside:
             pending = None
             for job in jobs:
-                _, mml, b, idx, seqs, _ = job.args
+                args = job.inputs()
+                _, mml, b, idx, seqs, _ = args
                 scored = _score_logged(self.p, dtype, mml, self.lease, b, idx, seqs)
                 if pending is not None:
                     pending.result()  # one part in the making at a time: memory stays bounded by two batches
-                pending = beside.submit(build, job, scored)
+                pending = beside.submit(build, job, args, scored)
             if pending is not None:
                 pending.result()
 
