@@ -17,6 +17,7 @@ makes sense.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -94,14 +95,18 @@ def compare(
     home: str | None = None,
     progress: bool | None = None,
     ray: Any = None,
+    null: bool = False,
 ) -> list[Any]:
     """Score `texts` with HF and vLLM on the same token ids: one stored Run per dtype. `settings`:
     engine settings by name (logprob_parity.inputs.settings), e.g. {"attention_backend": "FLEX_ATTENTION"}.
+    `null`: HF against itself in vLLM's place (a text at a time against a padded micro-batch): what
+    noise looks like, in the same numbers and verdict.
     `ray`: score the batches on a Ray cluster's workers: True (start Ray here), "auto", an address, or
     a dict of logprob_parity.analysis.cluster.RayOptions fields; the run is the one computed here."""
     from logprob_parity.analysis.compare import compare as _compare
 
     spec = _spec(texts, model, dtypes, device, bos, settings, top_k=top_k, noise_floor=noise_floor, truncate=truncate)
+    spec = dataclasses.replace(spec, null=null)
     return _compare(spec, _ctx(home, progress, ray), use_cache=use_cache)
 
 

@@ -123,6 +123,7 @@ def _spec_from_args(args: argparse.Namespace, rollout: bool = False) -> RunSpec:
         settings=_settings(args),
         truncate=args.truncate,
         noise_floor=not getattr(args, "no_noise_floor", False),
+        null=bool(getattr(args, "null", False)),
     )
     if rollout:
         from logprob_parity.analysis.rollout import with_rollout_defaults
@@ -469,6 +470,9 @@ def write_json(path: str | os.PathLike, runs: list[Any]) -> None:
     """One object per run: a single object for one run, a list for several. Comparison runs and
     rollouts are written a sequence or sample at a time (their write_json), so a large prompt set's
     or rescore's JSON never sits whole in memory; the file is renamed into place when complete."""
+    from logprob_parity.analysis.verdict import with_verdict
+
+    runs = [with_verdict(r) for r in runs]
     out = Path(path)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
@@ -535,7 +539,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     run = store.load(args.run_id)
     if args.json:
-        print(json.dumps(run.to_json_dict(), indent=1, allow_nan=False))
+        from logprob_parity.analysis.verdict import with_verdict
+
+        print(json.dumps(with_verdict(run).to_json_dict(), indent=1, allow_nan=False))
         return 0
     m = run.meta
     print(f"run {run.run_id}  model {m.model}  dtype {m.dtype}  device {m.env.device}")
@@ -706,6 +712,12 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
         "--no-noise-floor",
         action="store_true",
         help="skip measuring each engine's own noise beside the gap (then the verdict says it is not yet measured)",
+    )
+    c.add_argument(
+        "--null",
+        action="store_true",
+        help="what noise looks like: HF against itself in vLLM's place (each text alone against a padded micro-batch "
+        "of other texts), shown and judged exactly as a comparison",
     )
     c.add_argument(
         "--check", action="store_true", help="then gate the runs on the bounds below, as `check` does (exit 1 on a failure)"

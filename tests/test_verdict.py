@@ -10,7 +10,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from test_store import make_run
 
-from logprob_parity.analysis.verdict import Evidence, diagnosis_verdicts, run_verdicts, verdict
+from logprob_parity.analysis.verdict import BEYOND_WORDS, Evidence, diagnosis_verdicts, run_verdicts, verdict
 from logprob_parity.present.diagnostics_view import diagnostics_text
 from logprob_parity.present.render import verdict_html
 from logprob_parity.present.report import report_html
@@ -24,7 +24,7 @@ def summary(max_abs: float, mean_abs: float, agree: float = 1.0) -> dict:
     return {"max_abs_delta": max_abs, "mean_abs_delta": mean_abs, "argmax_agreement": agree}
 
 
-def h200_float32(run_id: str = "f32a1b", mean: float = 4.6e-4, max_abs: float = 4.1e-3) -> DiagnosticsResult:
+def h200_float32(run_id: str = "f32a1b", mean: float = 4.6e-4, max_abs: float = 4.1e-3, **gap: float) -> DiagnosticsResult:
     """Shaped like the stored diagnostics of the H200 float32 run (vLLM 0.26.0, default attention)."""
     hf_noise = mean / 345.0
     return DiagnosticsResult.from_dict(
@@ -39,7 +39,7 @@ def h200_float32(run_id: str = "f32a1b", mean: float = 4.6e-4, max_abs: float = 
             "dtypes": {
                 "float32": {
                     "run_id": run_id,
-                    "gap": {"mean": mean, "max": max_abs, "argmax_agreement": 1.0},
+                    "gap": {"mean": mean, "max": max_abs, "argmax_agreement": 1.0, **gap},
                     "verdict": {},
                     "noise": {"hf_batched_right_padding": {"mean": hf_noise, "max": 1e-5, "n": 30}},
                     "floor": {"hf": hf_noise, "vllm": 0.0},
@@ -79,7 +79,7 @@ def h200_float32(run_id: str = "f32a1b", mean: float = 4.6e-4, max_abs: float = 
 def test_a_gap_inside_tolerance_but_far_above_the_noise_is_systematic_not_a_match():
     (v,) = diagnosis_verdicts(h200_float32()).values()
     assert v.level == "systematic" and v.title == "Small but systematic"
-    assert "within vLLM's test tolerance, but systematic: 345x HF's own noise" in v.headline
+    assert "within vLLM's test tolerance, but systematic: 345x HF's own mean noise" in v.headline
     assert "vLLM is 350x farther from the float64 reference than HF" in v.headline
     assert "vLLM attention_backend=FLEX_ATTENTION removes 99.8% of the gap" in v.headline
     text = " ".join(v.reasons)
@@ -120,16 +120,64 @@ def test_a_gap_about_as_large_as_hf_own_noise_is_a_match():
     assert any("about what HF does to itself" in r for r in v.reasons)
 
 
-def test_some_tokens_beyond_the_tolerance_are_close_in_words_that_fit_the_cli_too():
-    v = verdict(summary(0.05, 4e-3), "bfloat16", Evidence(noise_ratio=3.0))
-    assert v.level == "close" and "beyond vLLM's test tolerance" in v.headline
-    assert any("differ by more than vLLM's own tests allow" in r and "above 0.02" in r for r in v.reasons)
+def counted(s: dict, n: int, beyond: int, above: int | None = None, material: int = 0, flips: int = 0) -> dict:
+    """A summary with its band counts (logprob_parity.results.bands), as a comparison stores them."""
+    return {
+        **s,
+        "n_tokens": n,
+        "tokens_beyond": beyond,
+        "tokens_above_noise": beyond if above is None else above,
+        "material_beyond": material,
+        "argmax_flips": flips,
+    }
+
+
+def test_more_tokens_beyond_noise_and_tolerance_than_noise_gives_are_close_in_words_that_fit_the_cli_too():
+    ev = Evidence(noise_ratio=3.0, hf_noise=1.3e-3, noise_tail=0.012, tail_words="HF moved 99% of 400 tokens by at most 0.012")
+    v = verdict(counted(summary(0.05, 4e-3), 200, 12), "bfloat16", ev)
+    assert v.level == "close" and "beyond both HF's own noise and vLLM's test tolerance" in v.headline
+    assert any(r.startswith(BEYOND_WORDS) and "12 of 200 tokens (6.0%)" in r and "more than noise" in r for r in v.reasons)
     assert not any("token view" in r for r in v.reasons)  # the CLI has none; the pages say where the tokens are
 
 
-@pytest.mark.parametrize("s", [summary(0.3, 0.15), summary(2.0, 0.01)])
-def test_a_large_mean_or_a_five_fold_token_differs(s):
-    assert verdict(s, "float16").level == "differs"
+def test_a_red_token_at_the_rate_noise_gives_leaves_the_level_within_the_noise():
+    """One token in 1,000 beyond the noise's 99th percentile is what noise itself gives: named, not the level."""
+    ev = Evidence(noise_ratio=1.2, hf_noise=0.03, noise_tail=0.11, tail_words="HF moved 99% of 900 tokens by at most 0.11")
+    v = verdict({**counted(summary(0.4, 0.036), 1000, 1, material=0), "max_prob_delta": 0.004}, "bfloat16", ev)
+    assert v.level == "match", v
+    assert v.headline.startswith("bfloat16: vLLM is as far from HF as HF is from itself")
+    assert any("1 of 1,000 tokens (0.1%)" in r and "what noise gives" in r for r in v.reasons)
+
+
+def test_one_improbable_token_with_a_large_ratio_cannot_set_a_sets_level():
+    """The issue's Hebrew token: logp -20.6 against -18.9 (5.5x) is a probability change of 5e-9."""
+    ev = Evidence(noise_ratio=1.9, hf_noise=0.045, noise_tail=0.13)
+    s = {**counted(summary(1.7, 0.082), 400, 1, material=0), "max_prob_delta": 5e-9}
+    v = verdict(s, "bfloat16", ev)
+    assert v.level == "match", v
+    assert any("under the 0.1 that would matter" in r for r in v.reasons)
+
+
+def test_tokens_beyond_the_noise_that_move_a_probability_materially_change_results():
+    ev = Evidence(noise_ratio=30.0, hf_noise=0.01, noise_tail=0.05)
+    v = verdict({**counted(summary(1.2, 0.3), 300, 90, material=12), "max_prob_delta": 0.4}, "bfloat16", ev)
+    assert v.level == "differs" and "12 token(s) beyond HF's noise move a probability by 0.1 or more" in v.headline
+
+
+def test_argmax_flips_are_judged_against_hf_own_flips():
+    ev = Evidence(noise_ratio=1.0, hf_noise=0.01, noise_tail=0.05, noise_flip_frac=0.01, noise_flip_n=1000)
+    same = verdict(counted(summary(0.04, 0.01), 1000, 0, flips=12), "bfloat16", ev)
+    more = verdict(counted(summary(0.04, 0.01), 1000, 0, flips=80), "bfloat16", ev)
+    assert same.level == "match" and any("no more than HF's own" in r for r in same.reasons)
+    assert more.level == "differs" and "more often than HF changes its own" in more.headline
+
+
+@pytest.mark.parametrize(
+    "s,level",
+    [(summary(0.3, 0.15), "differs"), ({**summary(2.0, 0.01), "max_prob_delta": 0.5}, "differs"), (summary(2.0, 0.01), "close")],
+)
+def test_without_a_floor_a_large_mean_or_a_material_token_differs_but_a_ratio_alone_does_not(s, level):
+    assert verdict(s, "float16").level == level
 
 
 def test_hf_farther_from_the_reference_is_said_the_other_way_round():
@@ -150,7 +198,8 @@ def test_nothing_scored_says_so():
 
 def test_cli_report_and_compare_page_say_the_same_verdict(home):
     run = make_run("f32a1b")
-    diag = h200_float32("f32a1b", mean=run.summary["mean_abs_delta"], max_abs=run.summary["max_abs_delta"])
+    s = run.summary
+    diag = h200_float32("f32a1b", mean=s["mean_abs_delta"], max_abs=s["max_abs_delta"], max_prob_delta=s["max_prob_delta"])
     (expected,) = run_verdicts([run], diag)
     assert expected == next(iter(diagnosis_verdicts(diag).values()))
     assert expected.level == "systematic"
@@ -169,5 +218,5 @@ def test_cli_report_and_compare_page_say_the_same_verdict(home):
 
 def test_a_tiny_gap_reads_as_a_change_in_words_that_parse():
     v = verdict(summary(1e-7, 5e-8), "float32", Evidence(noise_ratio=1.0))
-    first = v.reasons[0]
+    first = next(r for r in v.reasons if r.startswith("The largest gap"))
     assert "a change of under 0.01% in one token's probability" in first and "a under" not in first, first

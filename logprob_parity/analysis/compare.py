@@ -14,6 +14,7 @@ from typing import Any
 from logprob_parity.analysis import floors
 from logprob_parity.analysis.cluster import Job, words_left
 from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare, say_loading
+from logprob_parity.analysis.verdict import run_verdicts
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.pool import Lease
 from logprob_parity.engines.routing import VLLM_CAPTURE, VLLM_OWN, compare_routes, routing_summary
@@ -21,6 +22,7 @@ from logprob_parity.env import device_name, versions
 from logprob_parity.inputs.models import ResolvedModel
 from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.inputs.tokens import TokenizedText
+from logprob_parity.results.bands import metrics_band_stats
 from logprob_parity.results.metrics import concat, summarize
 from logprob_parity.results.positions import METRIC_COLUMNS, batch_table, metrics_of
 from logprob_parity.results.records import RunEnv, RunMeta, SequenceInfo
@@ -28,6 +30,14 @@ from logprob_parity.results.run import SCHEMA_VERSION, Run, StoredSequences
 from logprob_parity.results.store import Store
 
 BACKEND_ORDER = ("vllm", "hf")  # vLLM first: HF then gathers its own values on vLLM's top-k ids
+NULL_BACKEND = "hf_null"  # in vLLM's role in a null comparison: HF against itself (engines.backends.hf.HFNullBackend)
+NULL_WHY = "a null comparison (HF against itself) has no vLLM rows to take the exact KL from"
+
+
+def engine_requests(p: Prepared, dtype: str) -> list[Any]:
+    """The engines of one dtype in BACKEND_ORDER's roles: vLLM's role is played by HF itself in a null
+    comparison (spec.null), so the same view and verdict show what noise looks like."""
+    return [p.load(NULL_BACKEND if (p.spec.null and b == "vllm") else b, dtype) for b in BACKEND_ORDER]
 
 
 def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> dict[str, Any]:
@@ -44,6 +54,7 @@ def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> d
         "device": device_name(device),
         # the floor's definition is part of what a run holds: another definition, another run
         **({"noise_floor": floors.DEFINITION} if spec.noise_floor else {"noise_floor": False}),
+        **({"null": NULL_BACKEND + ":chunked_kv"} if spec.null else {}),  # HF against itself: another run than the comparison
         "routing": ROUTING_TOKENS,  # an MoE model's routes are compared on this many positions
     }
 
@@ -126,7 +137,7 @@ def _compare_locked(p: Prepared, use_cache: bool, keys: dict[str, str]) -> list[
 
     ctx.emit("tokenize", None, f"{len(spec.texts)} text(s)")
     p.seqs  # noqa: B018 - tokenize now: bad input fails before any engine starts
-    plan = {d: [p.load(b, d) for b in BACKEND_ORDER] for d in todo}
+    plan = {d: engine_requests(p, d) for d in todo}
     everything = [r for rs in plan.values() for r in rs]
     # Every engine at once when they all fit (they load side by side); otherwise dtype after dtype.
     if ctx.pool.fits_together(everything):
@@ -265,6 +276,7 @@ def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_ca
         metrics = concat([metrics_of(store.part_table(rid, b, list(METRIC_COLUMNS))) for b in range(len(batches))])
     summary = summarize(metrics)
     summary.update(floors.with_ratio(floor, summary["mean_abs_delta"]))
+    summary.update(metrics_band_stats(metrics, summary, dtype))
     if routing.get("measured"):
         summary.update(routing_summary(per_seq))
     if kl_why:
@@ -293,7 +305,7 @@ def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_ca
         revision=p.model.revision,
         model_identity=p.model.identity,
         dtype=dtype,
-        backends=tuple(spec.backends),
+        backends=("hf", NULL_BACKEND) if spec.null else tuple(spec.backends),
         settings={**spec.settings.to_dict(), "max_model_len": mml},
         top_k=spec.top_k,
         bos=spec.bos,
@@ -319,6 +331,8 @@ def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_ca
         noise=floor or {},
         routing=routing,
     )
+    # the comparison's own verdict, in its --json and report (its band counts are the summary's own)
+    meta = replace(meta, verdict=run_verdicts([Run(meta=meta, sequences=())])[0].to_dict())
     out = tables if not many else (store.part_table(rid, b) for b in range(len(batches)))
     store.write_run(meta, out, request_key=request_key)
     store.drop_partial(rid)
@@ -430,7 +444,7 @@ class _OnCluster:
 
 
 def _worker_engines(p: Prepared, dtype: str) -> tuple[list[Any], Any]:
-    requests = [p.load(b, dtype) for b in BACKEND_ORDER]
+    requests = engine_requests(p, dtype)
     return requests, p.ctx.pool.lease(requests)
 
 
@@ -523,6 +537,34 @@ def _measure_routing(
     }, per
 
 
+def _score_null(
+    p: Prepared,
+    dtype: str,
+    requests: list[Any],
+    lease: Lease,
+    seqs: list[list[int]],
+    vhost: Any,
+    hhost: Any,
+    engines: dict,
+    timing: dict,
+) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
+    """_score_batch of a null comparison: HF in vLLM's role scores the batch in its padded
+    micro-batches, HF in its own role gathers its values on that side's top-k ids, as against vLLM."""
+    ctx, spec = p.ctx, p.spec
+    vreq, hreq = requests
+    scores: dict[str, list[Any]] = {}
+    with ctx.pool.device_turn(ctx.waiter(dtype), what="scoring"):
+        ctx.emit("score", dtype, f"HF against itself (null): {sum(map(len, seqs)):,} tokens in padded micro-batches")
+        t = time.perf_counter()
+        scores["vllm"] = lease.call(vreq, lambda: vhost.score(seqs, spec.top_k))
+        timing["vllm_score_s"] = time.perf_counter() - t
+        gather = [s.topk_ids for s in scores["vllm"]]
+        t = time.perf_counter()
+        scores["hf"] = lease.call(hreq, lambda: hhost.score(seqs, spec.top_k, gather, None, "right", None))
+        timing["hf_score_s"] = time.perf_counter() - t
+    return scores, {"engines": engines, "timing": timing}, NULL_WHY, set()
+
+
 # Work done beside the engines: describing a batch's texts while they score it, and measuring the
 # noise floor while this process builds the batch's table.
 _BESIDE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lpp-beside")
@@ -538,14 +580,16 @@ def _score_batch(
     timing: dict[str, float] = {}
     engines: dict[str, Any] = {}
     hosts = {}
-    for req in requests:
+    for role, req in zip(BACKEND_ORDER, requests):  # keyed by role: HF plays vLLM's in a null comparison
         if b == 0:
             say_loading(ctx, dtype, lease, req, p.device)
         t = time.perf_counter()
-        hosts[req.backend] = lease.host(req)
-        engines[req.backend] = hosts[req.backend].info
-        timing[f"{req.backend}_load_s"] = time.perf_counter() - t
+        hosts[role] = lease.host(req)
+        engines[role] = hosts[role].info
+        timing[f"{role}_load_s"] = time.perf_counter() - t
     vhost, hhost = hosts["vllm"], hosts["hf"]
+    if spec.null:
+        return _score_null(p, dtype, requests, lease, seqs, vhost, hhost, engines, timing)
     n_tok = sum(map(len, seqs))
     where = f" (batch {b + 1} of {n_batches})" if n_batches > 1 else ""
     ex = fullvocab.Exchange(sum(len(s) - 1 for s in seqs), p.model.vocab_size, p.device)

@@ -19,7 +19,7 @@ from logprob_parity.analysis.compare import compare, compare_prepared
 from logprob_parity.analysis.floors import VARIATIONS, floor_of, gap, hf_variations, variation_when
 from logprob_parity.analysis.request import Context, EventFn, prepare
 from logprob_parity.analysis.rollout import INCREMENTAL_TOKENS
-from logprob_parity.analysis.verdict import diagnosis_verdicts
+from logprob_parity.analysis.verdict import closer_to_reference, diagnosis_verdicts
 from logprob_parity.engines.attention import soft_caps_attention
 from logprob_parity.engines.host import start_words
 from logprob_parity.env import device_name, versions
@@ -155,6 +155,7 @@ def diagnose(
                     "vllm": max((v["mean"] or 0.0) for k, v in noise.items() if k.startswith("vllm_")),
                     "texts": n,
                 }
+                out["gap"].update(_gap_bands(run, out["floor"]))
                 out["ratio_to_hf_noise"] = _ratio(out["gap"]["mean"], out["floor"]["hf"])
                 out["ratio_to_vllm_noise"] = _ratio(out["gap"]["mean"], out["floor"]["vllm"])
             if "reference" in parts:
@@ -258,6 +259,22 @@ def _noise(
     return noise
 
 
+def _gap_bands(run: Any, floor: dict[str, Any]) -> dict[str, Any]:
+    """The comparison's band counts against this diagnosis's own noise tail (logprob_parity.results.bands),
+    with the figures a verdict names beside them; nothing when the tail was not measured."""
+    if floor.get("hf_noise_tail") is None:
+        return {}
+    from logprob_parity.results.bands import band_stats
+    from logprob_parity.results.metrics import concat
+
+    m = concat([s.metrics for s in run.sequences])
+    return {
+        "n_tokens": run.summary.get("n_tokens"),
+        "max_prob_delta": run.summary.get("max_prob_delta"),
+        **band_stats(m.abs_delta, m.prob_delta, m.argmax_agree, m.scored, floor["hf_noise_tail"], "tail"),
+    }
+
+
 def _reference(v: list[np.ndarray], h: list[np.ndarray], ref: list[np.ndarray]) -> dict[str, Any]:
     dv = np.concatenate([np.abs(a - r) for a, r in zip(v, ref)])
     dh = np.concatenate([np.abs(a - r) for a, r in zip(h, ref)])
@@ -266,7 +283,7 @@ def _reference(v: list[np.ndarray], h: list[np.ndarray], ref: list[np.ndarray]) 
     decided = dv != dh
     frac_v = float((dv[decided] < dh[decided]).mean()) if decided.any() else None
     mv, mh = float(dv.mean()), float(dh.mean())
-    closer = "tie" if mv == mh else ("vLLM" if mv < mh else "HF")
+    closer = closer_to_reference(mv, mh)  # the verdict's own rule
     return {
         "vllm_vs_ref": {"mean": mv, "max": float(dv.max())},
         "hf_vs_ref": {"mean": mh, "max": float(dh.max())},
@@ -466,7 +483,7 @@ def noise_source(key: str, variation: dict[str, Any] | None = None) -> str:
             f"loop scores (the last {INCREMENTAL_TOKENS} tokens of a text longer than {INCREMENTAL_WHOLE})"
         ),
     }
-    if key in VARIATIONS:
+    if key in VARIATIONS or key == "envelope":
         return f"HF against itself, {variation_when(key, variation or {})}"
     if key.startswith("hf_attn_"):
         return f"HF against itself: the {key[len('hf_attn_') :]} attention kernel instead"
@@ -475,6 +492,7 @@ def noise_source(key: str, variation: dict[str, Any] | None = None) -> str:
 
 GAP_SOURCE = "vLLM against HF: the gap being judged"
 MEAN, MAX = "mean |Δ logp|", "largest |Δ logp|"
+TAIL = "99.5th percentile |Δ logp|"  # the noise's tail, where a token leaves it (logprob_parity.analysis.floors)
 
 
 def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, Any]]]:
@@ -486,7 +504,14 @@ def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, An
         if out.noise is not None:
             noise.append({"dtype": d, "what": GAP_SOURCE, MEAN: out.gap["mean"], MAX: out.gap["max"]})
             noise.extend(
-                {"dtype": d, "what": noise_source(k, v), MEAN: v["mean"], MAX: v["max"], "in the floor": k in VARIATIONS}
+                {
+                    "dtype": d,
+                    "what": noise_source(k, v),
+                    MEAN: v["mean"],
+                    TAIL: v.get("tail"),
+                    MAX: v["max"],
+                    "in the floor": k in VARIATIONS,
+                }
                 for k, v in out.noise.items()
             )
             ratios.append(
@@ -502,7 +527,8 @@ def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, An
                     "largest |vLLM − float64|": r["vllm_vs_ref"]["max"],
                     "largest |HF − float64|": r["hf_vs_ref"]["max"],
                     "share of tokens where vLLM is closer": r["frac_tokens_vllm_closer"],
-                    "closer overall": r["closer_overall"],
+                    # the verdict's rule, also for a diagnosis stored before it
+                    "closer overall": closer_to_reference(r["vllm_vs_ref"]["mean"], r["hf_vs_ref"]["mean"]),
                 }
             )
         if out.greedy is not None and out.mcq is not None:

@@ -18,7 +18,12 @@ The definition, HF against itself on the same token ids (VARIATIONS, in the orde
   chunks do.
 
 The floor of a dtype is the largest of their mean |Δ logp|; the verdict names the variation that set
-it ("HF moves 3e-3 when its micro-batch changes from 1 to 32 sequences"). Compare measures it on a
+it ("HF moves 3e-3 when its micro-batch changes from 1 to 32 sequences"). A mean is compared with a
+mean only: a token is judged against the noise's *tail*, the largest of the variations' TAIL_Q
+quantiles of the per-token |Δ logp| (`hf_noise_tail`), estimated on at least TAIL_MIN_POSITIONS
+positions (a short sample is topped up with the bundled sentences, so the quantile means something),
+and argmax flips against HF's own argmax flips under the same variations (`hf_noise_flip_frac`).
+Why: compared with the mean, about half the tokens of pure noise read as beyond it. Compare measures it on a
 sample of its texts (the first, up to noise_tokens(device) positions and a twentieth of its own): the
 cheap part. Diagnostics
 measures it on every text, and takes the comparison's own values when the sample already held every
@@ -36,10 +41,11 @@ from typing import Any
 import numpy as np
 
 from logprob_parity.inputs.tokens import encode_texts
+from logprob_parity.results.bands import TAIL_MIN_POSITIONS, TAIL_Q, VARIATIONS, tail_of, tail_words  # noqa: F401 - their home
 
-VARIATIONS = ("micro_batch", "padding_side", "packed", "chunked_kv")
-DEFINITION = "hf:" + ",".join(VARIATIONS)  # in each run's identity: a run measured by another definition is another run
-OTHER_PROMPTS = 6  # other prompts beside the sample: packed with it, and in its batch on a GPU
+# in each run's identity: a run measured by another definition is another run
+DEFINITION = "hf:" + ",".join(VARIATIONS) + ";tail:envelope,q995,min400,spread,others10;chunk:per-text"
+OTHER_PROMPTS = 10  # other prompts beside the sample: packed with it, in its batch on a GPU, and topping a short one up
 OTHER_PROMPTS_CPU = 1  # in its padded batch on a CPU, where each position costs milliseconds (padded to the longest text)
 CHUNK = 64  # tokens a forward through HF's KV cache in chunked_kv (at least two chunks a text)
 FLOOR_KEYS = (
@@ -53,6 +59,12 @@ FLOOR_KEYS = (
     "noise_words",
     "noise_measured",
     "noise_texts",
+    "hf_noise_tail",
+    "noise_tail_q",
+    "noise_tail_positions",
+    "noise_tail_beyond",
+    "hf_noise_flip_frac",
+    "noise_flip_positions",
 )
 
 
@@ -94,12 +106,39 @@ def sample_of(seqs: list[list[int]], device: str = "cuda") -> int:
 
 
 def gap(a: list[np.ndarray], b: list[np.ndarray]) -> dict[str, Any]:
-    """|a - b| over positions both sides scored: mean, max, and how many."""
+    """|a - b| over positions both sides scored: mean, max, the tail (the TAIL_Q quantile; the
+    largest value where fewer than TAIL_MIN_POSITIONS positions make a quantile meaningless), and how many."""
     d = np.concatenate([np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)) for x, y in zip(a, b)])
     d = d[np.isfinite(d)]
     if d.size == 0:
-        return {"mean": None, "max": None, "n": 0}
-    return {"mean": float(d.mean()), "max": float(d.max()), "n": int(d.size)}
+        return {"mean": None, "max": None, "tail": None, "n": 0}
+    t = tail_value(d)
+    # beyond_tail: how many of these positions lie beyond their own tail (about 1%): what noise puts there
+    return {"mean": float(d.mean()), "max": float(d.max()), "tail": t, "beyond_tail": int((d > t).sum()), "n": int(d.size)}
+
+
+def tail_value(d: np.ndarray) -> float:
+    """The TAIL_Q quantile of per-token gaps (never interpolated below an observed value), or the
+    largest one where there are too few positions for that quantile to mean something."""
+    d = np.asarray(d, np.float64)
+    if d.size < TAIL_MIN_POSITIONS:
+        return float(d.max())
+    return float(np.quantile(d, TAIL_Q, method="higher"))
+
+
+def flips(a: list[np.ndarray], b: list[np.ndarray], starts: list[int]) -> dict[str, int]:
+    """How many positions (from each start on) have another most likely next token in b than in a."""
+    k = n = 0
+    for x, y, s in zip(a, b, starts):
+        x, y = np.asarray(x)[s:], np.asarray(y)[s:]
+        ok = (x >= 0) & (y >= 0)
+        k += int((x[ok] != y[ok]).sum())
+        n += int(ok.sum())
+    return {"flips": k, "flip_n": n}
+
+
+def _top1(scores: list[Any]) -> list[np.ndarray]:
+    return [np.asarray(s.topk_ids)[:, 0] if np.asarray(s.topk_ids).ndim == 2 else np.asarray(s.topk_ids) for s in scores]
 
 
 def filled(seqs: list[list[int]], others: list[list[int]], positions: int) -> list[list[int]]:
@@ -134,8 +173,42 @@ def variation_when(key: str, v: dict[str, Any]) -> str:
     if key == "packed":
         return "when the texts are packed into one row with restarting position ids (padding-free training)"
     if key == "chunked_kv":
-        return f"when it scores {v.get('chunk', CHUNK)} tokens a forward through its KV cache"
+        return f"when it scores up to {v.get('chunk', CHUNK)} tokens a forward through its KV cache"
+    if key == "envelope":
+        return "at its largest under any of these variations, token by token (where the noise's tail is read)"
     return "when " + key.replace("_", " ")
+
+
+def top_up(
+    hf: Any,
+    seqs: list[list[int]],
+    base: list[np.ndarray],
+    starts: list[int],
+    others: list[list[int]],
+    hf_batch_size: int,
+    base_top1: list[np.ndarray] | None,
+) -> tuple[list[list[int]], list[np.ndarray], list[int], list[np.ndarray], int]:
+    """The sample with other texts added while it holds fewer than TAIL_MIN_POSITIONS positions, so
+    the noise's tail rests on enough positions; each added text scored by HF in the comparison's own
+    micro-batch size (its base). Returns (texts, base, starts, base argmax ids (-1: unknown), texts added)."""
+    top1 = list(base_top1) if base_top1 is not None else [np.full(len(s), -1) for s in seqs]
+    have = sum(max(len(x) - s, 0) for x, s in zip(seqs, starts))
+    add: list[list[int]] = []
+    for o in others:
+        if have >= TAIL_MIN_POSITIONS:
+            break
+        add.append(list(o))
+        have += len(o) - 1
+    if not add:
+        return list(seqs), list(base), list(starts), top1, 0
+    scored = hf.score(add, 1, None, max(1, hf_batch_size))
+    return (
+        [*seqs, *add],
+        [*base, *(np.asarray(x.logprob, np.float64) for x in scored)],
+        [*starts, *([1] * len(add))],
+        [*top1, *_top1(scored)],
+        len(add),
+    )
 
 
 def hf_variations(
@@ -146,14 +219,19 @@ def hf_variations(
     device: str,
     starts: list[int] | None = None,
     hf_batch_size: int = 1,
+    base_top1: list[np.ndarray] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Each variation of the definition on `seqs` (hf: an HF engine host; base: the values the
     comparison's HF gave them in its micro-batch of hf_batch_size sequences, per position with NaN
-    where unscored). Each variation is against base, padding_side against the same large batch padded
-    on the right. Gaps count positions from `starts` on (a rollout's completion; 1 = every scored
-    position). Returns (measured variations, skipped: key -> why)."""
+    where unscored; base_top1: its most likely ids, when known). Each variation is against base,
+    padding_side against the same large batch padded on the right. Gaps count positions from `starts`
+    on (a rollout's completion; 1 = every scored position). A sample of fewer than TAIL_MIN_POSITIONS
+    positions is topped up with `others` first (top_up). Each variation carries its mean, max, tail
+    (TAIL_Q quantile), positions and, where both sides' argmax ids are known, its argmax flips.
+    Returns (measured variations, skipped: key -> why)."""
+    starts = list(starts) if starts is not None else [1] * len(seqs)
+    seqs, base, starts, top1, added = top_up(hf, seqs, base, starts, others, hf_batch_size, base_top1)
     n = len(seqs)
-    starts = list(starts) if starts is not None else [1] * n
 
     def cut(arrs: list[np.ndarray]) -> list[np.ndarray]:
         return [np.asarray(a, np.float64)[s:] for a, s in zip(arrs, starts)]
@@ -161,13 +239,14 @@ def hf_variations(
     # a padded batch costs its longest text a row: on a CPU, one other prompt in it (packing wastes nothing)
     in_batch = others if str(device).startswith("cuda") else others[:OTHER_PROMPTS_CPU]
     big = filled(seqs, in_batch, large_positions(device))
-    size = {"to": len(big), "positions": sum(len(x) - 1 for x in big)}
-    right = [s.logprob for s in hf.score(big, 1, None, len(big), "right")[:n]]
-    left = [s.logprob for s in hf.score(big, 1, None, len(big), "left")[:n]]
+    size = {"to": len(big), "positions": sum(len(x) - 1 for x in big), "texts": n, "texts_added": added}
+    right_s = hf.score(big, 1, None, len(big), "right")[:n]
+    left_s = hf.score(big, 1, None, len(big), "left")[:n]
+    right, left = [s.logprob for s in right_s], [s.logprob for s in left_s]
     out = {
         # from the micro-batch the comparison used (base: its values) to the large one
-        "micro_batch": {**gap(cut(base), cut(right)), "from": hf_batch_size, **size},
-        "padding_side": {**gap(cut(right), cut(left)), **size},
+        "micro_batch": {**gap(cut(base), cut(right)), "from": hf_batch_size, **size, **flips(top1, _top1(right_s), starts)},
+        "padding_side": {**gap(cut(right), cut(left)), **size, **flips(_top1(right_s), _top1(left_s), starts)},
     }
     skipped: dict[str, str] = {}
     # one row holds the texts and the other prompts (a trainer packs to its row length)
@@ -175,19 +254,58 @@ def hf_variations(
     if isinstance(packed, str):
         skipped["packed"] = packed
     else:
-        out["packed"] = {**gap(cut(base), cut([s.logprob for s in packed[:n]])), "rows_of": len(seqs) + len(others)}
-    chunk = max(1, min(CHUNK, min(len(x) - s for x, s in zip(seqs, starts)) // 2))
-    chunked = hf.rollout_score(seqs, starts, chunk=chunk)
-    out["chunked_kv"] = {**gap(cut(base), [c["logprob"] for c in chunked]), "chunk": chunk}
+        out["packed"] = {
+            **gap(cut(base), cut([s.logprob for s in packed[:n]])),
+            "rows_of": len(seqs) + len(others),
+            "texts": n,
+            **flips(top1, _top1(packed[:n]), starts),
+        }
+    # each text in chunks of at most CHUNK tokens and at most half its scored length (at least two a text)
+    chunks = [chunk_of(len(x) - s) for x, s in zip(seqs, starts)]
+    chunked: list[Any] = [None] * n
+    for c in sorted(set(chunks)):
+        idx = [i for i in range(n) if chunks[i] == c]
+        for i, got in zip(idx, hf.rollout_score([seqs[i] for i in idx], [starts[i] for i in idx], chunk=c)):
+            chunked[i] = got
+    values = {
+        "micro_batch": cut(right),
+        "padding_side": cut(left),
+        "chunked_kv": [c["logprob"] for c in chunked],
+        **({"packed": cut([s.logprob for s in packed[:n]])} if "packed" in out else {}),
+    }
+    out["chunked_kv"] = {**gap(cut(base), values["chunked_kv"]), "chunk": max(chunks), "texts": n}
+    out["envelope"] = {**envelope(cut(base), cut(right), values), "texts": n}
     for k, v in out.items():
+        if v.get("flip_n") == 0:  # no argmax known on one side: not measured, not 0
+            v.pop("flips"), v.pop("flip_n")
         v["words"] = variation_words(k, v)
     return out, skipped
+
+
+def chunk_of(scored: int) -> int:
+    """chunked_kv's chunk for a text of `scored` positions: CHUNK, at most half of them, at least 1."""
+    return max(1, min(CHUNK, scored // 2))
+
+
+def envelope(base: list[np.ndarray], right: list[np.ndarray], values: dict[str, list[np.ndarray]]) -> dict[str, Any]:
+    """At each position, the most HF moved under any variation (each against its own reference: base,
+    padding_side against the right-padded batch), and gap()'s figures of that: the noise's tail is this
+    envelope's TAIL_Q quantile, so a single variation's own noise (the null comparison's) lies within it."""
+    per = []
+    for k, vals in values.items():
+        ref = right if k == "padding_side" else base
+        per.append(np.concatenate([np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) for a, b in zip(ref, vals)]))
+    env = np.nanmax(np.vstack(per), axis=0) if per else np.zeros(0)
+    zero = [np.zeros(len(env))]
+    return gap(zero, [env])
 
 
 def floor_rows(variations: dict[str, dict[str, Any]], skipped: dict[str, str]) -> dict[str, dict[str, Any]]:
     """The variations as a rollout's or a rescore's floor rows (`side`, `in_floor`, `what`), the
     skipped ones with their reason, so the rollout views read them beside their own rows."""
-    rows = {k: {**v, "side": "hf", "in_floor": True, "what": "HF " + variation_when(k, v)} for k, v in variations.items()}
+    rows = {
+        k: {**v, "side": "hf", "in_floor": k in VARIATIONS, "what": "HF " + variation_when(k, v)} for k, v in variations.items()
+    }
     for k, why in skipped.items():
         rows[k] = {"mean": None, "max": None, "n": 0, "side": "hf", "in_floor": True, "what": f"not measured: {why}"}
     return rows
@@ -198,7 +316,14 @@ def floor_of(variations: dict[str, dict[str, Any]]) -> dict[str, Any]:
     Nothing measured gives a floor of None (not 0)."""
     got = {k: v for k, v in variations.items() if k in VARIATIONS and v.get("mean") is not None}
     if not got:
-        return {"hf_noise_mean": None, "hf_noise_max": None, "noise_set_by": None, "noise_words": None, "noise_measured": ""}
+        return {
+            "hf_noise_mean": None,
+            "hf_noise_max": None,
+            "noise_set_by": None,
+            "noise_words": None,
+            "noise_measured": "",
+            **tail_of(variations),
+        }
     key = max(got, key=lambda k: (got[k]["mean"], -VARIATIONS.index(k)))
     words = got[key].get("words") or variation_words(key, got[key])
     if got[key]["mean"] == 0:  # nothing moved: say so, not "HF moves 0 when ..."
@@ -209,7 +334,21 @@ def floor_of(variations: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "noise_set_by": key,
         "noise_words": words,
         "noise_measured": ",".join(k for k in VARIATIONS if k in got),
+        **tail_of(variations),
     }
+
+
+def spread(m: int, offset: int, lengths: list[int], have: int) -> list[int]:
+    """Indices (from `offset`) of the m texts after the sample, in an order spread over the set (each
+    next pick halfway between earlier ones), as many as bring `have` positions to TAIL_MIN_POSITIONS."""
+    order = sorted(range(m), key=lambda i: ((i * 0.6180339887498949) % 1.0, i))
+    out = []
+    for i in order:
+        if have >= TAIL_MIN_POSITIONS:
+            break
+        out.append(offset + i)
+        have += lengths[i]
+    return sorted(out)
 
 
 def measure(
@@ -226,9 +365,20 @@ def measure(
     n = sample_of(seqs, device)
     sample = [list(s) for s in seqs[:n]]
     main_v = [s.logprob for s in scores["vllm"][:n]]
-    main_h = [s.logprob for s in scores["hf"][:n]]
+    # HF's variations on the sample and, while it holds fewer than TAIL_MIN_POSITIONS positions, on
+    # the comparison's other texts spread over the set (their noise differs: CJK or code moves more
+    # than English), before any bundled sentence tops it up: the tail is the comparison's own
+    at = list(range(n)) + spread(len(seqs) - n, n, [len(x) - 1 for x in seqs[n:]], sum(len(x) - 1 for x in sample))
     t = time.perf_counter()
-    variations, skipped = hf_variations(hf, sample, main_h, others, device, hf_batch_size=hf_batch_size)
+    variations, skipped = hf_variations(
+        hf,
+        [list(seqs[i]) for i in at],
+        [scores["hf"][i].logprob for i in at],
+        others,
+        device,
+        hf_batch_size=hf_batch_size,
+        base_top1=_top1([scores["hf"][i] for i in at]),
+    )
     t_hf = time.perf_counter() - t
     # one text alone was already scored alone: the batched-with-others call is its floor then
     v_alone = [s.logprob for s in vllm.score(sample, 1, None, 1)] if len(seqs) > 1 else main_v
@@ -238,6 +388,7 @@ def measure(
     means = [g["mean"] for g in (v1, v2) if g["mean"] is not None]
     maxes = [g["max"] for g in (v1, v2) if g["max"] is not None]
     measured = [k for k in VARIATIONS if k in variations]
+    added = variations["micro_batch"].get("texts_added", 0)
     return {
         **floor_of(variations),
         "variations": variations,
@@ -245,10 +396,12 @@ def measure(
         "vllm_noise_mean": max(means) if means else None,
         "vllm_noise_max": max(maxes) if maxes else None,
         "noise_tokens": variations["micro_batch"]["n"],
-        "noise_texts": n,
+        "noise_texts": len(at),
         "seconds": {"hf": round(t_hf, 3), "vllm": round(t_v, 3)},
         "noise_what": (
-            f"HF against itself on {n} of the texts ({variations['micro_batch']['n']} tokens): "
+            f"HF against itself on {len(at)} of the texts"
+            + (f" and {added} bundled sentences (so the tail rests on enough tokens)" if added else "")
+            + f" ({variations['micro_batch']['n']} tokens): "
             + ", ".join(variation_when(k, variations[k]) for k in measured)
             + "".join(f"; not measured: {k.replace('_', ' ')} ({why})" for k, why in skipped.items())
             + f". vLLM against itself: the same texts each alone, and batched with {len(others)} other prompts"

@@ -48,12 +48,14 @@ from logprob_parity.results.records import RunEnv
 from logprob_parity.results.rollout import (
     COLUMNS,
     EXACT,
+    MAIN_PAIR,
     PAIRS,
     ROLLOUT_SCHEMA,
     Rollout,
     RolloutMeta,
     Sample,
     sample_table,
+    with_bands,
 )
 from logprob_parity.results.totals import streamed_summary
 
@@ -467,6 +469,8 @@ def finish(
             yield {**{c: table.column(c).to_numpy() for c in (*COLUMNS, *EXACT)}, "lengths": logged.completion_len[idx]}
 
     summary = streamed_summary(parts, PAIRS, "prefill_vs_hf")
+    a, b, _ = PAIRS[MAIN_PAIR]
+    summary = with_bands(summary, floors, dtype, ((part[a], part[b]) for part in parts()))
     timing["summary_s"] = time.perf_counter() - t
     temps, top_ps, top_ks = (sorted(set(a.tolist())) for a in (logged.temperature, logged.top_p, logged.top_k))
     sampling = {

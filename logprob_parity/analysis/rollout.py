@@ -46,6 +46,7 @@ from logprob_parity.results.rollout import (
     Sampling,
     exact_stats,
     hf_floor,
+    with_bands,
 )
 
 RAW, PROCESSED = "raw_logprobs", "processed_logprobs"
@@ -184,6 +185,9 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         pair: mismatch_metrics([r.logprob[a] for r in recs], [r.logprob[b] for r in recs]) for pair, (a, b, _) in PAIRS.items()
     }
     summary["prefill_vs_hf"].update(exact_stats(recs))
+    summary = with_bands(
+        summary, done.floors or {}, dtype, ((r.logprob[a], r.logprob[b]) for r in recs for a, b, _ in [PAIRS[MAIN_PAIR]])
+    )
     processes = sampling.processes(p.model.vocab_size)
     now = dt.datetime.now(dt.timezone.utc)
     v = versions()

@@ -19,21 +19,23 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-# vLLM's own tests accept logprob differences of 1e-2 (tight) to 2e-2 (loose) between engines.
-VLLM_TEST_TOL = (1e-2, 2e-2)
+from logprob_parity.results.bands import MATERIAL_P, VLLM_TEST_TOL, more_than_noise, share_beyond
+
 # RL trainers (verl, TRL) flag a trainer/rollout mismatch when mean |Δ logp| exceeds 0.1.
 RL_MEAN_ABS = 0.1
 # Importance-ratio bands: a token whose probability differs by more than 2x (5x) between engines.
 RATIO_BANDS = (2.0, 5.0)
-# A gap this many times HF's own noise is systematic: it is not explained by batching, padding or kernels.
+# A mean gap this many times HF's own mean noise is systematic: not explained by batching, padding or kernels.
 SYSTEMATIC_NOISE_RATIO = 10.0
 # One engine is "closer to the reference" when the other is this many times farther from it.
 REFERENCE_SIDE_RATIO = 2.0
 # A knob "removes the gap" when changing it alone cuts the mean gap by at least this share.
 KNOB_SHARE = 0.5
+# The share of pure noise that lies beyond the noise's tail (its 99.5th percentile: logprob_parity.analysis.floors)
+NOISE_BEYOND_SHARE = 0.005
 
-# The reason that opens with these words names tokens beyond the tolerance; a page adds where they are.
-BEYOND_WORDS = "Some tokens differ by more than vLLM's own tests allow"
+# The reason that opens with these words names tokens beyond the noise and the tolerance; a page adds where they are.
+BEYOND_WORDS = "Some tokens differ by more than HF's own noise and vLLM's own tests allow"
 
 LEVELS = ("match", "unmeasured", "systematic", "close", "differs")  # from best to worst
 LEVEL_WORDS = {
@@ -45,10 +47,12 @@ LEVEL_WORDS = {
 }
 
 THRESHOLDS = (
-    f"vLLM's test tolerance: largest |Δ logp| <= {VLLM_TEST_TOL[0]:g} (tight) / {VLLM_TEST_TOL[1]:g} (loose)",
+    "a token is beyond HF's noise past the 99.5th percentile of how far HF moves a token against itself",
+    f"vLLM's test tolerance: |Δ logp| <= {VLLM_TEST_TOL[0]:g} (tight) / {VLLM_TEST_TOL[1]:g} (loose)",
+    f"more tokens beyond both than the {NOISE_BEYOND_SHARE:.1%} noise leaves there (99% confidence): close",
+    f"changes results: more argmax flips than HF's own, or such tokens moving a probability by {MATERIAL_P:g} or more",
+    f"systematic: the mean gap is more than {SYSTEMATIC_NOISE_RATIO:g}x HF's own mean noise",
     f"RL trainers: mean |Δ logp| <= {RL_MEAN_ABS:g}",
-    f"systematic: the gap is more than {SYSTEMATIC_NOISE_RATIO:g}x HF's own noise",
-    f"probability-ratio bands: {RATIO_BANDS[0]:g}x and {RATIO_BANDS[1]:g}x",
 )
 
 
@@ -63,6 +67,12 @@ class Evidence:
     knob: str | None = None  # the setting whose change cuts the gap most
     knob_share: float | None = None  # share of the mean gap that setting removes (0..1)
     floor_words: str | None = None  # the variation that set HF's floor, in words (logprob_parity.analysis.floors)
+    noise_tail: float | None = None  # HF's per-token noise tail (hf_noise_tail): where a token leaves the noise
+    tail_words: str | None = None  # that tail in words ("HF moved 99.5% of 480 tokens by at most 0.11 against itself")
+    noise_flip_frac: float | None = None  # HF's own argmax flips under the same variations (share of positions)
+    noise_flip_n: int | None = None  # on how many positions
+    noise_tail_n: int | None = None  # positions the tail was estimated on
+    noise_tail_beyond: int | None = None  # of those, how many lie beyond it (about 1%)
 
 
 @dataclass(frozen=True)
@@ -88,73 +98,129 @@ def percent_change(abs_delta: float) -> str:
     return f"{pct:.2g}%" if pct >= 0.01 else "under 0.01%"
 
 
+def _share(k: int, n: int) -> str:
+    if n:
+        return f"{k:,} of {n:,} tokens ({k / n:.1%})"
+    return "at least one token" if k == 1 else f"{k:,} tokens"
+
+
+def _counts(summary: dict[str, Any], limit: float) -> dict[str, int]:
+    """The band counts (logprob_parity.results.bands) of a summary; a summary stored without them (older
+    runs, a diagnosis's gap) gives what its largest gap alone shows: at least that one token, of an
+    unknown number (n = 0: no share is judged)."""
+    n = int(summary.get("n_tokens") or 0)
+    if summary.get("tokens_beyond") is not None:
+        return {
+            "n": n,
+            "beyond": int(summary["tokens_beyond"]),
+            "above": int(summary.get("tokens_above_noise") or 0),
+            "material": int(summary.get("material_beyond") or 0),
+            "flips": int(summary.get("argmax_flips") or 0),
+        }
+    mx = summary.get("max_abs_delta") or 0.0
+    beyond = int(mx > max(limit, VLLM_TEST_TOL[1]))
+    agree = summary.get("argmax_agreement")
+    return {
+        "n": 0,
+        "beyond": beyond,
+        "above": int(mx > limit),
+        "material": int(beyond and (summary.get("max_prob_delta") or 0.0) >= MATERIAL_P),
+        "flips": 0 if agree is None or agree == 1 else max(1, round((1 - agree) * n)),
+    }
+
+
 def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | None = None) -> Verdict:
-    """The verdict of one dtype. `evidence` may be a bare noise ratio (older callers) or an Evidence."""
+    """The verdict of one dtype. `evidence` may be a bare noise ratio (older callers) or an Evidence.
+
+    Like is compared with like: each token with the noise's tail, the mean with the noise's mean, argmax
+    flips with HF's own flips. A token alone sets the level only when it is beyond the noise and material."""
     ev = Evidence(noise_ratio=evidence) if isinstance(evidence, (int, float)) else (evidence or Evidence())
     mx, mean = summary.get("max_abs_delta"), summary.get("mean_abs_delta")
     if mx is None or mean is None:
         return Verdict("differs", f"{dtype}: nothing was scored, so nothing can be said.", ())
-    reasons = []
-    floor = ev.hf_noise
-    # a token within HF's own floor is never "a problem", even where the floor lies above vLLM's
-    # tolerance (bfloat16 can): the token view paints it the same way (logprob_parity.present.render)
-    beyond = mx > VLLM_TEST_TOL[1] and not (floor is not None and mx <= floor)
-    if mx <= VLLM_TEST_TOL[0]:
+    if ev.hf_noise is None and ev.noise_ratio:  # a bare ratio (older callers): the floor it implies
+        ev = replace(ev, hf_noise=mean / ev.noise_ratio)
+    measured = ev.noise_tail is not None or ev.hf_noise is not None
+    limit = ev.noise_tail if ev.noise_tail is not None else (ev.hf_noise if ev.hf_noise is not None else 0.0)
+    c = _counts(summary, limit if measured else 0.0)
+    n = c["n"]
+    tol = VLLM_TEST_TOL[1]
+    reasons: list[str] = []
+    tail_txt = ev.tail_words or (f"HF's own noise, {limit:.2g}" if measured else "")
+
+    # 1. tokens against the noise's tail and the tolerance (the token view's bands)
+    if not measured:
+        if mx <= tol:
+            reasons.append(
+                f"Every token is within vLLM's own test tolerance: the largest gap is {mx:.2g} (a change of "
+                f"{percent_change(mx)} in one token's probability), at most {tol:g} allowed."
+            )
+        else:
+            reasons.append(
+                f"{BEYOND_WORDS}: the largest gap is {mx:.2g} ({percent_change(mx)} in probability), above {tol:g}; "
+                "HF's own noise is not measured, so whether that is noise is not known."
+            )
+    elif c["beyond"]:
         reasons.append(
-            f"Every token is within vLLM's own test tolerance: the largest gap is {mx:.2g} (a change of {percent_change(mx)} "
-            f"in one token's probability), at most {VLLM_TEST_TOL[0]:g} allowed."
-        )
-    elif mx <= VLLM_TEST_TOL[1]:
-        reasons.append(
-            f"Every token is within vLLM's looser test tolerance: the largest gap is {mx:.2g} "
-            f"({percent_change(mx)} in probability), at most {VLLM_TEST_TOL[1]:g} allowed."
-        )
-    elif not beyond:
-        reasons.append(
-            f"The largest gap, {mx:.2g} ({percent_change(mx)} in probability), is above vLLM's test tolerance of "
-            f"{VLLM_TEST_TOL[1]:g} but within HF's own noise floor of {floor:.2g}: HF moves as much against itself, "
-            "so no token is counted a problem."
+            f"{BEYOND_WORDS}: {_share(c['beyond'], n)} beyond HF's own noise ({tail_txt}) and beyond "
+            f"vLLM's test tolerance of {tol:g}; noise alone leaves about {NOISE_BEYOND_SHARE:.1%} of tokens beyond its "
+            "99.5th percentile"
+            + (
+                ", so this is more than noise."
+                if share_beyond(c["beyond"], n, NOISE_BEYOND_SHARE)
+                else ", so this is what noise gives."
+            )
         )
     else:
         reasons.append(
-            f"{BEYOND_WORDS}: the largest gap is {mx:.2g} ({percent_change(mx)} in probability), above {VLLM_TEST_TOL[1]:g}"
-            + (f" and above HF's own noise floor of {floor:.2g}." if floor else ".")
+            f"No token is beyond both HF's own noise ({tail_txt}) and vLLM's test tolerance of {tol:g}"
+            + (f"; beyond the noise but within the tolerance: {_share(c['above'], n)}." if c["above"] else ".")
         )
+    # 2. the worst token: named, never the level on its own
+    dp = summary.get("max_prob_delta")
+    reasons.append(
+        f"The largest gap is {mx:.2g} (a change of {percent_change(mx)} in one token's probability"
+        + (f"; the largest change of any probability is {dp:.2g}" if dp is not None else "")
+        + (")." if dp is None or dp >= MATERIAL_P else f", under the {MATERIAL_P:g} that would matter).")
+    )
     ok_rl = mean <= RL_MEAN_ABS
     reasons.append(
         f"On average a token's probability differs by {percent_change(mean)} (mean |Δ logp| {mean:.2g}): "
         + ("within" if ok_rl else "above")
         + f" the {RL_MEAN_ABS:g} RL trainers accept between trainer and rollout."
     )
-    worst_ratio = math.exp(mx)
-    if worst_ratio > RATIO_BANDS[1]:
-        reasons.append(f"At least one token's probability differs by more than {RATIO_BANDS[1]:g}x ({worst_ratio:.3g}x).")
-    elif worst_ratio > RATIO_BANDS[0]:
-        reasons.append(f"At least one token's probability differs by more than {RATIO_BANDS[0]:g}x ({worst_ratio:.3g}x).")
-    agree = summary.get("argmax_agreement")
-    if agree is not None and agree < 1:
-        reasons.append(
-            f"The engines' most likely next token differs at {1 - agree:.1%} of positions: generated text can diverge."
-        )
+    # 3. argmax flips against HF's own
+    flips_out = False
+    if n and c["flips"]:
+        if ev.noise_flip_frac is not None and ev.noise_flip_n:
+            k0 = round(ev.noise_flip_frac * ev.noise_flip_n)
+            flips_out = more_than_noise(c["flips"], n, k0, ev.noise_flip_n)
+            reasons.append(
+                f"The engines' most likely next token differs at {_share(c['flips'], n)}; HF changes its own at "
+                f"{ev.noise_flip_frac:.1%} of {ev.noise_flip_n:,} positions under the same variations: "
+                + ("more than HF's own, so generated text can diverge." if flips_out else "no more than HF's own.")
+            )
+        else:
+            reasons.append(f"The engines' most likely next token differs at {_share(c['flips'], n)}: generated text can diverge.")
 
     silent = ev.noise_ratio is None and ev.hf_noise == 0  # HF gave bit-identical values against itself
-    systematic = (ev.noise_ratio is not None and ev.noise_ratio > SYSTEMATIC_NOISE_RATIO) or (silent and mean > 0)
+    mean_out = (ev.noise_ratio is not None and ev.noise_ratio > SYSTEMATIC_NOISE_RATIO) or (silent and mean > 0)
     how = f" ({ev.floor_words})" if ev.floor_words else ""
     if silent:
         reasons.append(
             "HF gave identical values against itself under every variation measured"
-            + (f" ({ev.floor_words})" if ev.floor_words else "")
+            + how
             + ": its own noise measured 0, so "
             + ("any gap is above it: systematic." if mean > 0 else "and so is the gap.")
         )
     elif ev.noise_ratio is not None:
-        if systematic:
+        if mean_out:
             reasons.append(
-                f"The gap is {ev.noise_ratio:.3g}x HF's own noise floor{how}: it is systematic, not what a trainer's "
+                f"The mean gap is {ev.noise_ratio:.3g}x HF's own mean noise{how}: it is systematic, not what a trainer's "
                 "own batching, padding or chunking does to it."
             )
         else:
-            reasons.append(f"The gap is {ev.noise_ratio:.2g}x HF's own noise floor{how}: about what HF does to itself.")
+            reasons.append(f"The mean gap is {ev.noise_ratio:.2g}x HF's own mean noise{how}: about what HF does to itself.")
     side, side_clause = _reference_words(ev)
     if side:
         reasons.append(side)
@@ -163,33 +229,85 @@ def verdict(summary: dict[str, Any], dtype: str, evidence: Evidence | float | No
         fix = f"{ev.knob} removes {ev.knob_share:.1%} of the gap"
         reasons.append(f"Changing one setting, {ev.knob}, removes {ev.knob_share:.1%} of the mean gap.")
 
-    if mean > RL_MEAN_ABS or worst_ratio > RATIO_BANDS[1]:
-        level = "differs"
-        head = f"{dtype}: the engines differ enough to change results (on average {percent_change(mean)} per token, worst {worst_ratio:.3g}x)."
-    elif beyond:
-        level = "close"
-        head = f"{dtype}: close on average ({percent_change(mean)} per token), but some tokens are beyond vLLM's test tolerance."
-    elif systematic:
-        level = "systematic"
-        times = "above HF's own noise of 0" if silent else f"{ev.noise_ratio:.3g}x HF's own noise"
-        head = f"{dtype}: within vLLM's test tolerance, but systematic: {times}."
-    elif ev.noise_ratio is None and ev.hf_noise is None:
-        level = "unmeasured"
-        head = (
-            f"{dtype}: within vLLM's own test tolerance; HF's own noise is not yet measured, so whether the gap is "
-            "more than noise is not known (Diagnostics measures it)."
-        )
-        reasons.append(
-            "HF's own noise floor (HF against itself when its micro-batch, padding, packing or chunking changes) "
-            "was not measured for this comparison: the gap is not yet judged against it."
-        )
-    else:
-        level = "match"
-        head = f"{dtype}: vLLM and HF agree, within vLLM's own test tolerance and HF's own noise."
+    level, head = _level(dtype, summary, ev, c, measured, mean_out, flips_out, silent)
     extra = [s for s in (side_clause, fix) if s]
     if extra and level != "match":
         head += " " + "; ".join(extra) + "."
     return Verdict(level, head, tuple(reasons))
+
+
+def beyond_noise_share(k: int, n: int, ev: Evidence) -> bool:
+    """k of n tokens beyond the noise's tail is more than noise puts there (99% confidence): against the
+    noise's own positions beyond its tail where known (results.bands.more_than_noise), else against
+    NOISE_BEYOND_SHARE."""
+    if ev.noise_tail_n and ev.noise_tail_beyond is not None:
+        return more_than_noise(k, n, ev.noise_tail_beyond, ev.noise_tail_n)
+    return share_beyond(k, n, NOISE_BEYOND_SHARE)
+
+
+def noise_share_words(ev: Evidence) -> str:
+    """' (HF's own: 2 of 200)' where the noise's own count beyond its tail is known."""
+    if ev.noise_tail_n and ev.noise_tail_beyond is not None:
+        return f" (HF's own: {ev.noise_tail_beyond:,} of {ev.noise_tail_n:,})"
+    return ""
+
+
+def _level(
+    dtype: str,
+    summary: dict[str, Any],
+    ev: Evidence,
+    c: dict[str, int],
+    measured: bool,
+    mean_out: bool,
+    flips_out: bool,
+    silent: bool,
+) -> tuple[str, str]:
+    """The level and its headline, from the comparisons `verdict` made."""
+    mx, mean, n = summary["max_abs_delta"], summary["mean_abs_delta"], c["n"]
+    per = percent_change(mean)
+    if not measured:
+        material = mx > VLLM_TEST_TOL[1] and (summary.get("max_prob_delta") or 0.0) >= MATERIAL_P
+        if mean > RL_MEAN_ABS or material:
+            why = "on average" if mean > RL_MEAN_ABS else "a token's probability moves by a material amount"
+            return "differs", f"{dtype}: the engines differ enough to change results ({why}: {per} per token)."
+        if mx > VLLM_TEST_TOL[1]:
+            return "close", f"{dtype}: close on average ({per} per token), but some tokens are beyond vLLM's test tolerance."
+        return "unmeasured", (
+            f"{dtype}: within vLLM's own test tolerance; HF's own noise is not yet measured, so whether the gap is "
+            "more than noise is not known (Diagnostics measures it)."
+        )
+    tail_out = beyond_noise_share(c["beyond"], n, ev)
+    above_out = beyond_noise_share(c["above"], n, ev)
+    if flips_out or (tail_out and c["material"]) or (mean > RL_MEAN_ABS and mean_out):
+        why = (
+            "the most likely next token changes more often than HF changes its own"
+            if flips_out
+            else f"{c['material']:,} token(s) beyond HF's noise move a probability by {MATERIAL_P:g} or more"
+            if tail_out and c["material"]
+            else f"the mean gap, {mean:.2g}, is above the RL bound and {ev.noise_ratio:.3g}x HF's own mean noise"
+            if ev.noise_ratio
+            else f"the mean gap, {mean:.2g}, is above the RL bound and HF's own noise"
+        )
+        return "differs", f"{dtype}: the engines differ enough to change results: {why}."
+    if tail_out:
+        return "close", (
+            f"{dtype}: close on average ({per} per token), but {c['beyond'] / n:.1%} of tokens are beyond both HF's "
+            "own noise and vLLM's test tolerance, more than noise gives."
+        )
+    if mean_out or above_out:
+        what = (
+            "above HF's own noise of 0"
+            if silent
+            else f"{ev.noise_ratio:.3g}x HF's own mean noise"
+            if mean_out
+            else f"{c['above'] / n:.1%} of tokens lie beyond HF's own noise"
+        )
+        return "systematic", f"{dtype}: within vLLM's test tolerance, but systematic: {what}."
+    ratio = f", {ev.noise_ratio:.2g}x HF's own mean noise" if ev.noise_ratio is not None else ""
+    return "match", (
+        f"{dtype}: vLLM is as far from HF as HF is from itself: the gap is within HF's own noise "
+        f"(on average {per} per token{ratio})."
+    )
 
 
 def _ref_ratio(ev: Evidence) -> float | None:
@@ -200,23 +318,41 @@ def _ref_ratio(ev: Evidence) -> float | None:
     return ev.vllm_to_ref / ev.hf_to_ref
 
 
-def _reference_words(ev: Evidence) -> tuple[str | None, str | None]:
-    """(reason, headline clause) about which engine is closer to the float64 reference; the clause
-    only when one side is at least REFERENCE_SIDE_RATIO times closer."""
-    r = _ref_ratio(ev)
+def closer_to_reference(vllm_to_ref: float | None, hf_to_ref: float | None) -> str | None:
+    """The one rule for "closer to float64", for the verdict and the Diagnostics table alike: 'vLLM' or
+    'HF' when the other engine is at least REFERENCE_SIDE_RATIO times farther from the reference,
+    'neither' when they are within that of each other, None when not measured."""
+    r = _ref_ratio(Evidence(vllm_to_ref=vllm_to_ref, hf_to_ref=hf_to_ref))
     if r is None:
+        return None
+    if r >= REFERENCE_SIDE_RATIO:
+        return "HF"
+    if r == 0 or 1 / r >= REFERENCE_SIDE_RATIO:
+        return "vLLM"
+    return "neither"
+
+
+def _reference_words(ev: Evidence) -> tuple[str | None, str | None]:
+    """(reason, headline clause) about which engine is closer to the float64 reference (closer_to_reference);
+    the clause only when one side is closer."""
+    closer = closer_to_reference(ev.vllm_to_ref, ev.hf_to_ref)
+    if closer is None:
         return None, None
-    for far, near, x, far_d, near_d in (
-        ("vLLM", "HF", r, ev.vllm_to_ref, ev.hf_to_ref),
-        ("HF", "vLLM", 1 / r if r else math.inf, ev.hf_to_ref, ev.vllm_to_ref),
-    ):
-        if x >= REFERENCE_SIDE_RATIO:
-            return (
-                f"Against a float64 reference, {far} is {x:.3g}x farther from it than {near} "
-                f"({far_d:.2e} against {near_d:.2e}): the gap comes from {far}'s side.",
-                f"{far} is {x:.3g}x farther from the float64 reference than {near}",
-            )
-    return f"Both engines are about as far from a float64 reference (vLLM {ev.vllm_to_ref:.2e}, HF {ev.hf_to_ref:.2e}).", None
+    if closer == "neither":
+        return (
+            f"Both engines are about as far from a float64 reference (vLLM {ev.vllm_to_ref:.2e}, HF {ev.hf_to_ref:.2e}: "
+            f"within {REFERENCE_SIDE_RATIO:g}x of each other), so neither is closer.",
+            None,
+        )
+    r = _ref_ratio(ev)
+    far, near = ("vLLM", "HF") if closer == "HF" else ("HF", "vLLM")
+    x = r if closer == "HF" else (1 / r if r else math.inf)
+    far_d, near_d = (ev.vllm_to_ref, ev.hf_to_ref) if far == "vLLM" else (ev.hf_to_ref, ev.vllm_to_ref)
+    return (
+        f"Against a float64 reference, {far} is {x:.3g}x farther from it than {near} "
+        f"({far_d:.2e} against {near_d:.2e}): the gap comes from {far}'s side.",
+        f"{far} is {x:.3g}x farther from the float64 reference than {near}",
+    )
 
 
 def evidence_for(dtype: str, run_id: str | None, diagnostics: Any) -> Evidence:
@@ -228,15 +364,38 @@ def evidence_for(dtype: str, run_id: str | None, diagnostics: Any) -> Evidence:
         return Evidence()
     ref = out.reference or {}
     knob, share = best_knob(dtype, diagnostics.ablation)
+    fl = out.floor or {}
     return Evidence(
         noise_ratio=out.ratio_to_hf_noise,
-        hf_noise=(out.floor or {}).get("hf"),
-        floor_words=(out.floor or {}).get("noise_words"),
+        hf_noise=fl.get("hf"),
+        floor_words=fl.get("noise_words"),
         vllm_to_ref=(ref.get("vllm_vs_ref") or {}).get("mean"),
         hf_to_ref=(ref.get("hf_vs_ref") or {}).get("mean"),
         knob=knob,
         knob_share=share,
+        **_tail_evidence(fl),
     )
+
+
+def _tail_evidence(floor: dict[str, Any]) -> dict[str, Any]:
+    """The tail and flip fields of an Evidence from a floor's keys (logprob_parity.analysis.floors.tail_of);
+    a floor stored before the tail gives its largest value as the tail."""
+    from logprob_parity.results.bands import tail_words
+
+    tail = floor.get("hf_noise_tail")
+    if tail is None and floor.get("hf_noise_max") is not None:
+        tail = floor["hf_noise_max"]
+        words = f"HF moved a token by at most {tail:.2g} against itself"
+    else:
+        words = tail_words(floor)
+    return {
+        "noise_tail": tail,
+        "tail_words": words,
+        "noise_flip_frac": floor.get("hf_noise_flip_frac"),
+        "noise_flip_n": floor.get("noise_flip_positions"),
+        "noise_tail_n": floor.get("noise_tail_positions"),
+        "noise_tail_beyond": floor.get("noise_tail_beyond"),
+    }
 
 
 def best_knob(dtype: str, ablation: Any) -> tuple[str | None, float | None]:
@@ -261,14 +420,19 @@ def hf_noise_of(runs: list[Any], diagnostics: Any = None) -> dict[str, dict[str,
             texts = (diagnostics.dtypes[r.dtype].floor or {}).get("texts")
             out[r.dtype] = {
                 "floor": ev.hf_noise,
+                "tail": ev.noise_tail,
+                "tail_words": ev.tail_words,
                 "ratio": ev.noise_ratio,
                 "words": ev.floor_words,
                 "source": f"HF against itself on {'every text' if texts is None else _texts(texts)}: stored diagnostics",
             }
         elif r.summary.get("hf_noise_mean") is not None:
             n = r.summary.get("noise_texts")
+            te = _tail_evidence(r.summary)
             out[r.dtype] = {
                 "floor": r.summary["hf_noise_mean"],
+                "tail": te["noise_tail"],
+                "tail_words": te["tail_words"],
                 "ratio": r.summary.get("noise_ratio"),
                 "words": r.summary.get("noise_words"),
                 "source": f"HF against itself on {_texts(n) if n else 'a sample of the texts'}, measured with this comparison",
@@ -284,14 +448,57 @@ def run_verdicts(runs: list[Any], diagnostics: Any = None) -> list[Verdict]:
     """The verdict of each run, with the evidence of the stored diagnostics built on it when any, and
     otherwise the noise floor the comparison measured itself (logprob_parity.analysis.floors). The one place
     the CLI, the Compare page, the Diagnostics page and the HTML report get verdicts."""
-    return [verdict(r.summary, r.dtype, _run_evidence(r, diagnostics)) for r in runs]
+    out = []
+    for r in runs:
+        ev = _run_evidence(r, diagnostics)
+        v = verdict(with_counts(r.summary, ev, lambda r=r: r.column_frame(list(COUNT_COLUMNS))), r.dtype, ev)
+        if "hf_null" in tuple(getattr(r.meta, "backends", ()) if hasattr(r, "meta") else ()):
+            v = replace(v, headline=f"{NULL_WORDS}: {v.headline}")
+        out.append(v)
+    return out
+
+
+def with_verdict(run: Any) -> Any:
+    """The run with its verdict in its meta (what its --json carries): as made, or made now for a run
+    stored before verdicts were stored; anything but a comparison run is returned as it is."""
+    meta = getattr(run, "meta", None)
+    if meta is None or not hasattr(meta, "verdict") or not hasattr(run, "sequences") or meta.verdict:
+        return run
+    return replace(run, meta=replace(meta, verdict=run_verdicts([run])[0].to_dict()))
+
+
+# A null comparison's verdict opens with these words: its "vLLM" side is HF itself (compare --null).
+NULL_WORDS = "What noise looks like (HF against itself, no vLLM)"
+
+
+COUNT_COLUMNS = ("abs_delta", "prob_delta", "argmax_agree", "scored")
+
+
+def with_counts(summary: dict[str, Any], ev: Evidence, columns: Any) -> dict[str, Any]:
+    """The summary with its band counts (logprob_parity.results.bands) against the evidence's noise tail:
+    as stored when they were counted against that tail, else counted again from `columns()` (a frame
+    of COUNT_COLUMNS), so a diagnosis that measured another tail colours and judges by its own."""
+    from logprob_parity.results.bands import band_stats
+
+    if ev.noise_tail is None or summary.get("noise_limit") == ev.noise_tail:
+        return summary
+    f = columns()
+    if f is None or len(f) == 0:
+        return summary
+    return {**summary, **band_stats(f["abs_delta"], f["prob_delta"], f["argmax_agree"], f["scored"], ev.noise_tail, "tail")}
 
 
 def _run_evidence(run: Any, diagnostics: Any) -> Evidence:
     ev = evidence_for(run.dtype, run.run_id, diagnostics)
     if ev.noise_ratio is None and ev.hf_noise is None:
         s = run.summary
-        ev = replace(ev, noise_ratio=s.get("noise_ratio"), hf_noise=s.get("hf_noise_mean"), floor_words=s.get("noise_words"))
+        ev = replace(
+            ev,
+            noise_ratio=s.get("noise_ratio"),
+            hf_noise=s.get("hf_noise_mean"),
+            floor_words=s.get("noise_words"),
+            **_tail_evidence(s),
+        )
     return ev
 
 
@@ -306,7 +513,20 @@ def prompt_verdicts(runs: list[Any], seq: int, diagnostics: Any = None) -> list[
         ev = _run_evidence(r, diagnostics)
         mean = summary.get("mean_abs_delta")
         ratio = mean / ev.hf_noise if ev.hf_noise and mean is not None else None
-        out.append(verdict(summary, r.dtype, Evidence(noise_ratio=ratio, hf_noise=ev.hf_noise, floor_words=ev.floor_words)))
+        own = replace(ev, noise_ratio=ratio, vllm_to_ref=None, hf_to_ref=None, knob=None, knob_share=None)
+        seq_ = r.sequences[seq]
+        m = seq_.metrics
+        counted = with_counts(
+            {**summary, "noise_limit": None},
+            own,
+            lambda m=m: {
+                "abs_delta": m.abs_delta,
+                "prob_delta": m.prob_delta,
+                "argmax_agree": m.argmax_agree,
+                "scored": m.scored,
+            },
+        )
+        out.append(verdict(counted, r.dtype, own))
     return out
 
 
@@ -319,6 +539,7 @@ def diagnosis_verdicts(diagnostics: Any) -> dict[str, Verdict]:
 def _summary_of(out: Any) -> dict[str, Any]:
     """The comparison summary a diagnosis carries (its gap), with the argmax agreement when stored."""
     return {
+        **{k: v for k, v in out.gap.items() if k not in ("max", "mean")},
         "max_abs_delta": out.gap.get("max"),
         "mean_abs_delta": out.gap.get("mean"),
         "argmax_agreement": out.gap.get("argmax_agreement"),
@@ -330,13 +551,14 @@ def rollout_verdict(meta: Any) -> Verdict:
     HF) judged against the same tolerances and against HF's own measured noise, then what is
     particular to a rollout: the importance ratios, decode against vLLM's own prefill, decoding
     alone against in a batch, and the bias top-k/top-p add."""
-    from logprob_parity.results.rollout import hf_floor, hf_floor_words
+    from logprob_parity.results.rollout import hf_floor, hf_floor_words, hf_tail
 
     s = meta.summary.get("decode_vs_hf") or {}
     floor = hf_floor(meta)
     mean = s.get("mean_abs_delta")
     ratio = mean / floor if (mean is not None and floor) else None
-    base = verdict(s, meta.dtype, Evidence(noise_ratio=ratio, hf_noise=floor, floor_words=hf_floor_words(meta)))
+    ev = Evidence(noise_ratio=ratio, hf_noise=floor, floor_words=hf_floor_words(meta), **_tail_evidence(hf_tail(meta)))
+    base = verdict(s, meta.dtype, ev)
     if s.get("n_tokens", 0) == 0:
         return base
     reasons = list(base.reasons)

@@ -29,7 +29,7 @@ class LoadRequest:
         restarts vLLM)."""
         from logprob_parity.inputs.spec import canonical_json
 
-        part = self.settings.hf_part() if self.backend == "hf" else self.settings.vllm_part()
+        part = self.settings.hf_part() if self.backend in ("hf", "hf_null") else self.settings.vllm_part()
         return canonical_json(
             {
                 "backend": self.backend,

@@ -33,6 +33,8 @@ class RunSpec:
     settings: EngineSettings = field(default_factory=EngineSettings)
     truncate: bool = False  # keep the first positions of a prompt longer than the model allows
     noise_floor: bool = True  # measure each engine's own noise beside the gap (logprob_parity.analysis.floors)
+    # what noise looks like: HF against itself in vLLM's place (engines.backends.hf.HFNullBackend), same view and verdict
+    null: bool = False
 
     def validate(self) -> None:
         """Checks that need no model: fail fast, before anything loads."""

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logprob_parity.analysis.verdict import LEVEL_WORDS, RATIO_BANDS, VLLM_TEST_TOL
+from logprob_parity.analysis.verdict import LEVEL_WORDS, RATIO_BANDS
 from logprob_parity.present.palette import LEVEL_COLOURS, dtype_colour
+from logprob_parity.results.bands import DTYPE_EPS, VLLM_TEST_TOL, band_of
 from logprob_parity.results.run import Run, SequenceResult
 
 
@@ -58,53 +59,56 @@ ROUTING_METRIC = "routing_layers_flipped"
 # OrRd, light to dark
 _STOPS = [(255, 247, 236), (253, 212, 158), (252, 141, 89), (215, 48, 31), (127, 0, 0)]
 
-# One rounding step of each dtype (machine epsilon): what stands in for a floor not measured (the legend says so).
-DTYPE_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
 NEUTRAL, AMBER_LO, AMBER_HI, ORANGE = (241, 245, 249), (253, 248, 228), (251, 191, 36), (249, 115, 22)
 RED_LO, RED_HI = (239, 68, 68), (127, 29, 29)
 
 
 @dataclass(frozen=True)
 class MeaningScale:
-    """|Δ logp| coloured by what it means, in three ordered bands that never overlap, so colour and
-    verdict tell one story (logprob_parity.analysis.verdict judges the same way):
-    1. within HF's own noise floor: neutral, whatever the tolerance (a floor can lie above it in bfloat16);
-    2. above the floor but within vLLM's test tolerance: pale to amber up to the tight tolerance, then
-       orange up to the loose one;
-    3. beyond both: red, darkest at a 5x probability ratio."""
+    """|Δ logp| coloured by what it means, in the three bands of logprob_parity.results.bands, which
+    never overlap, so colour, the data's `band` and the verdict tell one story:
+    1. `noise`: within the tail of HF's own per-token noise (its 99.5th percentile): neutral, whatever the
+       tolerance (the tail lies above it in bfloat16);
+    2. `tolerance`: beyond that tail but within vLLM's test tolerance: pale to amber up to the tight
+       tolerance, then orange up to the loose one;
+    3. `beyond`: beyond both: red, darkest at a 5x probability ratio."""
 
-    floor: float
-    floor_source: str  # "measured" (HF's own noise floor) or "unmeasured" (one rounding step stands in, and the legend says so)
+    limit: float  # where a token leaves HF's noise (results.bands.noise_limit)
+    source: str  # "tail" (measured), "max" (a run stored before the tail: HF's largest move) or "unmeasured"
     key: str = "abs_delta"
     label: str = "|Δ logp|, by what it means"
-    words: str | None = None  # the variation that set the floor (logprob_parity.analysis.floors)
+    words: str | None = None  # the tail in words ("HF moved 99.5% of 480 tokens by at most 0.11 against itself")
 
     def band(self, value: float) -> str:
-        """'floor', 'tolerance' or 'beyond': the band a gap falls in."""
-        if not math.isfinite(value) or value <= self.floor:
-            return "floor"
-        return "beyond" if value > VLLM_TEST_TOL[1] else "tolerance"
+        """'noise', 'tolerance' or 'beyond': the band a gap falls in (unscored: 'noise')."""
+        return band_of(value, self.limit) or "noise"
 
     def rgb(self, value: float) -> tuple[int, int, int]:
         tight, loose = VLLM_TEST_TOL
         band = self.band(value)
-        if band == "floor":
+        if band == "noise":
             return NEUTRAL
         if band == "beyond":
-            return _mix(RED_LO, RED_HI, _log_share(value, max(loose, self.floor), math.log(RATIO_BANDS[1])))
+            return _mix(RED_LO, RED_HI, _log_share(value, max(loose, self.limit), math.log(RATIO_BANDS[1])))
         if value > tight:
             return ORANGE
-        return _mix(AMBER_LO, AMBER_HI, _log_share(value, self.floor, tight)) if self.floor > 0 else AMBER_LO
+        return _mix(AMBER_LO, AMBER_HI, _log_share(value, self.limit, tight)) if self.limit > 0 else AMBER_LO
 
     def dark(self, value: float) -> bool:
         return self.band(value) == "beyond"
 
+    @property
+    def red_from(self) -> float:
+        """The smallest gap drawn red: beyond both the noise's tail and the loose tolerance."""
+        return max(self.limit, VLLM_TEST_TOL[1])
 
-def meaning_scale(dtype: str, measured_floor: float | None = None, words: str | None = None) -> MeaningScale:
-    """The meaning scale of one dtype's row: HF's measured noise floor (0 included: HF gave identical
-    values), else one rounding step stands in and the legend says the floor is not measured."""
-    if measured_floor is not None:
-        return MeaningScale(float(measured_floor), "measured", words=words)
+
+def meaning_scale(dtype: str, limit: float | None = None, words: str | None = None, source: str = "tail") -> MeaningScale:
+    """The meaning scale of one dtype's row: where a token leaves HF's measured noise (its tail; 0
+    included: HF gave identical values), else one rounding step stands in and the legend says the
+    noise is not measured."""
+    if limit is not None:
+        return MeaningScale(float(limit), source, words=words)
     return MeaningScale(DTYPE_EPS.get(dtype, 2.0**-23), "unmeasured")
 
 
@@ -278,38 +282,41 @@ def legend_html(scale: Scale, threshold: float | None) -> str:
 
 
 def meaning_legend_html(floors: dict[str, MeaningScale], threshold: float | None) -> str:
-    """The meaning scale's key: its three bands in order, each row's floor in words (measured, and by
-    which variation, or not measured), and where a floor lies above vLLM's tolerance, that it does."""
+    """The meaning scale's key: its three bands in order, with where each row's noise ends in words and
+    numbers (the tail, on how many tokens, or not measured), and where red starts and why."""
     tight, loose = VLLM_TEST_TOL
 
-    def floor_words(d: str, s: MeaningScale) -> str:
-        if s.floor_source != "measured":
+    def noise_words(d: str, s: MeaningScale) -> str:
+        if s.source == "unmeasured":
             return (
-                f"{html.escape(d)}: HF’s noise floor is not measured (run with its noise floor, or Diagnostics); "
-                f"one rounding step, {s.floor:.1e}, stands in"
+                f"{html.escape(d)}: HF’s own noise is not measured (run with its noise floor, or Diagnostics); "
+                f"one rounding step, {s.limit:.1e}, stands in"
             )
-        if s.floor == 0:
-            return f"{html.escape(d)} = 0 (HF gave identical values against itself" + (
-                f": {html.escape(s.words)})" if s.words else ")"
-            )
-        return f"{html.escape(d)} ≤ {s.floor:.1e}" + (f" ({html.escape(s.words)})" if s.words else " (HF’s measured noise)")
+        if s.limit == 0:
+            return f"{html.escape(d)}: 0 (HF gave identical values against itself)"
+        said = html.escape(s.words) if s.words else "HF’s measured noise"
+        return f"{html.escape(d)} ≤ {s.limit:.2g} ({said})"
 
-    floor_txt = "; ".join(floor_words(d, s) for d, s in floors.items())
-    above = [
-        f"{html.escape(d)}: HF’s own floor ({s.floor:.2g}) is above vLLM’s test tolerance ({tight:g} tight, {loose:g} loose), "
-        f"so a token up to {s.floor:.2g} is within HF’s noise, not a problem; red starts above {max(s.floor, loose):.2g}"
+    noise_txt = "; ".join(noise_words(d, s) for d, s in floors.items())
+    red = "; ".join(
+        f"{html.escape(d)}: red from {s.red_from:.2g}"
+        + (
+            f", HF’s own noise, which lies above vLLM’s tolerance of {loose:g}: a token within it is noise, not a problem"
+            if s.limit > loose
+            else f", vLLM’s loose tolerance, which lies above HF’s own noise ({s.limit:.2g})"
+        )
         for d, s in floors.items()
-        if s.floor_source == "measured" and s.floor > tight
-    ]
-    note = "".join(f'<span class="lpp-key lpp-note">{a}.</span>' for a in above)
+    )
     thr = f'<span class="lpp-key">outlined: |Δ logp| &gt; {threshold:.3g}</span>' if threshold is not None else ""
     return (
         '<div class="lpp-legend" data-scale="meaning"><b>Colour: how far apart the engines are</b>'
-        f'<span class="lpp-key" data-band="floor">{_chip(NEUTRAL)} within HF’s own noise floor: {floor_txt}</span>'
-        f'<span class="lpp-key" data-band="tolerance">{_chip(AMBER_LO)}{_chip(AMBER_HI)}{_chip(ORANGE)} above the floor, '
+        f'<span class="lpp-key" data-band="noise">{_chip(NEUTRAL)} within HF’s own noise, the gap HF makes to '
+        f"itself at 199 of 200 tokens: {noise_txt}</span>"
+        f'<span class="lpp-key" data-band="tolerance">{_chip(AMBER_LO)}{_chip(AMBER_HI)}{_chip(ORANGE)} beyond HF’s noise, '
         f"within vLLM’s test tolerance (≤ {tight:g}, orange to the loose {loose:g})</span>"
-        f'<span class="lpp-key" data-band="beyond">{_chip(RED_LO)}{_chip(RED_HI)} beyond both the floor and vLLM’s '
-        f"tolerance: a problem</span>{note}{thr}</div>"
+        f'<span class="lpp-key" data-band="beyond">{_chip(RED_LO)}{_chip(RED_HI)} beyond both HF’s noise and vLLM’s '
+        f"tolerance: a problem. Noise alone puts about 1 token in 200 here, so a few are expected; "
+        f'the verdict says whether there are more</span><span class="lpp-key lpp-note lpp-red-from">{red}.</span>{thr}</div>'
     )
 
 
@@ -327,10 +334,10 @@ def token_view_html(
 ) -> str:
     """One row per dtype for one sequence, with the CSS inline (st.html and reports alike).
 
-    |Δ logp| is coloured by meaning (noise floor, vLLM's tolerance) unless `raw`; `floors` are HF's
-    measured noise floor per dtype (verdict.hf_noise_of: the verdict's own), `floor_words` the variation
-    that set each; a dtype without one says it is not measured, and one rounding step stands in. `window`
-    shows positions [start, stop) only, so a long text stays fast."""
+    |Δ logp| is coloured by meaning (HF's noise tail, vLLM's tolerance) unless `raw`; `floors` are where
+    each dtype's tokens leave HF's measured noise (its tail: verdict.hf_noise_of, the verdict's own),
+    `floor_words` that tail in words; a dtype without one says it is not measured, and one rounding
+    step stands in. `window` shows positions [start, stop) only, so a long text stays fast."""
     start, stop = window if window else (0, None)
     live = [r for r in runs if seq_index < len(r.sequences)]
     if metric == "abs_delta" and not raw:

@@ -160,8 +160,8 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
     if diagnostics:
         parts.append(diagnostics_section(diagnostics))
     noise = hf_noise_of(runs, diagnostics)
-    floors = {d: x["floor"] for d, x in noise.items()} or None
-    words = {d: x.get("words") for d, x in noise.items()}
+    floors = {d: x["tail"] for d, x in noise.items() if x.get("tail") is not None} or None
+    words = {d: x.get("tail_words") for d, x in noise.items()}
     n = min(len(first.sequences), MAX_SEQUENCES)
     parts.append(
         f"<h2>Tokens</h2><p>Hover a token for both logprobs, ranks and top-5 lists. Showing {n} of {len(first.sequences)} prompts.</p>"

@@ -139,13 +139,22 @@ def _tip(ro: Rollout, i: int, t: int) -> str:
     return "\n".join(lines)
 
 
+def rollout_scale(ro: Rollout) -> Any:
+    """The meaning scale of a rollout's tokens: its trainer side's noise tail (results.rollout.hf_tail)."""
+    from logprob_parity.results.bands import noise_limit, tail_words
+    from logprob_parity.results.rollout import hf_tail
+
+    tail = hf_tail(ro.meta)
+    limit, source = noise_limit(tail, ro.dtype)
+    return meaning_scale(ro.dtype, None if source == "unmeasured" else limit, tail_words(tail), source)
+
+
 def completion_html(ro: Rollout, i: int, pair: str = "decode_vs_hf", floor: float | None = None) -> str:
     """One sample: its prompt (plain) and its completion as tokens coloured by |Δ| of `pair` on the
-    meaning scale (neutral within the noise floor, amber to vLLM's tolerance, red beyond)."""
-    from logprob_parity.results.rollout import hf_floor, hf_floor_words
-
+    meaning scale (neutral within HF's noise tail, amber to vLLM's tolerance, red beyond); `floor`: where
+    the noise ends, when not the rollout's own tail."""
     s = ro.samples[i]
-    scale = meaning_scale(ro.dtype, floor if floor is not None else hf_floor(ro.meta), hf_floor_words(ro.meta))
+    scale = rollout_scale(ro) if floor is None else meaning_scale(ro.dtype, floor)
     vals = np.abs(s.delta(pair))
     spans = []
     for t in range(len(s.completion_token_ids)):
@@ -346,10 +355,8 @@ def _df_html(df: pd.DataFrame) -> str:
 def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
     from logprob_parity.present.render import verdict_html
     from logprob_parity.present.report import _PAGE_CSS
-    from logprob_parity.results.rollout import hf_floor
 
     m = ro.meta
-    floor = hf_floor(m)
     df = token_frame(ro, "decode_vs_hf", pieces=False)
     meta_rows = [
         ("rollout", m.rollout_id),
@@ -362,7 +369,7 @@ def rollout_report_html(ro: Rollout, max_samples: int = 20) -> str:
         ("created", m.created),
     ]
     meta = "".join(f"<tr><th class=l>{html.escape(k)}</th><td class=l>{html.escape(str(v))}</td></tr>" for k, v in meta_rows)
-    samples = "".join(completion_html(ro, i, "decode_vs_hf", floor) for i in range(min(len(ro.samples), max_samples)))
+    samples = "".join(completion_html(ro, i, "decode_vs_hf") for i in range(min(len(ro.samples), max_samples)))
     charts = "".join(f"<div>{_svg(c)}</div>" for c in (delta_histogram(df, m.dtype), ratio_histogram(df, m.dtype)))
     return (
         f"<!doctype html><html><head><meta charset=utf-8><title>logprob-parity rollout {html.escape(m.rollout_id)}</title>"

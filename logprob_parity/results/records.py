@@ -79,6 +79,9 @@ class RunMeta:
     # an MoE model's routing against HF's (logprob_parity.analysis.compare._measure_routing): what was
     # measured, on how many texts, or {"measured": False, "why": "not an MoE model"}. Empty: runs before it.
     routing: dict[str, Any] = field(default_factory=dict)
+    # the comparison's own verdict (level, headline, reasons: analysis.verdict.run_verdicts), as made;
+    # empty for runs stored before it (the CLI and pages make it again from the summary)
+    verdict: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """What dataclasses.asdict gives, built field by field: asdict copies every value of every
@@ -90,6 +93,7 @@ class RunMeta:
         d["model_identity"] = dict(self.model_identity)
         d["noise"] = json.loads(json.dumps(self.noise))
         d["routing"] = dict(self.routing)
+        d["verdict"] = json.loads(json.dumps(self.verdict))
         names = [f.name for f in fields(SequenceInfo)]
         d["sequences"] = [{**{n: getattr(s, n) for n in names}, "summary": dict(s.summary)} for s in self.sequences]
         return d

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from logprob_parity.results.bands import bands, noise_limit
 from logprob_parity.results.records import RunEnv, _pick
 
 ROLLOUT_SCHEMA = 1
@@ -309,10 +310,21 @@ class Rollout:
         prompt and finish columns)."""
         tables = [sample_table(part, range(lo, lo + len(part)), info=False) for lo, part in self.chunks()]
         if not tables:
-            return pd.DataFrame(columns=["sample", "prompt", "position", "token_id", "piece", *COLUMNS])
+            return pd.DataFrame(columns=["sample", "prompt", "position", "token_id", "piece", *COLUMNS, "band"])
         import pyarrow as pa
 
-        return pa.concat_tables(tables).to_pandas()
+        df = pa.concat_tables(tables).to_pandas()
+        a, b, _ = PAIRS[MAIN_PAIR]
+        df["band"] = pd.Series(
+            bands(np.abs(df[a].to_numpy(np.float64) - df[b].to_numpy(np.float64)), self.noise_limit[0]), dtype=object
+        )
+        return df
+
+    @property
+    def noise_limit(self) -> tuple[float, str]:
+        """Where a completion token's gap (MAIN_PAIR) leaves the trainer side's own noise, and whence
+        (logprob_parity.results.bands.noise_limit of hf_tail)."""
+        return noise_limit(hf_tail(self.meta), getattr(self.meta, "dtype", ""))
 
     def tables(self, per: int = 4096) -> Iterator[Any]:
         """The stored rows (`sample_table`) a chunk of samples at a time: a rollout of 100,000
@@ -371,7 +383,7 @@ class Rollout:
             for j, s in enumerate(part):
                 metrics = {pair: each[pair][j] for pair in PAIRS}
                 metrics["prefill_vs_hf"].update(exact[j])
-                yield _sample_json(s, metrics)
+                yield _sample_json(s, metrics, self.noise_limit[0])
 
 
 class StoredSamples(Sequence):
@@ -540,9 +552,11 @@ def _sparse(total: int, at: dict[int, Any]) -> list[Any]:
     return out
 
 
-def _sample_json(s: Sample, metrics: dict[str, Any]) -> dict[str, Any]:
-    """One sample's --json object: its ids, its metrics, and per completion position every value."""
+def _sample_json(s: Sample, metrics: dict[str, Any], limit: float) -> dict[str, Any]:
+    """One sample's --json object: its ids, its metrics, and per completion position every value and
+    its band against the noise `limit` (logprob_parity.results.bands)."""
     n = len(s.completion_token_ids)
+    band = bands(np.abs(s.delta(MAIN_PAIR)), limit)
     lp = {c: _nums(s.logprob[c]) for c in COLUMNS}
     delta = {pair: _nums(s.delta(pair)) for pair in PAIRS}
     exact = {c: _nums(s.exact[c]) if c in s.exact else [None] * n for c in EXACT}
@@ -556,6 +570,7 @@ def _sample_json(s: Sample, metrics: dict[str, Any]) -> dict[str, Any]:
             "log_kept_mass": lp["log_kept_mass"][t],
             "delta": {pair: delta[pair][t] for pair in PAIRS},
             "prefill_vs_hf": {c: exact[c][t] for c in EXACT},
+            "band": band[t],
         }
         for t in range(n)
     ]
@@ -606,6 +621,37 @@ def hf_floor(meta: RolloutMeta) -> float | None:
 def hf_floor_words(meta: RolloutMeta) -> str | None:
     """The variation that set the trainer side's floor, in words."""
     return _hf_floor(meta)[1]
+
+
+def hf_tail(meta: RolloutMeta) -> dict[str, Any]:
+    """The trainer side's noise tail and argmax flips, as a floor's keys (logprob_parity.analysis.floors.tail_of):
+    from the floor's variations, each of which carries its own tail; rollouts stored before the tail: its
+    largest value (hf_noise_max)."""
+    return floors_tail(getattr(meta, "floors", None) or {})
+
+
+def floors_tail(floors: dict[str, Any]) -> dict[str, Any]:
+    """hf_tail of a rollout's floor rows."""
+    rows = {
+        k: f
+        for k, f in floors.items()
+        if f.get("side") == "hf" and (f.get("in_floor") or k == "envelope") and f.get("mean") is not None
+    }
+    if not rows:
+        return {}
+    from logprob_parity.results.bands import tail_of
+
+    out = tail_of(rows)
+    return {**out, "hf_noise_max": max(f["max"] for f in rows.values() if f.get("max") is not None)}
+
+
+def with_bands(summary: dict[str, Any], floors: dict[str, Any], dtype: str, chunks: Any) -> dict[str, Any]:
+    """The summary with its main pair's band counts (logprob_parity.results.bands) against the floor's
+    tail: chunks of (decode_raw, hf) logprobs, the pair the token view colours."""
+    from logprob_parity.results.bands import noise_limit, pair_band_stats
+
+    limit, source = noise_limit(floors_tail(floors), dtype)
+    return {**summary, MAIN_PAIR: {**summary[MAIN_PAIR], **pair_band_stats(chunks, limit, source)}}
 
 
 def _hf_floor(meta: RolloutMeta) -> tuple[float | None, str | None]:

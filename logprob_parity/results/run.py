@@ -13,6 +13,7 @@ import pandas as pd
 
 from logprob_parity.engines.scores import TokenScores
 from logprob_parity.errors import TokenMismatchError
+from logprob_parity.results.bands import bands, noise_limit
 from logprob_parity.results.metrics import TokenMetrics, summarize, token_metrics
 from logprob_parity.results.records import RunMeta
 
@@ -296,14 +297,25 @@ class Run:
         return self.meta.summary
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per position of every sequence, with a `seq` column."""
+        """One row per position of every sequence, with a `seq` column and each token's `band`, the one
+        its colour shows (logprob_parity.results.bands: noise, tolerance, beyond; None where unscored)."""
         if isinstance(self.sequences, StoredSequences):
             import pyarrow.parquet as pq
 
-            return pq.read_table(self.sequences._path).to_pandas()
-        frames = [s.to_frame().assign(seq=i) for i, s in enumerate(self.sequences)]
-        df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-        return df[["seq"] + [c for c in df.columns if c != "seq"]]
+            df = pq.read_table(self.sequences._path).to_pandas()
+        else:
+            frames = [s.to_frame().assign(seq=i) for i, s in enumerate(self.sequences)]
+            df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+            df = df[["seq"] + [c for c in df.columns if c != "seq"]] if frames else df
+        if len(df):
+            # object dtype: None where unscored (pandas' str dtype would turn it into NaN, which never equals itself)
+            df["band"] = pd.Series(bands(np.where(df["scored"], df["abs_delta"], np.nan), self.noise_limit[0]), dtype=object)
+        return df
+
+    @property
+    def noise_limit(self) -> tuple[float, str]:
+        """Where a token's gap leaves HF's own noise, and whence (logprob_parity.results.bands.noise_limit)."""
+        return noise_limit(self.summary, self.dtype)
 
     def to_pandas(self) -> pd.DataFrame:
         """`to_frame`: one row a position of every sequence (the Python API's name for it)."""
@@ -332,15 +344,17 @@ class Run:
         10,000-prompt run is never one object in memory."""
         write_items(f, self._json_head(), "sequences", (self._sequence_json(s) for s in self.sequences), indent)
 
-    @staticmethod
-    def _sequence_json(s: SequenceResult) -> dict[str, Any]:
+    def _sequence_json(self, s: SequenceResult) -> dict[str, Any]:
+        positions = s.positions_json()
+        for p, b in zip(positions, bands(s.metrics.abs_delta, self.noise_limit[0])):
+            p["band"] = b
         return {
             "text": s.text,
             "token_ids": list(s.token_ids),
             "tokens": list(s.tokens),
             "bos_added": s.bos_added,
             "summary": s.summary,
-            "positions": s.positions_json(),
+            "positions": positions,
         }
 
     def _json_head(self) -> dict[str, Any]:
@@ -354,6 +368,7 @@ class Run:
             "settings": m.settings,
             "env": m.to_dict()["env"],
             "summary": m.summary,
+            "verdict": m.verdict or None,  # set when the comparison is made (analysis.compare)
             "created": m.created or None,
             "top_k": m.top_k,
             "bos": m.bos,

@@ -9,7 +9,7 @@ from typing import Any
 import streamlit as st
 
 from logprob_parity.analysis.estimate import cold_engines, record, rollout_defaults, rollout_words
-from logprob_parity.analysis.rollout import NOISE_SAMPLES, STEPS_PER_DTYPE, hf_floor, rollout
+from logprob_parity.analysis.rollout import NOISE_SAMPLES, STEPS_PER_DTYPE, rollout
 from logprob_parity.analysis.verdict import Verdict
 from logprob_parity.dashboard.components.alerts import show_error
 from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
@@ -411,7 +411,7 @@ def show_rollouts(ros: list[Rollout]) -> None:
     for r in ros:
         st.markdown(f"**{r.dtype}**")
         if sample < len(r.samples):
-            st.html(completion_html(r, sample, pair, hf_floor(r.meta)))
+            st.html(completion_html(r, sample, pair))
     worst_lists(ros[0], pair)
     tabs = st.tabs([r.dtype for r in ros])
     for tab, r in zip(tabs, ros):

@@ -130,6 +130,8 @@ def noise_floors(runs: list[Run], found: DiagnosticsResult | None) -> dict | Non
         return None
     return {
         "hf": {d: x["floor"] for d, x in got.items()},
+        "tail": {d: x.get("tail") for d, x in got.items()},
+        "tail_words": {d: x.get("tail_words") for d, x in got.items()},
         "ratios": {d: x["ratio"] for d, x in got.items()},
         "source": {d: x["source"] for d, x in got.items()},
         "words": {d: x.get("words") for d, x in got.items()},
@@ -281,8 +283,8 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
             thr or None,
             hi,
             raw=raw,
-            floors=floors["hf"] if floors else None,
-            floor_words=floors["words"] if floors else None,
+            floors=floors["tail"] if floors else None,
+            floor_words=floors["tail_words"] if floors else None,
             window=window,
         )
     )

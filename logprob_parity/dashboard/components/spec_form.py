@@ -36,6 +36,7 @@ def follow_view(key: str, runs: list, with_text: bool) -> None:
         f"{key}-topk": int(m.top_k),
         f"{key}-truncate": any(s.cut_from for s in m.sequences),
         f"{key}-noise": m.summary.get("hf_noise_mean") is not None,
+        f"{key}-null": is_null(m),
     }
     if with_text and m.sequences:
         state[f"{key}-text"] = m.sequences[0].text
@@ -87,7 +88,23 @@ def spec_form(key: str, with_text: bool, noise_choice: bool = True) -> tuple[Run
             if noise_choice
             else True  # Diagnostics: always, as before; its page offers the wider noise check as a part
         )
-        st.caption("Backends: HF transformers and vLLM, on the same token ids.")
+        null = (
+            st.checkbox(
+                "Show what noise looks like: HF against itself instead of vLLM",
+                False,
+                key=f"{key}-null",
+                help="A control: HF scores the same ids twice, once a text at a time and once in a padded batch "
+                "with other texts, as a trainer's micro-batch changes. The page then shows HF's own noise in the same "
+                "colours and with the same verdict, so you can see what a gap that is only noise looks like.",
+            )
+            if with_text
+            else False
+        )
+        st.caption(
+            "Backends: HF transformers against itself (what noise looks like)."
+            if null
+            else "Backends: HF transformers and vLLM, on the same token ids."
+        )
         with st.expander("Engine settings (recorded in the run id)"):
             values = settings_inputs(key)
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
@@ -114,5 +131,11 @@ def spec_form(key: str, with_text: bool, noise_choice: bool = True) -> tuple[Run
         settings=settings,
         truncate=truncate,
         noise_floor=noise,
+        null=null,
     )
     return spec, True
+
+
+def is_null(meta: object) -> bool:
+    """A null comparison's run: HF against itself in vLLM's place (analysis.compare.NULL_BACKEND)."""
+    return "hf_null" in tuple(getattr(meta, "backends", ()))

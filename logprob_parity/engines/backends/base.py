@@ -14,6 +14,8 @@ BACKEND_REGISTRY: dict[str, str] = {
     "hf": "logprob_parity.engines.backends.hf:HFBackend",
     "vllm": "logprob_parity.engines.backends.vllm:VLLMBackend",
     "fake": "logprob_parity.engines.backends.fake:FakeBackend",  # tests of the plumbing only (see its module)
+    # HF against itself in vLLM's place: a null comparison (`compare --null`), what noise looks like
+    "hf_null": "logprob_parity.engines.backends.hf:HFNullBackend",
 }
 
 # Set to 1 in an engine host's environment: the fake backend plays the hf and vllm roles there.
@@ -23,6 +25,7 @@ INSTALL_HINTS: dict[str, str] = {
     "hf": "pip install 'logprob-parity' (needs torch and transformers)",
     "vllm": "pip install 'logprob-parity[gpu]' on a CUDA machine, or 'logprob-parity[cpu]' for vLLM's CPU build",
     "fake": "it ships with logprob-parity",
+    "hf_null": "pip install 'logprob-parity' (needs torch and transformers)",
 }
 
 
@@ -79,7 +82,8 @@ def load_backend_class(name: str) -> Any:
     import os
 
     role = None
-    if os.environ.get(FAKE_ENV) == "1" and name in ("hf", "vllm"):
+    if os.environ.get(FAKE_ENV) == "1" and name in ("hf", "vllm", "hf_null"):
+        name = "hf" if name == "hf_null" else name
         name, role = "fake", name  # the fake backend plays the role it stands in for
     try:
         target = BACKEND_REGISTRY[name]

@@ -530,3 +530,59 @@ def _ref_rows(refs: list[Any], spans: np.ndarray, lo: int, hi: int) -> Any:
             raise ValueError(f"vLLM's full logprobs hold {ref.shape[0]} positions, HF scored {b - a}")
         parts.append(ref[max(lo, a) - a : min(hi, b) - a])
     return _joined(parts)
+
+
+class HFNullBackend(HFBackend):
+    """HF against itself, in vLLM's place: what noise looks like, drawn in the same view with the same
+    colours and judged by the same verdict (`compare --null`, the Compare page's control).
+
+    Where the HF side scores each text in one forward, this side feeds the same ids through HF's KV
+    cache a chunk at a time (NULL_CHUNK tokens a forward, at most half the text, so every text takes at
+    least two): the noise floor's chunked_kv variation (logprob_parity.analysis.floors) on every text,
+    how trainers that score in chunks move HF's values, and the largest of the floor's variations for
+    the demo model on a CPU. Everything else (model, dtype, kernels) is HF's own, so every gap it
+    shows is HF's noise and nothing else."""
+
+    name = "hf_null"
+
+    @torch.inference_mode()
+    def score(
+        self,
+        sequences: list[list[int]],
+        top_k: int,
+        gather_ids: list[np.ndarray] | None = None,
+        batch_size: int | None = None,
+        padding_side: str = "right",
+        full: str | None = None,
+    ) -> list[TokenScores]:
+        out: list[TokenScores] = []
+        for ids in sequences:
+            if len(ids) < 2:
+                out.extend(super().score([ids], top_k))
+                continue
+            chunk = null_chunk(len(ids))
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            rows, past = [], None
+            for lo in range(0, len(ids) - 1, chunk):
+                hi = min(lo + chunk, len(ids) - 1)
+                pos = torch.arange(lo, hi, device=self.device)[None]
+                res = self.model(input_ids=x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                rows.append(res.logits[0])
+            out.extend(self._from_rows([list(ids)], [torch.cat(rows)], top_k, None))
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {
+            **super().info(),
+            "backend": "hf_null",
+            "null": f"HF itself, each text fed through its KV cache {NULL_CHUNK} tokens a forward (at most half the text)",
+        }
+
+
+NULL_CHUNK = 64  # the floor's chunk (analysis.floors.CHUNK)
+
+
+def null_chunk(n: int) -> int:
+    """A null comparison's chunk for a text of n tokens: NULL_CHUNK, at most half the text, at least 1."""
+    return max(1, min(NULL_CHUNK, (n - 1) // 2))

@@ -38,5 +38,7 @@ for rid in ("25e6e5bff22f4a779cb2", "d673dd453e76fdc5e8d3"):
     }
 ro = s.load_rollout("de6711afdd520c830ebc")
 df = ro.to_pandas()
-out["rollouts"]["de6711afdd520c830ebc"] = {"dtype": ro.dtype, "rows": {c: clean(df[c].tolist()) for c in df.columns}}
+# the columns the old code had (a newer package adds `band`, each token's band: results.bands)
+cols = [c for c in df.columns if c != "band"]
+out["rollouts"]["de6711afdd520c830ebc"] = {"dtype": ro.dtype, "rows": {c: clean(df[c].tolist()) for c in cols}}
 print(json.dumps(out, sort_keys=True, indent=1))
