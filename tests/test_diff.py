@@ -31,6 +31,28 @@ def test_a_wider_run_reads_as_widened_with_what_changed(home):
     assert "narrowed the mean gap 3x" in back.headline
 
 
+def test_a_setting_that_took_no_effect_and_a_change_within_both_runs_noise_say_so(home):
+    """The issue's case: attention_backend=FLASH_ATTN on the CPU build ran CPU_ATTN, as the default did,
+    and a 1.06x change of a float32 gap is within HF's own noise: neither is credited with a change."""
+    import dataclasses
+
+    a = _stored(home, "d1ff0011")
+    b = _stored(home, "d1ff0012", scale=1.06)
+
+    def ran(run, settings: dict, floor: float):
+        env = dataclasses.replace(run.meta.env, vllm_engine={"attention_backend": "CPU_ATTN"})
+        summary = {**run.summary, "hf_noise_mean": floor}
+        return dataclasses.replace(run, meta=dataclasses.replace(run.meta, settings=settings, env=env, summary=summary))
+
+    a = ran(a, {}, a.summary["mean_abs_delta"])
+    b = ran(b, {"attention_backend": "FLASH_ATTN"}, a.summary["mean_abs_delta"] * 0.8)
+    d = diff_runs(a, b)
+    assert ("attention_backend", None, "FLASH_ATTN (no effect: attention_backend CPU_ATTN ran in both)") in d.changes
+    assert "moved the mean gap within the noise of both runs" in d.headline and "widened" not in d.headline
+    far = diff_runs(a, ran(_stored(home, "d1ff0013", scale=5.0), {}, a.summary["mean_abs_delta"]))
+    assert "widened the mean gap 5x" in far.headline  # beyond both runs' noise: still said
+
+
 def test_runs_of_other_texts_are_refused_in_words(home):
     a = _stored(home, "d1ff0003")
     b = _stored(home, "d1ff0004", texts=("other", "texts here"))

@@ -75,13 +75,38 @@ def changes_between(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
             out.append((lib if lib != "vllm" else "vLLM", va, vb))
     if ma.env.device != mb.env.device:
         out.append(("device", ma.env.device, mb.env.device))
+    ea, eb = effective(ma), effective(mb)
     for k in sorted(set(ma.settings) | set(mb.settings)):
         if k != "max_model_len" and ma.settings.get(k) != mb.settings.get(k):
-            out.append((k, ma.settings.get(k), mb.settings.get(k)))
+            if k in ea and k in eb and ea[k] == eb[k]:
+                out.append((k, ma.settings.get(k), f"{mb.settings.get(k)} (no effect: {k} {ea[k]} ran in both)"))
+            else:
+                out.append((k, ma.settings.get(k), mb.settings.get(k)))
     for k in ("top_k", "bos"):
         if getattr(ma, k) != getattr(mb, k):
             out.append((k, getattr(ma, k), getattr(mb, k)))
     return out
+
+
+def effective(meta: Any) -> dict[str, Any]:
+    """The settings as they took effect, where the engines recorded them: the attention backend vLLM's
+    model runner chose (engines.backends.vllm), whatever was asked for."""
+    got = (getattr(meta.env, "vllm_engine", None) or {}).get("attention_backend")
+    return {"attention_backend": got} if got else {}
+
+
+def noise_words(a: Any, b: Any, mean_a: float, mean_b: float) -> str | None:
+    """The change in the mean gap judged against both runs' own noise (HF's mean noise floor): words
+    when the change is within the larger of the two, None when it is beyond or a floor is not measured."""
+    fa, fb = a.summary.get("hf_noise_mean"), b.summary.get("hf_noise_mean")
+    if fa is None or fb is None:
+        return None
+    if abs(mean_b - mean_a) <= max(fa, fb):
+        return (
+            f"moved the mean gap within the noise of both runs ({mean_a:.2e} → {mean_b:.2e}; HF's own mean noise "
+            f"{fa:.2e} and {fb:.2e})"
+        )
+    return None
 
 
 def _words(changes: list[tuple[str, Any, Any]]) -> str:
@@ -108,7 +133,10 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
     mean_a, mean_b = float(ga.mean()), float(gb.mean())
     changes = changes_between(a, b)
     r = max(mean_b, TINY) / max(mean_a, TINY)
-    if r >= 1.05:
+    within = noise_words(a, b, mean_a, mean_b)
+    if within:
+        moved = within
+    elif r >= 1.05:
         moved = f"widened the mean gap {r:,.3g}x ({mean_a:.2e} → {mean_b:.2e}); the gap grew more than {FACTOR:g}x at {wider:.0%} of tokens"
     elif r <= 1 / 1.05:
         moved = (

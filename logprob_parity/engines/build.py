@@ -40,8 +40,33 @@ try:
 except Exception as exc:
     print(json.dumps({"ok": False, "why": f"this vLLM build's kernels could not be loaded ({type(exc).__name__}: {exc})"[:300]}))
 """
+# What else decides whether a setting can take effect here, asked of this machine once: CUDA, vLLM's
+# platform and the attention backends its build registers, and which optional packages are installed.
+_FACTS_PROBE = """
+import importlib.util, json
+out = {"cuda": False, "platform": "unknown", "attention_backends": [], "flash_attn": False, "ray": False,
+       "flashinfer": False}
+try:
+    import torch
+    out["cuda"] = bool(torch.cuda.is_available())
+except Exception:
+    pass
+for name in ("flash_attn", "ray", "flashinfer"):
+    out[name] = importlib.util.find_spec(name) is not None
+try:
+    from vllm.platforms import current_platform
+    out["platform"] = "cpu" if current_platform.is_cpu() else ("cuda" if current_platform.is_cuda() else "other")
+except Exception as exc:
+    out["platform_error"] = f"{type(exc).__name__}: {exc}"[:200]
+if out["platform"] == "cpu":
+    out["attention_backends"] = ["CPU_ATTN"]
+elif out["platform"] == "cuda":
+    out["attention_backends"] = ["FLASH_ATTN", "FLEX_ATTENTION", "TRITON_ATTN"] + (["FLASHINFER"] if out["flashinfer"] else [])
+print(json.dumps({"ok": True, "why": "", "facts": out}))
+"""
 PROBES = {("quantization", "fp8"): _FP8_PROBE}
 CACHE_NAME = "build-checks.json"
+FACTS = "facts"
 
 
 def _key() -> str:
@@ -70,8 +95,9 @@ def unsupported() -> dict[tuple[str, Any], str]:
     except (OSError, ValueError):
         cached = {}
     found = cached.get(key)
-    if not isinstance(found, dict):
+    if not isinstance(found, dict) or FACTS not in found:
         found = {f"{name}={value}": _probe(code) for (name, value), code in PROBES.items()}
+        found[FACTS] = _probe(_FACTS_PROBE).get("facts") or {}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(path, json.dumps({**cached, key: found}, indent=1))
@@ -82,12 +108,47 @@ def unsupported() -> dict[tuple[str, Any], str]:
         got = found.get(f"{name}={value}") or {}
         if not got.get("ok", False):
             out[(name, value)] = got.get("why") or "this vLLM build cannot run it"
+    return {**out, **without_effect(found.get(FACTS) or {})}
+
+
+def without_effect(facts: dict[str, Any]) -> dict[tuple[str, Any], str]:
+    """{(setting, value): why} for the values that cannot take effect on this machine, from the probed
+    facts: a run that records them as tested would credit a setting that never ran (issue 40: FLASH_ATTN
+    on the CPU build gave the default's values bit for bit, and `diff` read a change into it)."""
+    from logprob_parity.inputs.settings import ATTENTION_BACKENDS
+
+    out: dict[tuple[str, Any], str] = {}
+    platform, cuda = facts.get("platform"), bool(facts.get("cuda"))
+    have = facts.get("attention_backends")
+    if have:
+        lacks = "vLLM's CPU build runs CPU_ATTN only" if platform == "cpu" else f"this vLLM build offers {', '.join(have)}"
+        for b in ATTENTION_BACKENDS:
+            if b not in have:
+                out[("attention_backend", b)] = lacks
+    if platform == "cpu":
+        out[("enforce_eager", False)] = (
+            "vLLM's CPU build has no CUDA graphs: off would only compile for minutes (106 s for the demo model here) and "
+            "change nothing that runs"
+        )
+        out[("batch_invariant", True)] = "vLLM's batch-invariant kernels need an NVIDIA GPU; the CPU build fails to run them"
+    if not cuda:
+        out[("tf32", True)] = "TF32 is an NVIDIA GPU mode: on this machine (no CUDA GPU) float32 matmuls run as they are"
+        out[("hf_cudnn_attention", True)] = "cuDNN attention needs an NVIDIA GPU: on this machine it cannot take effect"
+        out[("hf_cudnn_attention", False)] = "cuDNN attention needs an NVIDIA GPU: on this machine it is never used anyway"
+        out[("distributed_executor_backend", "ray")] = "vLLM's ray executor spreads an engine over GPUs: this machine has none"
+    elif not facts.get("ray"):
+        out[("distributed_executor_backend", "ray")] = "vLLM's ray executor needs Ray: pip install 'logprob-parity[ray]'"
+    if facts and not facts.get("flash_attn"):
+        out[("attn_implementation", "flash_attention_2")] = (
+            "HF's flash_attention_2 needs the flash-attn package, which is not installed here"
+        )
     return out
 
 
 def refusal(settings: Any) -> str | None:
-    """Why these engine settings cannot run on this vLLM build, in words; None when they can."""
+    """Why these engine settings cannot run, or cannot take effect, on this machine and vLLM build, in
+    words, before any engine starts; None when they can."""
     for (name, value), why in unsupported().items():
         if getattr(settings, name, None) == value:
-            return f"{name}={value} cannot run here: {why}"
+            return f"{name}={value} cannot take effect here: {why}"
     return None

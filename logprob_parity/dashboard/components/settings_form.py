@@ -25,7 +25,10 @@ def _widget(container: Any, s: Setting, key: str, initial: Any, refused: dict[An
     label = s.label or s.name
     wkey = f"{key}-set-{s.name}"
     if s.kind is bool and not s.optional:
-        return container.checkbox(label, bool(initial), key=wkey, help=s.help)
+        got = container.checkbox(label, bool(initial), key=wkey, help=s.help)
+        for value, why in refused.items():  # the run is refused in these words before any engine starts
+            container.caption(f":material/block: {s.name} {'on' if value else 'off'} cannot take effect here: {why}.")
+        return got
     if s.kind is bool or s.choices is not None:
         allowed = [c for c in (s.choices or ()) if c not in refused]
         options = [DEFAULT] + (list(ON_OFF) if s.kind is bool else [str(c) for c in allowed])

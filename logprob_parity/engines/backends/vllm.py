@@ -294,8 +294,24 @@ class VLLMBackend(Backend):
             "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
             "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
             "engine_kwargs": {k: v for k, v in self.engine_kwargs.items() if k not in ("model", "tokenizer")},
+            # what ran, not what was asked: a diff compares this (logprob_parity.analysis.diff)
+            "attention_backend": self._attention_backend(),
             **self._memory(cfg),
         }
+
+    def _attention_backend(self) -> str | None:
+        """The attention backend(s) vLLM's model runner chose for its layers, by name; None where
+        this vLLM does not say."""
+
+        def names(worker: Any) -> list[str]:
+            groups = getattr(worker.model_runner, "attn_groups", None) or []
+            return sorted({g.backend.get_name() for gs in groups for g in gs})
+
+        try:
+            got = self.llm.collective_rpc(names)[0]
+        except Exception:
+            return None
+        return ",".join(got) or None
 
     def _memory(self, cfg: Any) -> dict[str, Any]:
         """What this engine holds: its weights' bytes (as loaded: FP8 weights are 1 byte a value) and
