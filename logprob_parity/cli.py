@@ -451,8 +451,8 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         if n < 1 or length < 8:
             raise UserError("--speed-load needs at least 1 sequence of at least 8 tokens")
         load = (n, length)
-    if args.repeats < 1:
-        raise UserError("--repeats must be at least 1")
+    if args.repeats < 3:
+        raise UserError("--repeats must be at least 3: a speed needs a spread that means something")
     with progress(args, "frontier", 2 + len(configs)) as rep:
         ctx = rep.context(args)
         result = frontier(spec, configs, ctx, tolerance=args.tolerance, speed_load=load, repeats=args.repeats)

@@ -314,3 +314,16 @@ def test_a_checkpoint_outside_the_servers_model_roots_is_refused(tiny_bos, tiny_
         )
     assert str(gptq) in str(err.value) or "allowed" in str(err.value)
     assert len(ctx.pool.running()) == before  # refused before any engine started
+
+
+def test_speed_is_never_read_from_one_timing_and_the_pages_default_times_each_configuration_three_times(tiny_bos):
+    """Issue 40: one timing read float32 31x behind bfloat16 with a 'spread' of one value."""
+    from logprob_parity.analysis.estimate import frontier_defaults
+    from logprob_parity.analysis.frontier import frontier
+    from logprob_parity.errors import UserError
+    from logprob_parity.inputs.spec import RunSpec
+
+    for device in ("cpu", "cuda"):
+        assert frontier_defaults(device, ["float32", "bfloat16"]).repeats >= 3
+    with pytest.raises(UserError, match="at least 3 timed repeats"):
+        frontier(RunSpec(texts=("x",), model=str(tiny_bos)), repeats=1)

@@ -267,7 +267,10 @@ def frontier(
     repeats: int = REPEATS,
 ) -> FrontierResult:
     """Measure each configuration on the same token ids against HF in float64, and its speed on
-    `speed_load` (sequences, tokens) `repeats` times; store and return."""
+    `speed_load` (sequences, tokens) `repeats` times (at least REPEATS: one timing has no spread, and a
+    speed read from it once put float32 31x behind bfloat16 on this CPU); store and return."""
+    if repeats < REPEATS:
+        raise UserError(f"speed needs at least {REPEATS} timed repeats for its spread to mean something (got {repeats})")
     ctx = ctx or Context.of()
     p = prepare(dataclasses.replace(spec, dtypes=("float32",)), ctx)
     quant = p.model.config.get("quantization_config") or {}
