@@ -38,8 +38,11 @@ SUMMARY_ROWS = (
     ("dp_rms", "e"),
     ("ppl_ratio", "f"),
     ("hf_noise_mean", "e"),
+    ("hf_noise_tail", "e"),
     ("vllm_noise_mean", "e"),
     ("noise_ratio", "f"),
+    ("tokens_beyond_frac", "f"),
+    ("tokens_above_noise_frac", "f"),
 )
 ROUTING_ROWS = (("routing_flip_frac", "f"), ("routing_tokens_flipped", "f"), ("routing_layers_flipped_mean", "f"))
 

@@ -422,3 +422,48 @@ def test_an_moe_runs_token_view_colours_by_layers_routed_differently_and_the_hov
         said = tip.inner_text()
         assert "experts: DIFFERENT in" in said and f"layer {layer}: vLLM {v}  HF {h}" in said, said
         page.screenshot(path=str(out / "moe-routing-hover.png"), full_page=True)
+
+
+@pytest.mark.engine
+def test_the_default_compare_paints_no_token_within_hfs_own_spread_red_and_says_where_red_starts(server, home):
+    """Issue 40: the demo model's default Compare (bfloat16 and float32). A token is red only beyond both
+    HF's own noise tail and vLLM's tolerance; the legend says where red starts and why; the control
+    "what noise looks like" shows HF against itself in the same view, and it reads as noise."""
+    import re
+
+    from logprob_parity.results.store import Store
+
+    with stored_page(server, "truthful") as (page, out):
+        page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.locator(".lpp-tok").first.wait_for(timeout=600_000)
+        settled(page)
+        page.get_by_test_id("stAlertContainer").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(out / "compare-default-verdict.png"))
+        page.locator(".lpp-tv").first.screenshot(path=str(out / "compare-default-tokens.png"))
+        runs = {r.dtype: r for r in (Store(home).load(i) for i in Store(home).list_runs()["run_id"])}
+        assert set(runs) == {"bfloat16", "float32"}
+        legend = page.locator(".lpp-legend").first.inner_text()
+        assert "bfloat16: red from" in legend and "float32: red from" in legend, legend
+        assert "the gap HF makes to itself at 199 of 200 tokens" in legend
+        for row in page.locator(".lpp-row").all():
+            dtype = row.locator(".lpp-label").inner_text().strip()
+            limit = max(runs[dtype].summary["hf_noise_tail"], 0.02)
+            for style, value in row.locator(".lpp-tok").evaluate_all(
+                "els => els.map(e => [e.getAttribute('style') || '', e.getAttribute('data-value')])"
+            ):
+                rgb = re.search(r"rgb\((\d+),(\d+),(\d+)\)", style)
+                if rgb and int(rgb[1]) > 150 and int(rgb[2]) < 80 and int(rgb[3]) < 80:  # red
+                    assert float(value) > limit, (dtype, value, limit)
+        verdict = page.get_by_test_id("stAlertContainer").first.inner_text()
+        assert "HF's own noise" in verdict
+
+        page.get_by_text("Show what noise looks like: HF against itself instead of vLLM").click()
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.get_by_text("What noise looks like (HF against itself, no vLLM)").first.wait_for(timeout=600_000)
+        settled(page)
+        page.get_by_test_id("stAlertContainer").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(out / "compare-null-verdict.png"))
+        page.locator(".lpp-tv").first.screenshot(path=str(out / "compare-null-tokens.png"))
+        boxes = page.get_by_test_id("stAlertContainer").all_inner_texts()
+        assert any("What noise looks like (HF against itself, no vLLM)" in b for b in boxes), boxes

@@ -52,7 +52,9 @@ CPU_NO_EFFECT = {
         ("enforce_eager", False, "vLLM's CPU build has no CUDA graphs"),
     ],
 )
-def test_a_setting_that_cannot_take_effect_here_is_refused_in_words_before_any_engine_starts(home, tiny_bos, setting, value, words):
+def test_a_setting_that_cannot_take_effect_here_is_refused_in_words_before_any_engine_starts(
+    home, tiny_bos, setting, value, words
+):
     import dataclasses
 
     from logprob_parity.analysis.compare import compare

@@ -204,5 +204,7 @@ def _verdict_notes(runs: list[Any]) -> tuple[str, ...]:
             if floor is not None
             else "HF's own floor not measured"
         )
-        out.append(f"verdict {run.dtype} {run.run_id[:12]}: {v.title}; {where}")
+        n, beyond = run.summary.get("n_tokens"), run.summary.get("tokens_beyond")
+        bands = f"; {beyond:,} of {n:,} tokens beyond HF's noise and vLLM's tolerance" if beyond is not None and n else ""
+        out.append(f"verdict {run.dtype} {run.run_id[:12]}: {v.title}; {where}{bands}")
     return tuple(out)

@@ -44,7 +44,7 @@ from logprob_parity.inputs.tokens import encode_texts
 from logprob_parity.results.bands import TAIL_MIN_POSITIONS, TAIL_Q, VARIATIONS, tail_of, tail_words  # noqa: F401 - their home
 
 # in each run's identity: a run measured by another definition is another run
-DEFINITION = "hf:" + ",".join(VARIATIONS) + ";tail:envelope,q995,min400,spread,others10;chunk:per-text"
+DEFINITION = "hf:" + ",".join(VARIATIONS) + ";tail:envelope,q995,min400,spread,others10+30;chunk:per-text"
 OTHER_PROMPTS = 10  # other prompts beside the sample: packed with it, in its batch on a GPU, and topping a short one up
 OTHER_PROMPTS_CPU = 1  # in its padded batch on a CPU, where each position costs milliseconds (padded to the longest text)
 CHUNK = 64  # tokens a forward through HF's KV cache in chunked_kv (at least two chunks a text)
@@ -83,7 +83,11 @@ def large_positions(device: str) -> int:
 
 def other_prompts(tokenizer: Any, bos: str, max_len: int, device: str = "cuda") -> list[list[int]]:
     """The bundled sentences as token ids, those that fit the engines' context."""
-    lines = (Path(__file__).resolve().parent.parent / "data" / "sentences.txt").read_text().splitlines()[:OTHER_PROMPTS]
+    data = Path(__file__).resolve().parent.parent / "data"
+    # the bundled sentences, then texts of other kinds (code, numbers, other scripts, emoji): their
+    # noise differs, and a short sample is topped up with them to TAIL_MIN_POSITIONS (top_up)
+    lines = data.joinpath("sentences.txt").read_text().splitlines()[:OTHER_PROMPTS]
+    lines += [x for x in data.joinpath("noise_texts.txt").read_text(encoding="utf-8").splitlines() if x.strip()]
     ids, _ = encode_texts(tokenizer, lines, bos)
     return [x for x in ids if len(x) < max_len]
 

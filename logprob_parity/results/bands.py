@@ -197,4 +197,4 @@ def tail_words(floor: dict[str, Any]) -> str | None:
         return None
     if floor.get("noise_tail_q"):
         return f"HF moved {floor['noise_tail_q'] * 100:g}% of {n:,} tokens by at most {t:.2g} against itself"
-    return f"HF moved {n:,} tokens by at most {t:.2g} against itself (too few for a {TAIL_Q * 100:g}% quantile: the largest)"
+    return f"HF moved {n:,} tokens by at most {t:.2g} against itself, the largest: too few for a {TAIL_Q * 100:g}% quantile"
