@@ -424,6 +424,14 @@ def test_an_moe_runs_token_view_colours_by_layers_routed_differently_and_the_hov
         page.screenshot(path=str(out / "moe-routing-hover.png"), full_page=True)
 
 
+def _verdict_and_tokens(page, out, name: str) -> None:
+    """Once the page has settled, pictures of its verdict boxes and its token view, for a person's eyes."""
+    settled(page)
+    page.get_by_test_id("stAlertContainer").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(out / f"{name}-verdict.png"))
+    page.locator(".lpp-tv").first.screenshot(path=str(out / f"{name}-tokens.png"))
+
+
 @pytest.mark.engine
 def test_the_default_compare_paints_no_token_within_hfs_own_spread_red_and_says_where_red_starts(server, home):
     """Issue 40: the demo model's default Compare (bfloat16 and float32). A token is red only beyond both
@@ -437,10 +445,7 @@ def test_the_default_compare_paints_no_token_within_hfs_own_spread_red_and_says_
         page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
         page.get_by_role("button", name="Run", exact=True).click()
         page.locator(".lpp-tok").first.wait_for(timeout=600_000)
-        settled(page)
-        page.get_by_test_id("stAlertContainer").first.scroll_into_view_if_needed()
-        page.screenshot(path=str(out / "compare-default-verdict.png"))
-        page.locator(".lpp-tv").first.screenshot(path=str(out / "compare-default-tokens.png"))
+        _verdict_and_tokens(page, out, "compare-default")
         runs = {r.dtype: r for r in (Store(home).load(i) for i in Store(home).list_runs()["run_id"])}
         assert set(runs) == {"bfloat16", "float32"}
         legend = page.locator(".lpp-legend").first.inner_text()
@@ -461,9 +466,6 @@ def test_the_default_compare_paints_no_token_within_hfs_own_spread_red_and_says_
         page.get_by_text("Show what noise looks like: HF against itself instead of vLLM").click()
         page.get_by_role("button", name="Run", exact=True).click()
         page.get_by_text("What noise looks like (HF against itself, no vLLM)").first.wait_for(timeout=600_000)
-        settled(page)
-        page.get_by_test_id("stAlertContainer").first.scroll_into_view_if_needed()
-        page.screenshot(path=str(out / "compare-null-verdict.png"))
-        page.locator(".lpp-tv").first.screenshot(path=str(out / "compare-null-tokens.png"))
+        _verdict_and_tokens(page, out, "compare-null")
         boxes = page.get_by_test_id("stAlertContainer").all_inner_texts()
         assert any("What noise looks like (HF against itself, no vLLM)" in b for b in boxes), boxes
