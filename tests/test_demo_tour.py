@@ -141,8 +141,9 @@ def test_demo_tour(home):
             for row in page.locator(".lpp-row .lpp-text").all():
                 assert row.inner_text().replace("↵", "").endswith(TEXT)  # reads as written (BOS first)
             legend = page.locator(".lpp-legend").inner_text()
-            assert "within HF’s own noise floor" in legend and "beyond both the floor and vLLM’s tolerance" in legend
-            assert "not measured" not in legend and "HF moves" in legend  # the verdict's floor, named by its variation
+            assert "within HF’s own noise" in legend and "beyond both HF’s noise and vLLM’s tolerance" in legend
+            assert "not measured" not in legend and "HF moved 99.5% of" in legend  # the verdict's noise tail, in words
+            assert "red from" in legend  # where red starts, and why
             tour.shot("compare-result", full=True)
 
             # 2. hover: at the left, at the right end of a row, and low on the screen

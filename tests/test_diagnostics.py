@@ -33,12 +33,16 @@ def test_noise_floor(demo_diag):
             "padding_side",
             "packed",
             "chunked_kv",
+            "envelope",
             "vllm_alone_vs_batched",
             "vllm_repeat",
             "hf_attn_eager",
             "hf_incremental",
         }
-        assert all(v["n"] == 29 for v in out.noise.values())
+        # the floor's variations rest on at least 400 tokens: the text's 29, topped up with bundled texts
+        floor_rows = ("micro_batch", "padding_side", "packed", "chunked_kv", "envelope")
+        assert all(v["n"] >= 400 for k, v in out.noise.items() if k in floor_rows)
+        assert all(v["n"] == 29 for k, v in out.noise.items() if k not in floor_rows)
     # the trainer-style rows are in the noise table, in words, and the table says which are the floor
     from logprob_parity.analysis.diagnostics import diagnostics_tables
 
@@ -77,12 +81,17 @@ def test_compare_and_diagnostics_give_one_level_and_one_floor_in_float32_and_bfl
         assert run.summary["noise_set_by"] == r.dtypes[d].floor["noise_set_by"]
         # the verdict names the variation that set the floor
         assert run.summary["noise_words"] in " ".join(before[d].reasons)
-    for found in (None, r):  # the legend's floor is the verdict's, before and after Diagnostics
+    for found in (None, r):  # the legend's noise is the verdict's, before and after Diagnostics
         floors = noise_floors(runs, found)
-        html = token_view_html(runs, 0, floors=floors["hf"], floor_words=floors["words"])
+        html = token_view_html(runs, 0, floors=floors["tail"], floor_words=floors["tail_words"])
         for d in ("float32", "bfloat16"):
             assert floors["hf"][d] == r.dtypes[d].floor["hf"]
-            assert f"{d} ≤ {floors['hf'][d]:.1e}" in html
+            assert (
+                floors["tail"][d]
+                == r.dtypes[d].floor["hf_noise_tail"]
+                == runs[("float32", "bfloat16").index(d)].summary["hf_noise_tail"]
+            )
+            assert f"{d} ≤ {floors['tail'][d]:.2g}" in html
 
 
 def test_packed_and_chunked_scoring_move_hf_so_the_floor_is_not_zero(demo_diag):
@@ -107,7 +116,7 @@ def test_reference(demo_diag):
     assert f32["vllm_vs_ref"]["max"] < 1e-3 and f32["hf_vs_ref"]["max"] < 1e-3
     assert bf16["vllm_vs_ref"]["mean"] > 1e-3 and bf16["hf_vs_ref"]["mean"] > 1e-3
     for ref in (f32, bf16):
-        assert ref["closer_overall"] in ("vLLM", "HF", "tie")
+        assert ref["closer_overall"] in ("vLLM", "HF", "neither")  # the verdict's rule: 2x farther, or neither
         assert ref["frac_tokens_vllm_closer"] is None or 0 <= ref["frac_tokens_vllm_closer"] <= 1
     print({d: o.reference for d, o in r.dtypes.items()})
 
@@ -135,7 +144,8 @@ def test_verdict_and_storage(demo_diag):
     stored = {d: o.verdict for d, o in r.dtypes.items()}
     assert stored == json.loads(json.dumps({d: v.to_dict() for d, v in diagnosis_verdicts(r).items()}))
     assert f32.verdict["level"] == ("systematic" if f32.ratio_to_hf_noise > SYSTEMATIC_NOISE_RATIO else "match")
-    assert r.dtypes["bfloat16"].verdict["level"] in ("systematic", "close", "differs")
+    # on this CPU vLLM's bfloat16 gap is about HF's own (issue 40's held-out null): judged like against like
+    assert r.dtypes["bfloat16"].verdict["level"] in ("match", "systematic", "close")
     assert any("HF's own noise" in x for x in r.dtypes["bfloat16"].verdict["reasons"])
     assert store.load_diagnostics(r.diagnostics_id) == r
     assert store.diagnostics_for_run(r.run_ids["bfloat16"]).diagnostics_id == r.diagnostics_id

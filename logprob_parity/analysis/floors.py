@@ -44,7 +44,7 @@ from logprob_parity.inputs.tokens import encode_texts
 from logprob_parity.results.bands import TAIL_MIN_POSITIONS, TAIL_Q, VARIATIONS, tail_of, tail_words  # noqa: F401 - their home
 
 # in each run's identity: a run measured by another definition is another run
-DEFINITION = "hf:" + ",".join(VARIATIONS) + ";tail:envelope,q995,min400,spread,others10+30;chunk:per-text"
+DEFINITION = "hf:" + ",".join(VARIATIONS) + ";tail:envelope,q995,min400,others10+30;chunk:per-text"
 OTHER_PROMPTS = 10  # other prompts beside the sample: packed with it, in its batch on a GPU, and topping a short one up
 OTHER_PROMPTS_CPU = 1  # in its padded batch on a CPU, where each position costs milliseconds (padded to the longest text)
 CHUNK = 64  # tokens a forward through HF's KV cache in chunked_kv (at least two chunks a text)
@@ -97,10 +97,13 @@ SAMPLE_SHARE = 20  # the sample holds at most 1/20 of the comparison's positions
 
 def sample_of(seqs: list[list[int]], device: str = "cuda") -> int:
     """How many of the first sequences the floor is measured on: up to noise_tokens(device)
-    positions and 1/SAMPLE_SHARE of the comparison's, at least one text. Its four variations cost about
-    four passes of HF over the sample, so the floor stays a small share of a large comparison."""
+    positions and 1/SAMPLE_SHARE of the comparison's, but up to TAIL_MIN_POSITIONS where it has them
+    (the tail is read on the comparison's own texts first: CJK or code move more than English), at
+    least one text. Its four variations cost about four passes of HF over the sample, so the floor
+    stays a small share of a large comparison."""
     total = sum(len(s) - 1 for s in seqs)
-    n, used, cap = 0, 0, min(noise_tokens(device), total // SAMPLE_SHARE)
+    # at least TAIL_MIN_POSITIONS of the comparison's own (where it has them): the tail is read on them
+    n, used, cap = 0, 0, max(min(noise_tokens(device), total // SAMPLE_SHARE), min(TAIL_MIN_POSITIONS, total))
     for s in seqs:
         if n and used + len(s) - 1 > cap:
             break
@@ -342,19 +345,6 @@ def floor_of(variations: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def spread(m: int, offset: int, lengths: list[int], have: int) -> list[int]:
-    """Indices (from `offset`) of the m texts after the sample, in an order spread over the set (each
-    next pick halfway between earlier ones), as many as bring `have` positions to TAIL_MIN_POSITIONS."""
-    order = sorted(range(m), key=lambda i: ((i * 0.6180339887498949) % 1.0, i))
-    out = []
-    for i in order:
-        if have >= TAIL_MIN_POSITIONS:
-            break
-        out.append(offset + i)
-        have += lengths[i]
-    return sorted(out)
-
-
 def measure(
     vllm: Any,
     hf: Any,
@@ -369,19 +359,15 @@ def measure(
     n = sample_of(seqs, device)
     sample = [list(s) for s in seqs[:n]]
     main_v = [s.logprob for s in scores["vllm"][:n]]
-    # HF's variations on the sample and, while it holds fewer than TAIL_MIN_POSITIONS positions, on
-    # the comparison's other texts spread over the set (their noise differs: CJK or code moves more
-    # than English), before any bundled sentence tops it up: the tail is the comparison's own
-    at = list(range(n)) + spread(len(seqs) - n, n, [len(x) - 1 for x in seqs[n:]], sum(len(x) - 1 for x in sample))
     t = time.perf_counter()
     variations, skipped = hf_variations(
         hf,
-        [list(seqs[i]) for i in at],
-        [scores["hf"][i].logprob for i in at],
+        sample,
+        [x.logprob for x in scores["hf"][:n]],
         others,
         device,
         hf_batch_size=hf_batch_size,
-        base_top1=_top1([scores["hf"][i] for i in at]),
+        base_top1=_top1(scores["hf"][:n]),
     )
     t_hf = time.perf_counter() - t
     # one text alone was already scored alone: the batched-with-others call is its floor then
@@ -400,10 +386,10 @@ def measure(
         "vllm_noise_mean": max(means) if means else None,
         "vllm_noise_max": max(maxes) if maxes else None,
         "noise_tokens": variations["micro_batch"]["n"],
-        "noise_texts": len(at),
+        "noise_texts": n,
         "seconds": {"hf": round(t_hf, 3), "vllm": round(t_v, 3)},
         "noise_what": (
-            f"HF against itself on {len(at)} of the texts"
+            f"HF against itself on {n} of the texts"
             + (f" and {added} bundled sentences (so the tail rests on enough tokens)" if added else "")
             + f" ({variations['micro_batch']['n']} tokens): "
             + ", ".join(variation_when(k, variations[k]) for k in measured)
