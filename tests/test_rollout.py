@@ -196,8 +196,10 @@ def test_noise_floors_are_measured_and_named_by_the_one_definition(rolled):
     ros, _, _, _ = rolled
     meta = ros["float32"].meta
     floors = meta.floors
-    assert set(floors) == {"decode_batch", "micro_batch", "padding_side", "packed", "chunked_kv", "hf_incremental"}
+    assert set(floors) == {"decode_batch", "micro_batch", "padding_side", "packed", "chunked_kv", "envelope", "hf_incremental"}
     defined = {k: f for k, f in floors.items() if f.get("in_floor")}
+    # the envelope (the most HF moved each token under any variation) is where the tail is read, not the floor
+    assert floors["envelope"]["tail"] is not None and not floors["envelope"]["in_floor"]
     assert set(defined) == {"micro_batch", "padding_side", "packed", "chunked_kv"}  # logprob_parity.analysis.floors
     # the trainer side's floor is the largest of the definition's variations, and the verdict names it
     assert hf_floor(meta) == max(f["mean"] for f in defined.values())

@@ -11,6 +11,8 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from logprob_parity.analysis import floors
 from logprob_parity.analysis.cluster import Job, words_left
 from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare, say_loading
@@ -241,20 +243,22 @@ def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_ca
             kl_why[why] = kl_why.get(why, 0) + k
         via.update(parts[b].get("via") or [])
     if spec.noise_floor and floor is None and many:
-        rows = store.part_table(rid, 0, ["seq", "hf_logprob", "vllm_logprob"]) if batches[0][1] >= n_floor else None
+        cols = ["seq", "hf_logprob", "vllm_logprob", "hf_topk_ids"]
+        rows = store.part_table(rid, 0, cols) if batches[0][1] >= n_floor else None
         if rows is None:
             import pyarrow as pa
 
-            rows = pa.concat_tables(
-                [
-                    store.part_table(rid, k, ["seq", "hf_logprob", "vllm_logprob"])
-                    for k, (lo, _) in enumerate(batches)
-                    if lo < n_floor
-                ]
-            )
+            rows = pa.concat_tables([store.part_table(rid, k, cols) for k, (lo, _) in enumerate(batches) if lo < n_floor])
         seq_col = rows.column("seq").to_numpy()
+        top = rows.column("hf_topk_ids").to_pylist()  # HF's argmax ids: the floor counts HF's own flips
         main = {
-            side: [_Scored(rows.column(f"{side}_logprob").to_numpy()[seq_col == i]) for i in range(n_floor)]
+            side: [
+                _Scored(
+                    rows.column(f"{side}_logprob").to_numpy()[seq_col == i],
+                    np.array([t[0] if t else -1 for t, s in zip(top, seq_col) if s == i]) if side == "hf" else None,
+                )
+                for i in range(n_floor)
+            ]
             for side in ("hf", "vllm")
         }
         floor, timing["noise_s"] = engines.floor(seqs[:n_floor], main)
@@ -471,9 +475,11 @@ def routing_on_worker(p: Prepared, dtype: str, seqs: list[list[int]]) -> tuple[d
 
 @dataclass(frozen=True)
 class _Scored:
-    """A stored sequence's logprobs, as the floor reads a backend's scores (their `.logprob`)."""
+    """A stored sequence's logprobs, as the floor reads a backend's scores (their `.logprob`), and HF's
+    most likely id at each position (`.topk_ids`, one column: the floor counts HF's own argmax flips)."""
 
     logprob: Any
+    topk_ids: Any = None
 
 
 def _measure_floor(

@@ -145,7 +145,16 @@ def flips(a: list[np.ndarray], b: list[np.ndarray], starts: list[int]) -> dict[s
 
 
 def _top1(scores: list[Any]) -> list[np.ndarray]:
-    return [np.asarray(s.topk_ids)[:, 0] if np.asarray(s.topk_ids).ndim == 2 else np.asarray(s.topk_ids) for s in scores]
+    """Each scored sequence's most likely id at each position (-1 where not known)."""
+    out = []
+    for s in scores:
+        ids = getattr(s, "topk_ids", None)
+        if ids is None:
+            out.append(np.full(len(s.logprob), -1))
+            continue
+        ids = np.asarray(ids)
+        out.append(ids[:, 0] if ids.ndim == 2 else ids)
+    return out
 
 
 def filled(seqs: list[list[int]], others: list[list[int]], positions: int) -> list[list[int]]:
