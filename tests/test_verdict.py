@@ -220,3 +220,20 @@ def test_a_tiny_gap_reads_as_a_change_in_words_that_parse():
     v = verdict(summary(1e-7, 5e-8), "float32", Evidence(noise_ratio=1.0))
     first = next(r for r in v.reasons if r.startswith("The largest gap"))
     assert "a change of under 0.01% in one token's probability" in first and "a under" not in first, first
+
+
+def test_closer_to_float64_has_one_rule_for_the_verdict_and_the_diagnostics_table():
+    """Issue 40: Diagnostics said "both about as far (vLLM 8.47e-06, HF 9.82e-06)" and right below it
+    "closer overall: vLLM". One rule now: closer only when the other engine is 2x farther."""
+    from logprob_parity.analysis.diagnostics import diagnostics_tables
+    from logprob_parity.analysis.verdict import closer_to_reference
+
+    assert closer_to_reference(8.47e-6, 9.82e-6) == "neither"
+    assert closer_to_reference(4.55e-4, 1.3e-6) == "HF" and closer_to_reference(1e-6, 5e-4) == "vLLM"
+    assert closer_to_reference(None, 1e-6) is None
+    diag = h200_float32()
+    ref = diag.dtypes["float32"].reference
+    ref["vllm_vs_ref"]["mean"], ref["hf_vs_ref"]["mean"] = 8.47e-6, 9.82e-6
+    (v,) = diagnosis_verdicts(diag).values()
+    (row,) = diagnostics_tables(diag)["reference"]
+    assert row["closer overall"] == "neither" and any("so neither is closer" in r for r in v.reasons)
