@@ -549,11 +549,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     m = run.meta
     print(f"run {run.run_id}  model {m.model}  dtype {m.dtype}  device {m.env.device}")
     print(f"torch {m.env.torch}  transformers {m.env.transformers}  vllm {m.env.vllm}  created {m.created}")
+    from logprob_parity.analysis.verdict import run_verdicts
+
+    (v,) = run_verdicts([run], store.diagnostics_for_run(run.run_id))  # the pages' verdict, the same words
+    print(f"[{v.title.upper()}] {v.headline}")
+    print("\n".join(f"  - {r}" for r in v.reasons))
     print(summary_table([run]))
     df = run.to_frame()
-    # the token as the pages show it (its decoded piece: "の", " capital"), not the tokenizer's byte-level form
+    # the token as the pages show it (its decoded piece: "の", " capital"), not the tokenizer's byte-level form;
+    # its band, the colour the pages give it (noise, tolerance, beyond)
     worst = df[df["scored"]].nlargest(10, "abs_delta")[
-        ["seq", "index", "token_id", "piece", "hf_logprob", "vllm_logprob", "delta"]
+        ["seq", "index", "token_id", "piece", "hf_logprob", "vllm_logprob", "delta", "band"]
     ]
     worst = worst.assign(seq=worst["seq"] + 1).rename(columns={"seq": "prompt", "index": "position", "piece": "token"})
     print("\nworst tokens:")

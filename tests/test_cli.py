@@ -51,6 +51,11 @@ def test_demo_model_float32_and_bfloat16(home, demo_model, tmp_path):
     assert rid in listed.stdout and "bfloat16" in listed.stdout
     shown = cli(home, "show", rid[:8], "--json")
     assert json.loads(shown.stdout)["summary"] == f32
+    # every position carries its band and the run its verdict, the same in `show` as in --json (issue 40)
+    assert all(p["band"] in (None, "noise", "tolerance", "beyond") for s in runs["float32"]["sequences"] for p in s["positions"])
+    assert f32["tokens_beyond_frac"] is not None and runs["float32"]["verdict"]["level"]
+    text = cli(home, "show", rid[:8])
+    assert runs["float32"]["verdict"]["headline"] in text.stdout and " band" in text.stdout, text.stdout
     report = tmp_path / "r.json"
     assert cli(home, "report", rid, "-o", str(report)).returncode == 0
     assert json.loads(report.read_text())["run_id"] == rid
