@@ -232,4 +232,6 @@ def load(any_id: str, *, home: str | None = None) -> Any:
         return store.load_rollout(any_id)
     if store.is_frontier(any_id):
         return store.load_frontier(store.resolve_frontier_id(any_id))
-    return store.load(any_id)
+    from logprob_parity.analysis.verdict import with_verdict
+
+    return with_verdict(store.load(any_id))  # a run stored before verdicts were gets its own now

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -97,7 +98,9 @@ def add_setting_flags(
         if s.kind is bool:
             group.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=own, help=help_text)
         else:
-            group.add_argument(s.flag, dest=s.name, type=s.kind, default=own, choices=s.choices, help=help_text)
+            ranged = s.kind in (int, float) and (s.minimum is not None or s.maximum is not None)
+            kind = number(s.kind, s.minimum, s.maximum) if ranged else s.kind
+            group.add_argument(s.flag, dest=s.name, type=kind, default=own, choices=s.choices, help=help_text)
 
 
 def _spec_from_args(args: argparse.Namespace, rollout: bool = False) -> RunSpec:
@@ -243,16 +246,49 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def number(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False, also: tuple = ()) -> Any:
+    """An argparse type that reads `kind` and refuses a value out of range in words (exit 2, before
+    any engine starts): at least `low` (more than it with `above`), at most `high`, or one of `also`."""
+
+    def read(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        if v in also:
+            return v
+        if isinstance(v, float) and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        bad = (low is not None and (v <= low if above else v < low)) or (high is not None and v > high)
+        if bad:
+            lo = "" if low is None else (f"more than {low:g}" if above else f"at least {low:g}")
+            hi = "" if high is None else f"at most {high:g}"
+            either = " or ".join(f"{a:g}" for a in also)
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: it must be {' and '.join(x for x in (lo, hi) if x)}"
+                + (f" (or {either})" if either else "")
+            )
+        return v
+
+    read.__name__ = kind.__name__  # argparse names the type in its messages
+    return read
+
+
+NONNEG = number(float, 0)
+SHARE = number(float, 0, 1)
+COUNT = number(int, 1)
+
+
 def add_check_flags(c: argparse.ArgumentParser) -> None:
     """The parity gate's bounds (logprob_parity.analysis.check), for `check` and `compare --check`."""
     g = c.add_argument_group("parity gate (exit 1 when a bound fails)")
-    g.add_argument("--max-mean-abs-delta", type=float, default=None, help="largest mean |Δ logp| allowed")
-    g.add_argument("--max-abs-delta", type=float, default=None, help="largest |Δ logp| of any token allowed")
-    g.add_argument("--max-kl-mean", type=float, default=None, help="largest mean exact KL allowed")
-    g.add_argument("--min-argmax-agreement", type=float, default=None, help="least share of positions whose top token agrees")
+    g.add_argument("--max-mean-abs-delta", type=NONNEG, default=None, help="largest mean |Δ logp| allowed")
+    g.add_argument("--max-abs-delta", type=NONNEG, default=None, help="largest |Δ logp| of any token allowed")
+    g.add_argument("--max-kl-mean", type=NONNEG, default=None, help="largest mean exact KL allowed")
+    g.add_argument("--min-argmax-agreement", type=SHARE, default=None, help="least share of positions whose top token agrees")
     g.add_argument(
         "--max-routing-flip-frac",
-        type=float,
+        type=SHARE,
         default=None,
         help="an MoE model: largest share of (token, layer) routers whose experts differ between vLLM and HF",
     )
@@ -260,7 +296,10 @@ def add_check_flags(c: argparse.ArgumentParser) -> None:
         "--baseline", default=None, metavar="RUN_ID", help="an earlier run of the same model and texts to hold these to"
     )
     g.add_argument(
-        "--max-worsening", type=float, default=1.5, help="how many times the baseline's gap a run may have (default 1.5)"
+        "--max-worsening",
+        type=number(float, 0, above=True),
+        default=1.5,
+        help="how many times the baseline's gap a run may have (default 1.5)",
     )
     g.add_argument("--junit", default=None, metavar="FILE", help="write JUnit XML (one test case a bound)")
     g.add_argument("--markdown", default=None, metavar="FILE", help="write a Markdown summary a CI can post")
@@ -426,6 +465,8 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     from logprob_parity.inputs.rollout_logs import parse_mapping
 
     path = Path(args.rollouts)
+    if path.is_dir():
+        raise UserError(f"{str(path)!r} is a folder: give a rollouts file in it (.jsonl or .parquet)")
     if not path.is_file():
         raise UserError(f"rollouts file {str(path)!r} does not exist")
     args.prompt, args.prompts = "logged rollouts", None  # the prompts come from the file
@@ -558,10 +599,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     df = run.to_frame()
     # the token as the pages show it (its decoded piece: "の", " capital"), not the tokenizer's byte-level form;
     # its band, the colour the pages give it (noise, tolerance, beyond)
+    from logprob_parity.present.labels import token_shown
+
     worst = df[df["scored"]].nlargest(10, "abs_delta")[
-        ["seq", "index", "token_id", "piece", "hf_logprob", "vllm_logprob", "delta", "band"]
+        ["seq", "index", "token_id", "piece", "token", "hf_logprob", "vllm_logprob", "delta", "band"]
     ]
-    worst = worst.assign(seq=worst["seq"] + 1).rename(columns={"seq": "prompt", "index": "position", "piece": "token"})
+    shown = [token_shown(p, t) for p, t in zip(worst["piece"], worst["token"])]  # a partial character: its bytes
+    worst = worst.drop(columns=["token"]).assign(seq=worst["seq"] + 1, piece=shown)
+    worst = worst.rename(columns={"seq": "prompt", "index": "position", "piece": "token"})
     print("\nworst tokens:")
     print(worst.to_string(index=False))
     return 0
@@ -643,7 +688,7 @@ def _add_spec_args(
         c.add_argument("--prompts", default=None, help=".txt (a prompt a line), .jsonl ({'text': ...}) or .csv (text column)")
     if not rollout and texts:
         c.add_argument("--backends", default="hf,vllm")
-        c.add_argument("--top-k", type=int, default=5)
+        c.add_argument("--top-k", type=int, default=5)  # RunSpec says what is wrong with it, in its words
     c.add_argument("--device", choices=DEVICES, default="auto")
     c.add_argument("--bos", choices=BOS_POLICIES, default="auto")
     c.add_argument("--json", default=None, metavar="OUT")
@@ -693,11 +738,15 @@ def _add_ray_args(c: argparse.ArgumentParser) -> None:
         "'auto' joins the cluster running here (ray start --head), host:port joins that one",
     )
     g.add_argument(
-        "--ray-workers", type=int, default=None, metavar="N", help="workers to start (default: one a GPU, or one a node on CPUs)"
+        "--ray-workers",
+        type=COUNT,
+        default=None,
+        metavar="N",
+        help="workers to start (default: one a GPU, or one a node on CPUs)",
     )
     g.add_argument(
         "--ray-gpus-per-worker",
-        type=float,
+        type=number(float, 0, above=True),
         default=None,
         metavar="G",
         help="GPUs each worker asks Ray for (default 1 on a GPU; 0.5 puts two workers on one card)",
@@ -749,17 +798,17 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     g = sub.add_parser("diagnose", help="noise floor, knob ablation, float64 reference, downstream impact, verdict")
     _add_spec_args(g, registry)
     g.add_argument("--parts", default="noise,reference,downstream", help="noise,reference,downstream,ablation or 'all'")
-    g.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens to generate for the downstream check")
+    g.add_argument("--gen-tokens", type=COUNT, default=16, help="greedy tokens to generate for the downstream check")
     g.add_argument("--slow-knobs", action="store_true", help="also ablate knobs that are slow here (torch.compile on CPU)")
     g.set_defaults(func=cmd_diagnose)
 
     ro = sub.add_parser("rollout", help="sample with vLLM's decode path; rescore with vLLM prefill and HF (the trainer)")
     _add_spec_args(ro, registry, rollout=True)
-    ro.add_argument("--samples", type=int, default=1, help="completions per prompt (each its own seed: seed + its index)")
-    ro.add_argument("--max-tokens", type=int, default=32, help="new tokens per completion at most")
-    ro.add_argument("--temperature", type=float, default=1.0)
-    ro.add_argument("--top-p", type=float, default=1.0)
-    ro.add_argument("--top-k", type=int, default=-1, help="sampling cut: -1 keeps the whole vocabulary")
+    ro.add_argument("--samples", type=COUNT, default=1, help="completions per prompt (each its own seed: seed + its index)")
+    ro.add_argument("--max-tokens", type=COUNT, default=32, help="new tokens per completion at most")
+    ro.add_argument("--temperature", type=NONNEG, default=1.0)
+    ro.add_argument("--top-p", type=number(float, 0, 1, above=True), default=1.0)
+    ro.add_argument("--top-k", type=number(int, 1, also=(-1,)), default=-1, help="sampling cut: -1 keeps the whole vocabulary")
     ro.add_argument(
         "--seed",
         dest="sampling_seed",
@@ -768,7 +817,9 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
         help="sampling seed: sample k of the run uses seed + k, so each is reproducible alone",
     )
     ro.add_argument("--ignore-eos", action="store_true", help="always sample --max-tokens tokens (benchmarks)")
-    ro.add_argument("--noise-samples", type=int, default=2, help="samples re-decoded alone and rescored in chunks (noise floors)")
+    ro.add_argument(
+        "--noise-samples", type=number(int, 0), default=2, help="samples re-decoded alone and rescored in chunks (noise floors)"
+    )
     _add_ray_args(ro)
     ro.set_defaults(func=cmd_rollout)
 
@@ -803,7 +854,7 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
     )
     fr.add_argument(
         "--tolerance",
-        type=float,
+        type=number(float, 0, above=True),
         default=None,
         help="largest mean |Δ logp| to the float64 reference a recommendation may have "
         "(default: HF's own float32 gap to it, measured)",
@@ -815,7 +866,9 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
         help="what each configuration's speed is timed on: N sequences of L tokens of this model "
         "(default: 64x512 on a GPU, 4x128 on a CPU); accuracy is measured on the texts",
     )
-    fr.add_argument("--repeats", type=int, default=3, help="timed repeats of each speed (median and spread are reported)")
+    fr.add_argument(
+        "--repeats", type=number(int, 3), default=3, help="timed repeats of each speed (median and spread are reported)"
+    )
     fr.set_defaults(func=cmd_frontier)
 
     sub.add_parser("runs", help="list stored runs").set_defaults(func=cmd_runs)
@@ -832,7 +885,7 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
 
     d = sub.add_parser("dashboard", help="start the Streamlit dashboard")
     d.add_argument("--address", default="localhost")
-    d.add_argument("--port", type=int, default=8501)
+    d.add_argument("--port", type=number(int, 1, 65535), default=8501)
     d.add_argument("--headless", action="store_true")
     d.add_argument(
         "--no-prewarm",

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,39 @@ def test_bad_input_exits_with_one_line(home, tmp_path, args, message):
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and message in lines[-1], p.stderr
     assert run_files(home) == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["check", "deadbeef", "--max-abs-delta", "-1"], "--max-abs-delta: -1 is out of range: it must be at least 0"),
+        (["check", "deadbeef", "--min-argmax-agreement", "1.5"], "at most 1"),
+        (["frontier", "--prompt", "hi", "--tolerance", "-1"], "--tolerance: -1 is out of range: it must be more than 0"),
+        (["frontier", "--prompt", "hi", "--repeats", "1"], "--repeats: 1 is out of range: it must be at least 3"),
+        (["rollout", "--prompt", "hi", "--top-p", "0"], "more than 0 and at most 1"),
+        (["rollout", "--prompt", "hi", "--top-k", "0"], "at least 1 (or -1)"),
+        (["rollout", "--prompt", "hi", "--samples", "0"], "--samples: 0 is out of range"),
+        (["rollout", "--prompt", "hi", "--temperature", "nan"], "not a finite number"),
+        (["compare", "--prompt", "hi", "--gpu-memory-utilization", "1.5"], "at most 1"),
+        (["compare", "--prompt", "hi", "--max-num-seqs", "x"], "'x' is not a whole number"),
+        (["dashboard", "--port", "70000"], "at most 65535"),
+    ],
+)
+def test_a_number_out_of_range_is_bad_input_refused_before_any_engine_starts(home, args, message):
+    """Item 8 of the first hour: `check --max-abs-delta -1` was a parity failure (exit 1) and
+    `frontier --tolerance -1` ran 260 s before it said no configuration was within -1."""
+    t = time.perf_counter()
+    p = cli(home, *args, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    last = [line for line in p.stderr.splitlines() if line.strip()][-1]
+    assert "error: argument" in last and message in last, p.stderr
+    assert time.perf_counter() - t < 60 and run_files(home) == []  # refused by the parser, not after a run
+
+
+@pytest.mark.parametrize("command", ["compare --prompts", "rescore --rollouts"])
+def test_a_folder_given_for_a_file_is_named_a_folder(home, tmp_path, command):
+    p = cli(home, *command.split(), str(tmp_path), timeout=120)
+    assert p.returncode == 2 and "is a folder" in p.stderr.splitlines()[-1], p.stderr
 
 
 @pytest.mark.engine

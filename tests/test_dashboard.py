@@ -47,6 +47,37 @@ def test_compare_page_opens_a_stored_run_and_escapes_tokens(home):
     assert at.query_params["runs"] == "feed01" and at.query_params["metric"] == "abs_delta"
 
 
+def test_three_dtypes_cards_show_whole_numbers_with_the_exact_value_beside(home):
+    """Item 1 of the first hour: three dtypes side by side cut "1.769e-02" to "1.769…" on the cards, so
+    float32 read as worse than bfloat16. Every card's number is at most 7 characters, reads back to
+    the value it stands for (2 significant digits), and its help holds the exact value."""
+    import re
+
+    from logprob_parity.dashboard.components.run_view import card_number
+
+    for v, want in ((1.769e-02, "0.018"), (8.703e-02, "0.087"), (1.335e-05, "1.3e-05"), (0.0, "0"), (0.9996, "1")):
+        assert card_number(v) == want
+    assert card_number(0.9996, pct=True) == ">99.9%" and card_number(None) == "–"
+    ids = []
+    for k, (dtype, scale) in enumerate((("float32", 1.335e-5), ("bfloat16", 8.703e-2), ("float16", 1.769e-2))):
+        run = make_run(f"ca7d{k:04d}", dtype=dtype)
+        summary = {**run.summary, "mean_abs_delta": scale, "max_abs_delta": scale * 7.3, "p95_abs_delta": scale * 3.1}
+        Store(home).save(type(run)(meta=__import__("dataclasses").replace(run.meta, summary=summary), sequences=run.sequences))
+        ids.append(run.run_id)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["runs"] = ",".join(ids)
+    at.run()
+    assert not at.exception
+    cards = [m for m in at.metric if "gap" in m.label or "below" in m.label]
+    assert len(cards) == 9
+    for m in cards:
+        assert len(m.value) <= 7 and re.fullmatch(r"[0-9.e+-]+", m.value), m.value
+        exact = float(m.proto.help.rsplit("Exactly: ", 1)[1].rstrip("."))
+        assert float(m.value) == pytest.approx(exact, rel=0.05), (m.label, m.value, exact)
+    means = {m.value for m in cards if m.label.startswith("mean")}
+    assert means == {"1.3e-05", "0.087", "0.018"}
+
+
 def test_view_state_from_the_url(home):
     Store(home).save(make_run("feed02"))
     at = AppTest.from_file(APP, default_timeout=60)

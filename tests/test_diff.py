@@ -72,6 +72,32 @@ def test_the_cli_prints_the_diff_and_writes_json(home, tmp_path, capsys):
     assert main(["diff", "d1ff0005", "feedfeed"]) == 2
 
 
+def test_identical_runs_list_no_mover_and_a_zero_gap_in_a_reads_a_is_0(home, capsys):
+    """Item 9 of the first hour: the CLI listed 10 "tokens whose gap moved most", each "(1x)", for two
+    identical runs, and the page's B / A column read 2.384e+6 where A's gap was 0."""
+    import dataclasses
+
+    import numpy as np
+
+    from logprob_parity.analysis.diff import ratio_words
+
+    _stored(home, "d1ff0021")
+    _stored(home, "d1ff0022")
+    same = diff_runs(Store(home).load("d1ff0021"), Store(home).load("d1ff0022"))
+    assert same.movers == () and same.mean_a == same.mean_b
+    assert main(["diff", "d1ff0021", "d1ff0022"]) == 0
+    out = capsys.readouterr().out
+    assert "no token moved" in out and "(1x)" not in out
+    a = _stored(home, "d1ff0023", scale=0.0)  # vLLM equals HF at every token: every gap of A is 0
+    b = _stored(home, "d1ff0024")
+    d = diff_runs(a, b)
+    assert d.mean_a == 0 and d.movers and all(m["ratio"] is None and ratio_words(m) == "A is 0" for m in d.movers)
+    assert main(["diff", "d1ff0023", "d1ff0024"]) == 0
+    assert "(A is 0)" in capsys.readouterr().out
+    assert ratio_words({"ratio": 3.0}) == "3x" and np.isfinite(d.mean_b)
+    assert dataclasses.asdict(d)  # still plain data
+
+
 def test_the_diff_page_opens_from_a_link_and_says_what_moved(home):
     import streamlit as st
 

@@ -336,3 +336,49 @@ def test_the_worst_tokens_and_sequences_are_found_in_one_pass_as_one_sample_at_a
             assert r["tokens"] == int(np.isfinite(samples[r["sample"]].delta(pair)).sum())
         assert seqs.loc[seqs["sample"] == 1, "largest |Δ|"].isna().all()  # the empty sample
     assert ro.worst_tokens("decode_vs_hf", 100)["delta"].isna().tolist()[-1]  # NaN ranks last
+
+
+def test_a_run_prints_one_line_and_carries_the_pages_verdict(home):
+    """Item 7 of the first hour: print(runs) dumped about 10 KB, and a Run had no verdict. A run read
+    through the Python API carries the verdict the pages show, in their words, and prints as one line."""
+    import logprob_parity as lp
+    from logprob_parity.analysis.verdict import LEVELS, run_verdicts
+
+    run = make_run("5eed0001")
+    Store(home).save(run)
+    assert run.verdict is None and "no verdict stored" in repr(run)  # made without one
+    back = lp.load("5eed0001", home=str(home))
+    page = run_verdicts([back])[0]  # what the Compare page and the CLI show
+    v = back.verdict
+    assert v.level in LEVELS and (v.level, v.headline, v.reasons) == (page.level, page.headline, page.reasons)
+    assert str(v) == f"{page.title}: {page.headline}"
+    line = repr(back)
+    assert "\n" not in line and len(line) < 200, line
+    assert line.startswith("Run(5eed0001") and back.meta.model in line and "float32" in line and page.title in line
+    assert f"{back.summary['mean_abs_delta']:.3e}" in line and f"{back.summary['max_abs_delta']:.3e}" in line
+    assert len(repr([back, back])) < 400
+
+
+def test_a_partial_character_token_shows_its_bytes_in_show_and_the_report(home, tmp_path, capsys):
+    """Item 11 of the first hour: a token holding part of a character (it adds no text) printed as ''
+    in `show`'s and the report's worst-token tables; they now give the tokenizer's spelling of it."""
+    import dataclasses
+
+    from logprob_parity.cli import main
+    from logprob_parity.present.labels import token_shown
+    from logprob_parity.present.report import report_html
+
+    base = make_run("9a7b0001", texts=("日本",))
+    ids = [1, 227, 151, 10]
+    tok = TokenizedText("日本", tuple(ids), ("<s>", "<0xE6>", "<0x97>", "本"), ("<s>", "", "", "日本"), True)
+    seq = SequenceResult.build(tok, _scores(ids, 0.0, gather=True), _scores(ids, 0.3))
+    info = dataclasses.replace(base.meta.sequences[0], n_positions=4, summary=seq.summary)
+    meta = dataclasses.replace(base.meta, summary=summarize(concat([seq.metrics])), sequences=(info,))
+    run = Run(meta=meta, sequences=(seq,))
+    Store(home).save(run)
+    assert main(["show", "9a7b0001"]) == 0
+    out = capsys.readouterr().out
+    assert "part of a character: <0xE6>" in out and "part of a character: <0x97>" in out and " '' " not in out
+    page = report_html([Store(home).load("9a7b0001")])
+    assert "part of a character: &lt;0xE6&gt;" in page and "<td class='l'>''</td>" not in page
+    assert token_shown(" capital", "Ġcapital") == "' capital'"

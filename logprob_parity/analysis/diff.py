@@ -149,7 +149,8 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
     seq = fa["seq"].to_numpy()[ok]
     idx = fa["index"].to_numpy()[ok]
     tid = fa["token_id"].to_numpy()[ok]
-    order = np.argsort(-np.abs(np.log(ratio)), kind="stable")[:top]
+    moved_at = np.flatnonzero(ga != gb)  # a token whose gap is the same in both did not move, whatever its ratio
+    order = moved_at[np.argsort(-np.abs(np.log(ratio[moved_at])), kind="stable")[:top]]
     movers = []
     for i in order:
         s, t = int(seq[i]), int(idx[i])
@@ -161,7 +162,8 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
                 "token": a.sequences[s].pieces[t],
                 "gap_a": float(ga[i]),
                 "gap_b": float(gb[i]),
-                "ratio": float(ratio[i]),
+                # None where A's gap is 0: no ratio to give (ratio_words says "A is 0")
+                "ratio": float(gb[i] / ga[i]) if ga[i] > 0 else None,
             }
         )
     return RunDiff(
@@ -223,6 +225,13 @@ def diff_text(d: RunDiff) -> str:
     for m in d.movers[:10]:
         lines.append(
             f"  prompt {m['prompt']} position {m['position']} {m['token']!r}: {m['gap_a']:.2e} → {m['gap_b']:.2e} "
-            f"({m['ratio']:.3g}x)"
+            f"({ratio_words(m)})"
         )
+    if not d.movers:
+        lines.append("  no token moved: every token has the same gap in both runs")
     return "\n".join(lines)
+
+
+def ratio_words(m: dict[str, Any]) -> str:
+    """A mover's B / A in words: '3.2x', or 'A is 0' where there is no ratio to give."""
+    return "A is 0" if m.get("ratio") is None else f"{m['ratio']:.3g}x"

@@ -44,7 +44,7 @@ from logprob_parity.inputs.tokens import encode_texts
 from logprob_parity.results.bands import TAIL_MIN_POSITIONS, TAIL_Q, VARIATIONS, tail_of, tail_words  # noqa: F401 - their home
 
 # in each run's identity: a run measured by another definition is another run
-DEFINITION = "hf:" + ",".join(VARIATIONS) + ";tail:envelope,q995,min400,others10+30;chunk:per-text"
+DEFINITION = "hf:" + ",".join(VARIATIONS) + ";tail:envelope,q995,min400,others10,topup10+30,fill:longest;chunk:per-text"
 OTHER_PROMPTS = 10  # other prompts beside the sample: packed with it, in its batch on a GPU, and topping a short one up
 OTHER_PROMPTS_CPU = 1  # in its padded batch on a CPU, where each position costs milliseconds (padded to the longest text)
 CHUNK = 64  # tokens a forward through HF's KV cache in chunked_kv (at least two chunks a text)
@@ -82,14 +82,22 @@ def large_positions(device: str) -> int:
 
 
 def other_prompts(tokenizer: Any, bos: str, max_len: int, device: str = "cuda") -> list[list[int]]:
-    """The bundled sentences as token ids, those that fit the engines' context."""
+    """The bundled prompts as token ids, those that fit the engines' context: the OTHER_PROMPTS
+    sentences first (the ones a batch or a packed row holds beside the sample: `near`), then texts of
+    other kinds (code, numbers, other scripts, emoji), whose noise differs: a short sample is topped up
+    with all of them, in this order, to TAIL_MIN_POSITIONS (top_up). Only the sentences go into the
+    batches: each text there costs every variation a row (0.19 s -> 1.46 s of a 1.1B compare's floor
+    on an H100 when all 40 did)."""
     data = Path(__file__).resolve().parent.parent / "data"
-    # the bundled sentences, then texts of other kinds (code, numbers, other scripts, emoji): their
-    # noise differs, and a short sample is topped up with them to TAIL_MIN_POSITIONS (top_up)
     lines = data.joinpath("sentences.txt").read_text().splitlines()[:OTHER_PROMPTS]
     lines += [x for x in data.joinpath("noise_texts.txt").read_text(encoding="utf-8").splitlines() if x.strip()]
     ids, _ = encode_texts(tokenizer, lines, bos)
     return [x for x in ids if len(x) < max_len]
+
+
+def near(others: list[list[int]]) -> list[list[int]]:
+    """The other prompts that share a batch or a packed row with the sample (other_prompts' sentences)."""
+    return others[:OTHER_PROMPTS]
 
 
 SAMPLE_SHARE = 20  # the sample holds at most 1/20 of the comparison's positions (at least one text)
@@ -158,12 +166,16 @@ def _top1(scores: list[Any]) -> list[np.ndarray]:
 
 
 def filled(seqs: list[list[int]], others: list[list[int]], positions: int) -> list[list[int]]:
-    """The large batch: the texts, then the other prompts (over again) until `positions` positions,
-    with at least one other prompt, so it is a batch even for one long text."""
-    out = [list(s) for s in seqs]
-    pool = others or [list(s) for s in seqs]
+    """The large batch: the texts, each other prompt once (at least one row more, so it is a batch
+    even for one long text), then the longest texts over again until `positions` positions. A padded
+    batch costs its longest text a row: short prompts repeated to the target cost 18x their positions
+    (144 rows of 512 for 4,100 positions on an H100: 0.46 s a pass)."""
+    out = [list(s) for s in seqs] + [list(o) for o in others]
+    every = out or [[0]]
+    longest = max(map(len, every))
+    pool = [s for s in every if 2 * len(s) >= longest]  # rows at least half the longest: little padding
     k = 0
-    while k < len(pool) or sum(map(len, out)) < positions:
+    while len(out) <= len(seqs) or sum(len(x) - 1 for x in out) < positions:
         out.append(list(pool[k % len(pool)]))
         k += 1
         if k > 100_000:  # pragma: no cover - prompts of length 0 cannot reach the target
@@ -253,7 +265,7 @@ def hf_variations(
         return [np.asarray(a, np.float64)[s:] for a, s in zip(arrs, starts)]
 
     # a padded batch costs its longest text a row: on a CPU, one other prompt in it (packing wastes nothing)
-    in_batch = others if str(device).startswith("cuda") else others[:OTHER_PROMPTS_CPU]
+    in_batch = near(others) if str(device).startswith("cuda") else others[:OTHER_PROMPTS_CPU]
     big = filled(seqs, in_batch, large_positions(device))
     size = {"to": len(big), "positions": sum(len(x) - 1 for x in big), "texts": n, "texts_added": added}
     right_s = hf.score(big, 1, None, len(big), "right")[:n]
@@ -266,13 +278,13 @@ def hf_variations(
     }
     skipped: dict[str, str] = {}
     # one row holds the texts and the other prompts (a trainer packs to its row length)
-    packed = hf.score_packed(seqs + others, max(large_positions(device), sum(map(len, seqs + others))))
+    packed = hf.score_packed(seqs + near(others), max(large_positions(device), sum(map(len, seqs + near(others)))))
     if isinstance(packed, str):
         skipped["packed"] = packed
     else:
         out["packed"] = {
             **gap(cut(base), cut([s.logprob for s in packed[:n]])),
-            "rows_of": len(seqs) + len(others),
+            "rows_of": len(seqs) + len(near(others)),
             "texts": n,
             **flips(top1, _top1(packed[:n]), starts),
         }
@@ -381,7 +393,7 @@ def measure(
     t_hf = time.perf_counter() - t
     # one text alone was already scored alone: the batched-with-others call is its floor then
     v_alone = [s.logprob for s in vllm.score(sample, 1, None, 1)] if len(seqs) > 1 else main_v
-    v_batched = [s.logprob for s in vllm.score(sample + others, 1)[:n]]
+    v_batched = [s.logprob for s in vllm.score(sample + near(others), 1)[:n]]
     t_v = time.perf_counter() - t - t_hf
     v1, v2 = gap(main_v, v_alone), gap(main_v, v_batched)
     means = [g["mean"] for g in (v1, v2) if g["mean"] is not None]
@@ -403,7 +415,7 @@ def measure(
             + f" ({variations['micro_batch']['n']} tokens): "
             + ", ".join(variation_when(k, variations[k]) for k in measured)
             + "".join(f"; not measured: {k.replace('_', ' ')} ({why})" for k, why in skipped.items())
-            + f". vLLM against itself: the same texts each alone, and batched with {len(others)} other prompts"
+            + f". vLLM against itself: the same texts each alone, and batched with {len(near(others))} other prompts"
         ),
     }
 

@@ -19,7 +19,14 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from logprob_parity.results.bands import MATERIAL_P, VLLM_TEST_TOL, more_than_noise, share_beyond
+from logprob_parity.results.bands import (  # noqa: F401 - LEVELS and LEVEL_WORDS: read from here too
+    LEVEL_WORDS,
+    LEVELS,
+    MATERIAL_P,
+    VLLM_TEST_TOL,
+    more_than_noise,
+    share_beyond,
+)
 
 # RL trainers (verl, TRL) flag a trainer/rollout mismatch when mean |Δ logp| exceeds 0.1.
 RL_MEAN_ABS = 0.1
@@ -36,15 +43,6 @@ NOISE_BEYOND_SHARE = 0.005
 
 # The reason that opens with these words names tokens beyond the noise and the tolerance; a page adds where they are.
 BEYOND_WORDS = "Some tokens differ by more than HF's own noise and vLLM's own tests allow"
-
-LEVELS = ("match", "unmeasured", "systematic", "close", "differs")  # from best to worst
-LEVEL_WORDS = {
-    "match": "Match",
-    "unmeasured": "Within tolerance, noise not yet measured",
-    "systematic": "Small but systematic",
-    "close": "Close",
-    "differs": "Differs",
-}
 
 THRESHOLDS = (
     "a token is beyond HF's noise past the 99.5th percentile of how far HF moves a token against itself",

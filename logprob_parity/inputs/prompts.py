@@ -27,6 +27,8 @@ class PromptSet:
 
 def read_prompt_file(path: str | Path) -> PromptSet:
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{str(p)!r} is a folder: give a prompt file in it (.txt, .jsonl or .csv)")
     if not p.is_file():
         raise UserError(f"prompt file {str(p)!r} does not exist")
     return parse_prompts(p.read_bytes(), p.name)

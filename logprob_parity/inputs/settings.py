@@ -127,7 +127,7 @@ SETTINGS: tuple[Setting, ...] = (
         float,
         None,
         "vllm",
-        "share of the device vLLM may take (default: sized from the model, see README: memory policy)",
+        "share of the device vLLM may take (default: sized from the model's files; docs/team.md, Memory policy)",
         label="vLLM gpu_memory_utilization",
         minimum=0.0,
         maximum=1.0,

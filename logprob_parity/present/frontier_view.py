@@ -86,8 +86,13 @@ def scatter(result: Any) -> Any:
         )
     return alt.layer(
         *layers,
-        title="Accuracy against speed: the dashed line joins the configurations nothing beats on both "
-        "(named); bars span each one's repeats; hover a point for the others",
+        title=alt.TitleParams(
+            "Accuracy against speed",
+            subtitle=[
+                "the dashed line joins the configurations nothing beats on both (named);",
+                "bars span each one's repeats; hover a point for the others",
+            ],
+        ),
     ).properties(height=420, width=760)
 
 

@@ -116,3 +116,10 @@ def quantized_words(settings: dict) -> str | None:
     if not parts:
         return None
     return f"vLLM serves this model quantized ({', '.join(parts)}); HF is the unquantized reference it is measured against."
+
+
+def token_shown(piece: str, raw: str) -> str:
+    """A token in a table, as the pages show it: the text it adds (quoted, so spaces show), or, for a
+    token that holds only part of a character (it adds no text until a later token completes it), the
+    tokenizer's own spelling of its bytes, e.g. "part of a character: <0xE3>" (it printed as '')."""
+    return repr(piece) if piece != "" else f"part of a character: {raw}"

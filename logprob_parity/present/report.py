@@ -11,7 +11,7 @@ from pathlib import Path
 from logprob_parity.analysis.verdict import hf_noise_of, run_verdicts
 from logprob_parity.paths import write_text_atomic
 from logprob_parity.present.charts import CHARTS, chart_frame, worst_tokens
-from logprob_parity.present.labels import cell_text, summary_label, summary_value
+from logprob_parity.present.labels import cell_text, summary_label, summary_value, token_shown
 from logprob_parity.present.render import token_view_html, verdict_html
 from logprob_parity.results.records import DiagnosticsResult
 from logprob_parity.results.run import Run
@@ -150,9 +150,12 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
     worst = worst_tokens(runs, 20)
     if not worst.empty:
         parts.append("<h2>Worst 20 tokens</h2><table><tr>" + "".join(f"<th>{_e(c)}</th>" for c in worst.columns) + "</tr>")
+        by_dtype = {r.dtype: r for r in runs}
         for _, row in worst.iterrows():
+            raw = by_dtype[row["dtype"]].sequences[int(row["prompt"]) - 1].tokens[int(row["position"])]
             cells = "".join(
-                f"<td class='l'>{_e(repr(v))}</td>" if c == "token" else f"<td>{_num(v)}</td>" for c, v in row.items()
+                f"<td class='l'>{_e(token_shown(v, raw))}</td>" if c == "token" else f"<td>{_num(v)}</td>"
+                for c, v in row.items()
             )
             parts.append(f"<tr>{cells}</tr>")
         parts.append("</table>")

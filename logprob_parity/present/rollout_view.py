@@ -332,7 +332,7 @@ def ratio_histogram(df: pd.DataFrame, dtype: str, tis_cap: float = TIS_CAP, mis_
         .mark_rule(strokeDash=[4, 3], strokeWidth=2)
         .encode(x="x:Q", color=alt.Color("what:N", title="thresholds", scale=alt.Scale(range=["#E69F00", "#009E73", "#D55E00"])))
     )
-    title = alt.TitleParams(f"Importance ratios ({dtype})", subtitle=["the lines: where RL trainers", "clip or mask tokens"])
+    title = alt.TitleParams(f"Importance ratios ({dtype})", subtitle="the lines: where RL trainers clip or mask tokens")
     return alt.layer(bars, rules, title=title)
 
 

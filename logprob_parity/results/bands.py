@@ -198,3 +198,14 @@ def tail_words(floor: dict[str, Any]) -> str | None:
     if floor.get("noise_tail_q"):
         return f"HF moved {floor['noise_tail_q'] * 100:g}% of {n:,} tokens by at most {t:.2g} against itself"
     return f"HF moved {n:,} tokens by at most {t:.2g} against itself, the largest: too few for a {TAIL_Q * 100:g}% quantile"
+
+
+LEVELS = ("match", "unmeasured", "systematic", "close", "differs")  # from best to worst
+# a verdict's level in the pages' words (logprob_parity.analysis.verdict makes the verdicts; Run.verdict reads them)
+LEVEL_WORDS = {
+    "match": "Match",
+    "unmeasured": "Within tolerance, noise not yet measured",
+    "systematic": "Small but systematic",
+    "close": "Close",
+    "differs": "Differs",
+}

@@ -13,7 +13,7 @@ import pandas as pd
 
 from logprob_parity.engines.scores import TokenScores
 from logprob_parity.errors import TokenMismatchError
-from logprob_parity.results.bands import bands, noise_limit
+from logprob_parity.results.bands import LEVEL_WORDS, bands, noise_limit
 from logprob_parity.results.metrics import TokenMetrics, summarize, token_metrics
 from logprob_parity.results.records import RunMeta
 
@@ -276,6 +276,20 @@ class StoredSequences(Sequence):
             return table_columns(table.slice(lo - int(gs[first]), hi - lo))
 
 
+@dataclass(frozen=True)
+class RunVerdict:
+    """A comparison's verdict as the pages word it: `level` (match, unmeasured, systematic, close,
+    differs), `title` ("Match", "Close", ...), `headline` and `reasons`."""
+
+    level: str
+    title: str
+    headline: str
+    reasons: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.title}: {self.headline}"
+
+
 @dataclass(frozen=True, eq=False)
 class Run:
     """One model × one dtype × a list of texts. `meta` holds everything but per-position data."""
@@ -295,6 +309,31 @@ class Run:
     @property
     def summary(self) -> dict[str, Any]:
         return self.meta.summary
+
+    @property
+    def verdict(self) -> RunVerdict | None:
+        """The comparison's verdict in the pages' words (level, title, headline, reasons), as stored
+        when it ran; None for a run stored before verdicts were (logprob_parity.load makes it then)."""
+        v = self.meta.verdict
+        if not v:
+            return None
+        lvl = str(v.get("level", ""))
+        return RunVerdict(lvl, LEVEL_WORDS.get(lvl, lvl), str(v.get("headline", "")), tuple(v.get("reasons", ())))
+
+    def __repr__(self) -> str:
+        """One line: id, model, dtype, level, mean and largest gap (the dataclass's own repr printed
+        every sequence: about 10 KB a run)."""
+        s, v = self.summary, self.verdict
+
+        def g(k: str) -> str:
+            x = s.get(k)
+            return "–" if x is None else f"{x:.3e}"
+
+        level = v.title if v else "no verdict stored"
+        return (
+            f"Run({self.run_id[:12]} · {self.meta.model} · {self.dtype} · {level} · "
+            f"mean |Δ logp| {g('mean_abs_delta')}, largest {g('max_abs_delta')} · {s.get('n_tokens', 0):,} tokens)"
+        )
 
     def to_frame(self) -> pd.DataFrame:
         """One row per position of every sequence, with a `seq` column and each token's `band`, the one

@@ -139,6 +139,8 @@ def show_frontier(result) -> None:
     # those that did not run are listed above, with why; short headers (the full words on hover) so every
     # column fits the page's width instead of running off its right edge
     table = [{k: v for k, v in r.items() if k != "skipped"} for r in frontier_table(result) if not r["skipped"]]
+    for r in table:  # no start time (an engine that was already warm, or one stored before it): blank, not "None"
+        r["engine start s"] = float("nan") if r.get("engine start s") is None else r["engine start s"]
     sci = {
         "mean |Δ logp| to float64": "mean |Δ|",
         "max": "max |Δ|",

@@ -42,8 +42,9 @@ GLOSSARY = """
 - **|Δ logp|**: how far apart vLLM's and HF's logprob of the same token are. It is measured in *nats* (natural-log units):
   0.01 nats means the probability differs by about 1%, 0.69 nats by 2x.
 - **dtype**: the number format the model computes in. float32 is precise; bfloat16 and float16 are faster and rounder.
-- **noise floor**: how much HF disagrees with itself when only batching, padding or its attention kernel changes.
-  A gap inside the noise floor is not a real difference.
+- **noise floor**: how much HF disagrees with itself when only what a trainer changes from step to step changes:
+  its micro-batch, the padding side, packing, chunking through its KV cache. A gap inside the noise is not a real
+  difference. (HF's other attention kernel is measured beside the floor, not in it.)
 - **vLLM's test tolerance**: vLLM's own tests accept up to 0.01 (tight) to 0.02 (loose) per token between engines.
 - **systematic**: within tolerance but far above the noise floor: a consistent difference, with a cause (a setting, a kernel).
 - **same top token (argmax)**: whether both engines would pick the same next token greedily.
@@ -54,10 +55,24 @@ GLOSSARY = """
 """
 
 
-def _fmt(v: object, pct: bool = False) -> str:
+def card_number(v: object, pct: bool = False) -> str:
+    """A number short enough for a metric card to show whole (at most 7 characters: three dtypes side
+    by side cut "1.769e-02" to "1.769…", and float32 read as worse than bfloat16): two significant
+    digits, a power of ten below 0.001 ("1.3e-05"); a share to a tenth of a percent, never rounded up
+    to 100%. The exact value is in the card's help."""
     if v is None:
         return "–"
-    return f"{v:.2%}" if pct else f"{v:.3e}"
+    x = float(v)  # type: ignore[arg-type]
+    if pct:
+        return ">99.9%" if 0.999 < x < 1 else f"{x:.1%}"
+    if x == 0 or 1e-3 <= abs(x) < 1e4:
+        return f"{x:.2g}" if abs(x) < 10 else f"{x:.0f}"
+    m, e = f"{x:.1e}".split("e")
+    return f"{m}e{int(e):+03d}"
+
+
+def _exact(v: object) -> str:
+    return "" if v is None else f" Exactly: {v!r}."
 
 
 def metric_cards(runs: list[Run], seq: int | None = None) -> None:
@@ -68,18 +83,44 @@ def metric_cards(runs: list[Run], seq: int | None = None) -> None:
         with col.container(border=True):
             st.markdown(f"**{r.dtype}** · {s['n_tokens']} tokens")
             a, b = st.columns(2)
-            a.metric("largest gap, |Δ logp|", _fmt(s.get("max_abs_delta")), help=HELP["max"])
-            b.metric("mean gap, |Δ logp|", _fmt(s.get("mean_abs_delta")), help=HELP["mean"])
-            a.metric("95% of tokens below", _fmt(s.get("p95_abs_delta")), help=HELP["p95"])
-            b.metric("same top token", _fmt(s.get("argmax_agreement"), pct=True), help=HELP["argmax"])
+            a.metric(
+                "largest gap, |Δ logp|", card_number(s.get("max_abs_delta")), help=HELP["max"] + _exact(s.get("max_abs_delta"))
+            )
+            b.metric(
+                "mean gap, |Δ logp|", card_number(s.get("mean_abs_delta")), help=HELP["mean"] + _exact(s.get("mean_abs_delta"))
+            )
+            a.metric(
+                "95% of tokens below", card_number(s.get("p95_abs_delta")), help=HELP["p95"] + _exact(s.get("p95_abs_delta"))
+            )
+            b.metric(
+                "same top token",
+                card_number(s.get("argmax_agreement"), pct=True),
+                help=HELP["argmax"] + _exact(s.get("argmax_agreement")),
+            )
             if s.get("kl_full_mean") is not None:
-                a.metric("KL, whole vocabulary (mean)", _fmt(s["kl_full_mean"]), help=HELP["kl_full"])
+                a.metric(
+                    "KL, whole vocabulary (mean)",
+                    card_number(s["kl_full_mean"]),
+                    help=HELP["kl_full"] + _exact(s["kl_full_mean"]),
+                )
             else:
-                a.metric("top-k KL (mean)", _fmt(s.get("mean_kl_topk")), help=HELP["kl"])
-            b.metric("whole-text Δ logp", _fmt(s.get("seq_logprob_delta")), help=HELP["seq"])
+                a.metric("top-k KL (mean)", card_number(s.get("mean_kl_topk")), help=HELP["kl"] + _exact(s.get("mean_kl_topk")))
+            b.metric(
+                "whole-text Δ logp",
+                card_number(s.get("seq_logprob_delta")),
+                help=HELP["seq"] + _exact(s.get("seq_logprob_delta")),
+            )
             if s.get("routing_flip_frac") is not None:
-                a.metric("tokens routed differently", _fmt(s["routing_tokens_flipped"], pct=True), help=HELP["routing_tokens"])
-                b.metric("routers that differ", _fmt(s["routing_flip_frac"], pct=True), help=HELP["routing_flip"])
+                a.metric(
+                    "tokens routed differently",
+                    card_number(s["routing_tokens_flipped"], pct=True),
+                    help=HELP["routing_tokens"] + _exact(s["routing_tokens_flipped"]),
+                )
+                b.metric(
+                    "routers that differ",
+                    card_number(s["routing_flip_frac"], pct=True),
+                    help=HELP["routing_flip"] + _exact(s["routing_flip_frac"]),
+                )
             elif seq is None and r.meta.routing.get("why"):
                 st.caption(f"Experts: {r.meta.routing['why']}.")
 

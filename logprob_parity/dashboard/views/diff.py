@@ -3,9 +3,9 @@
 import pandas as pd
 import streamlit as st
 
-from logprob_parity.analysis.diff import FACTOR, diff_runs
+from logprob_parity.analysis.diff import FACTOR, diff_runs, ratio_words
 from logprob_parity.dashboard.components.alerts import show_error
-from logprob_parity.dashboard.components.run_view import sci_columns
+from logprob_parity.dashboard.components.run_view import card_number, sci_columns
 from logprob_parity.dashboard.state import load_run
 from logprob_parity.errors import UserError
 
@@ -31,9 +31,11 @@ except UserError as exc:
 box = st.warning if d.mean_b > d.mean_a * 1.05 else (st.success if d.mean_b < d.mean_a / 1.05 else st.info)
 box(f"**{d.headline}**", icon=":material/difference:")
 c1, c2, c3 = st.columns(3)
-c1.metric(f"mean gap, A ({d.dtypes[0]})", f"{d.mean_a:.3e}")
+c1.metric(f"mean gap, A ({d.dtypes[0]})", card_number(d.mean_a), help=f"exactly {d.mean_a!r}")
 c2.metric(
-    f"mean gap, B ({d.dtypes[1]})", f"{d.mean_b:.3e}", help=f"B's mean gap is {d.mean_b / max(d.mean_a, 1e-300):.3g} times A's"
+    f"mean gap, B ({d.dtypes[1]})",
+    card_number(d.mean_b),
+    help=f"exactly {d.mean_b!r}; " + (f"{d.mean_b / d.mean_a:.3g} times A's" if d.mean_a > 0 else "A's mean gap is 0"),
 )
 c3.metric(
     f"tokens whose gap grew more than {FACTOR:g}x",
@@ -48,8 +50,17 @@ if d.changes:
 else:
     st.caption("Nothing recorded differs (the same versions, device and settings): the change is run-to-run noise.")
 st.markdown("**The tokens whose gap moved most**")
-movers = pd.DataFrame(list(d.movers)).rename(columns={"gap_a": "gap in A", "gap_b": "gap in B", "ratio": "B / A"})
-st.dataframe(movers, hide_index=True, width="stretch", column_config=sci_columns(movers, skip=("prompt", "position", "token_id")))
+if d.movers:
+    movers = pd.DataFrame([{**m, "ratio": ratio_words(m)} for m in d.movers])
+    movers = movers.rename(columns={"gap_a": "gap in A", "gap_b": "gap in B", "ratio": "B / A"})
+    st.dataframe(
+        movers,
+        hide_index=True,
+        width="stretch",
+        column_config=sci_columns(movers, skip=("prompt", "position", "token_id", "B / A")),
+    )
+else:
+    st.info("No token moved: every token has the same gap in both runs.", icon=":material/equal:")
 st.caption(
     f"A: run `{d.a}` · B: run `{d.b}` · {d.n_tokens:,} tokens scored in both. A gap is |Δ logp| between vLLM and HF "
     "at that token in that run."
