@@ -154,8 +154,7 @@ def report_html(runs: list[Run], diagnostics: DiagnosticsResult | None = None) -
         for _, row in worst.iterrows():
             raw = by_dtype[row["dtype"]].sequences[int(row["prompt"]) - 1].tokens[int(row["position"])]
             cells = "".join(
-                f"<td class='l'>{_e(token_shown(v, raw))}</td>" if c == "token" else f"<td>{_num(v)}</td>"
-                for c, v in row.items()
+                f"<td class='l'>{_e(token_shown(v, raw))}</td>" if c == "token" else f"<td>{_num(v)}</td>" for c, v in row.items()
             )
             parts.append(f"<tr>{cells}</tr>")
         parts.append("</table>")
