@@ -99,7 +99,7 @@ def server(home):
 
 
 @contextlib.contextmanager
-def stored_page(url: str, folder: str):
+def stored_page(url: str, folder: str, height: int = 1000):
     """A Chromium page opened on `url` (a stored result's link), and the folder under
     test-artifacts/ for its screenshots; the browser is closed afterwards."""
     from playwright.sync_api import sync_playwright
@@ -109,11 +109,26 @@ def stored_page(url: str, folder: str):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1400, "height": height})
             page.goto(url)
             yield page, out
         finally:
             browser.close()
+
+
+# whether an element (a CSS selector, or the heading that starts with a text) is on screen now
+_ON_SCREEN = """([css, heading]) => {
+  const e = css ? document.querySelector(css)
+    : Array.from(document.querySelectorAll("h1,h2,h3")).find(h => h.textContent.trim().startsWith(heading));
+  if (!e) return false;
+  const r = e.getBoundingClientRect();
+  return r.bottom > 0 && r.top < window.innerHeight;
+}"""
+
+
+def comes_into_view(page, css: str | None = None, heading: str | None = None, timeout_ms: int = 60_000) -> None:
+    """Wait until the element is drawn within the window, without any scrolling of the test's own."""
+    page.wait_for_function(_ON_SCREEN, arg=[css, heading], timeout=timeout_ms)
 
 
 def settled(page, timeout_ms: int = 120_000) -> None:
@@ -441,10 +456,23 @@ def test_the_default_compare_paints_no_token_within_hfs_own_spread_red_and_says_
 
     from logprob_parity.results.store import Store
 
-    with stored_page(server, "truthful") as (page, out):
+    with stored_page(server, "truthful", height=900) as (page, out):
         page.get_by_role("button", name="Run", exact=True).wait_for(timeout=60_000)
         page.get_by_role("button", name="Run", exact=True).click()
+        # at 1400x900 the form ends near the bottom edge: Run brings its progress, then the result, on screen
+        comes_into_view(page, css='[data-testid="lpp-progress-anchor"]', timeout_ms=120_000)
+        page.screenshot(path=str(out / "compare-progress-in-view.png"))
         page.locator(".lpp-tok").first.wait_for(timeout=600_000)
+        comes_into_view(page, heading="Result:")
+        page.screenshot(path=str(out / "compare-result-in-view.png"))
+        settled(page)
+        share = page.get_by_role("textbox", name="Share this view").first.input_value()
+        fresh = page.context.browser.new_page(viewport={"width": 1400, "height": 900})
+        fresh.goto(share)  # a share link opened fresh opens at its result, not at the form above it
+        fresh.locator(".lpp-tok").first.wait_for(timeout=120_000)
+        comes_into_view(fresh, heading="Result:")
+        fresh.screenshot(path=str(out / "share-link-at-result.png"))
+        fresh.close()
         _verdict_and_tokens(page, out, "compare-default")
         runs = {r.dtype: r for r in (Store(home).load(i) for i in Store(home).list_runs()["run_id"])}
         assert set(runs) == {"bfloat16", "float32"}

@@ -12,6 +12,7 @@ import os
 import pytest
 from test_store import make_run
 
+from logprob_parity.dashboard.components.run_view import card_number
 from logprob_parity.results.store import Store
 
 from test_browser import CHROMIUM, CHROMIUM_ARGS, server, settled, stored_page  # noqa: F401 - server is a fixture
@@ -81,8 +82,8 @@ def test_a_prompt_of_a_set_shows_its_own_numbers_under_its_heading(server, home)
         page.get_by_text("Prompt 1 of 3", exact=False).wait_for(timeout=60_000)
         settled(page)
         page.screenshot(path=str(out / "prompt-own-numbers.png"), full_page=True)
-        own = f"{run.meta.sequences[0].summary['max_abs_delta']:.3e}"
-        whole = f"{run.summary['max_abs_delta']:.3e}"
+        own = card_number(run.meta.sequences[0].summary["max_abs_delta"])
+        whole = card_number(run.summary["max_abs_delta"])
         assert own != whole
         largest = page.get_by_test_id("stMetric").filter(has_text="largest gap").all_inner_texts()
         assert len(largest) == 1 and own in largest[0] and whole not in largest[0], (own, whole, largest)

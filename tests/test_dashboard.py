@@ -100,9 +100,13 @@ def test_malformed_or_unknown_run_ids_warn(home, runs):
 
 
 def test_runs_page_deletes_after_asking_then_says_so_with_the_selection_cleared(home):
+    """Delete asks first, naming the run by id, text (cut at a word's end), dtype and settings (item 5 of
+    the first hour: it cut the text mid-word, gave no id, and rows that differ only in their settings
+    read alike, so the table shows the settings that differ from the defaults)."""
     store = Store(home)
-    store.save(make_run("abc111"))
-    store.save(make_run("abc222"))
+    long = "Dave lives in Palm Coast and likes to go hiking on weekends with his family"
+    store.save(make_run("abc111", texts=(long,)))
+    store.save(make_run("abc222", texts=(long,), settings={"hf_batch_size": 8}))
     at = AppTest.from_file(APP, default_timeout=60)
     at.run()  # st.navigation registers the pages on the first run
     at.switch_page("views/runs.py")
@@ -111,6 +115,7 @@ def test_runs_page_deletes_after_asking_then_says_so_with_the_selection_cleared(
     assert at.title[0].value == "Stored runs"
     df = at.dataframe[0].value
     assert set(df["run ids"]) == {"abc111", "abc222"}
+    assert dict(zip(df["run ids"], df["settings"])) == {"abc111": "defaults", "abc222": "hf_batch_size=8"}
     assert [b.label for b in at.button] == ["Open selected", "Delete selected", "Diff the two selected runs"]
     row = list(df["run ids"]).index("abc111")
     at.session_state["runs-table-0"] = {"selection": {"rows": [row], "columns": [], "cells": []}}
@@ -118,7 +123,9 @@ def test_runs_page_deletes_after_asking_then_says_so_with_the_selection_cleared(
     at.button(key="runs-table-delete").click().run()
     assert not at.exception
     assert store.has("abc111")  # asked first: nothing is deleted yet
-    assert any("Delete 1 run of 1 comparison" in w.value and "cannot be undone" in w.value for w in at.warning)
+    question = " ".join(w.value for w in at.warning)
+    assert "Delete 1 run: abc111 (“Dave lives in Palm Coast and likes to go…”, float32, settings: defaults)" in question
+    assert "cannot be undone" in question
     at.button(key="runs-table-cancel").click().run()
     assert store.has("abc111") and not at.warning  # cancelled: kept, and the question gone
     at.button(key="runs-table-delete").click().run()
@@ -163,6 +170,49 @@ def test_prompt_set_page_shows_aggregates(home):
     assert sorted(tables[1]["prompt"]) == [1, 2]  # numbered from 1 for people
 
 
+def test_the_prompt_set_table_has_each_prompts_verdict_and_opens_the_worst_prompt(home):
+    """Item 4 of the first hour: the per-prompt table had no verdict column (a prompt's verdict showed
+    only when opened), and it listed prompt 5 first but opened prompt 1."""
+    from logprob_parity.analysis.verdict import prompt_verdicts
+
+    texts = ("first prompt", "a second one", "the third <b>prompt</b> here")
+    run = make_run("beef02", texts=texts)
+    Store(home).save(run)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.switch_page("views/prompt_set.py")
+    at.query_params.update({"runs": "beef02"})  # a link without a prompt named
+    at.run()
+    assert not at.exception
+    table = at.dataframe[1].value
+    back = Store(home).load("beef02")
+    for prompt, level in zip(table["prompt"], table["verdict float32"]):
+        assert level == prompt_verdicts([back], int(prompt) - 1)[0].title  # the words it reads when opened
+    top = int(table["prompt"].iloc[0])
+    assert top == 3 and list(table["largest gap float32"]) == sorted(table["largest gap float32"], reverse=True)
+    assert at.subheader[-1].value.startswith(f"Prompt {top} of 3")  # the top row is the one opened
+    assert at.query_params["seq"] == str(top - 1)
+
+
+@pytest.mark.engine
+def test_the_bundled_sample_set_runs_in_one_click(home):
+    """Item 4 of the first hour: Run on the Prompt set page said "Upload a prompt file first" and there
+    was no sample to try; one click now runs the bundled set on the demo model."""
+    from logprob_parity.inputs.prompts import sample_set
+
+    at = AppTest.from_file(APP, default_timeout=900)
+    at.run()
+    at.switch_page("views/prompt_set.py")
+    at.run()
+    at.button(key="ps-sample").click()
+    at.run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    n = len(sample_set().texts)
+    assert any(f"{n} prompts from the bundled sample set" in m.value for m in at.success)
+    assert at.dataframe[1].value.shape[0] == n and "verdict float32" in at.dataframe[1].value.columns
+    assert at.query_params["runs"]
+
+
 def test_a_prompt_of_a_set_shows_its_own_verdict_and_numbers_and_the_sets_are_labelled(home):
     """Under "Prompt 1" the cards are prompt 1's (its largest gap is half the set's here), and the whole
     set's verdict is labelled as the set's."""
@@ -180,7 +230,9 @@ def test_a_prompt_of_a_set_shows_its_own_verdict_and_numbers_and_the_sets_are_la
     own, whole = run.meta.sequences[0].summary["max_abs_delta"], run.summary["max_abs_delta"]
     assert own < whole
     largest = [m.value for m in at.metric if m.label == "largest gap, |Δ logp|"]
-    assert largest == [f"{own:.3e}"], (largest, own, whole)
+    from logprob_parity.dashboard.components.run_view import card_number
+
+    assert largest == [card_number(own)], (largest, own, whole)
     verdicts = [s.value for kind in (at.success, at.info, at.warning, at.error) for s in kind if "float32:" in s.value]
     assert len(verdicts) == 2  # the set's and the prompt's
 
@@ -207,8 +259,32 @@ def test_compare_page_runs_the_real_engines(home, tiny_bos):
     assert not at.exception and "empty" in at.error[0].value
 
 
-def test_a_shared_link_fills_the_form_with_what_the_view_shows(home):
+def test_a_hub_preset_is_offered_only_where_it_can_load_else_named_with_the_reason(home, monkeypatch):
+    """Item 6 of the first hour: the model list offered "facebook/opt-125m (Hub)" on a machine with no
+    Hub. Offline and not cached, it is not in the list, and the form says why; cached (or the Hub
+    answering), it is offered."""
+    from logprob_parity.inputs import models
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: None)
+    assert "HF_HUB_OFFLINE" in models.hub_model_why_not("facebook/opt-125m")
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    assert not at.exception
+    assert at.selectbox(key="compare-preset").options == ["demo: SmolLM2-135M-Instruct (embedded, offline)"]
+    said = " ".join(c.value for c in at.caption)
+    assert "facebook/opt-125m (Hub): not offered here, not in this machine's Hugging Face cache" in said
+    st.cache_data.clear()
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: "/cache/config.json")
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    assert "facebook/opt-125m (Hub)" in at.selectbox(key="compare-preset").options
+    assert "facebook/opt-125m (Hub): not offered" not in " ".join(c.value for c in at.caption)
+
+
+def test_a_shared_link_fills_the_form_with_what_the_view_shows(home, monkeypatch):
     """Pressing Run after opening a link recomputes what is on screen: text, model, dtypes, top-k, settings."""
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: "/cache/config.json")  # offered
     text = "Shalom שלום, pizza 🍕 and 你好"
     # CPU_ATTN: the backend this machine's vLLM build runs (the others are not offered here, with the reason)
     settings = {"attention_backend": "CPU_ATTN", "enforce_eager": False, "max_num_seqs": 8, "max_model_len": 256}
@@ -232,6 +308,14 @@ def test_a_shared_link_fills_the_form_with_what_the_view_shows(home):
     at.run()
     assert at.text_area(key="compare-text").value == "second text"
     assert at.checkbox(key="compare-dt-float32").value and not at.checkbox(key="compare-dt-bfloat16").value
+    # where the Hub preset is not offered, the model goes in the field, which is what runs
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: None)
+    st.cache_data.clear()
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["runs"] = "f00d16"
+    at.run()
+    assert at.text_input(key="compare-custom").value == "facebook/opt-125m"
 
 
 def test_a_local_folder_or_demo_run_fills_the_model_choice(home):
@@ -567,3 +651,34 @@ def test_diagnostics_offers_its_noise_check_once(home):
     labels = [c.label for c in at.checkbox]
     assert not any("Measure each engine's own noise" in x for x in labels), labels  # the check is a part above
     assert "noise" in at.multiselect(key="diag-parts").value
+    # item 3 of the first hour: Diagnostics said nothing of how long before Run; its estimate counts every engine
+    said = [c.value for c in at.caption if c.value.startswith(":material/schedule: About ")]
+    assert len(said) == 1 and "engines to start" in said[0] and "not yet timed here" in said[0], said
+
+
+@pytest.mark.engine
+def test_the_rollout_pages_estimate_holds_for_its_own_default_run(home, monkeypatch):
+    """Item 3 of the first hour: the Rollout page said "About 2 s here" before a run of 18.7 s. Its
+    estimate of its own default run on this machine, engine starts included, is within 2x of the time
+    the run takes, measured from pressing Run to the result."""
+    import time
+
+    from logprob_parity.analysis import estimate
+    from logprob_parity.engines import pool
+
+    pool.shutdown_all()  # a fresh server's first rollout: every engine it needs starts
+    monkeypatch.setattr(estimate, "LAST_START", {})  # no start measured yet in this process
+    at = AppTest.from_file(APP, default_timeout=900)
+    at.switch_page("views/rollout.py")
+    at.run()
+    estimated = at.session_state["rollout-estimate"]
+    said = next(c.value for c in at.caption if c.value.startswith(":material/schedule: About "))
+    t = time.monotonic()
+    next(b for b in at.button if b.label == "Run").click()
+    at.run()
+    took = time.monotonic() - t
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    print(f"estimate {estimated:.1f} s ({said}); took {took:.1f} s")
+    assert estimated / 2 <= took <= estimated * 2, (estimated, took, said)
+    over = [w.value for w in at.warning if "estimated before it started" in w.value]
+    assert not over, over

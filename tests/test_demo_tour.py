@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from logprob_parity.dashboard.components.run_view import card_number
+
 from test_browser import CHROMIUM, CHROMIUM_ARGS, docs_shot, settled
 from test_browser_server import Dashboard, _choose_model
 
@@ -242,7 +244,7 @@ def test_demo_tour(home):
             expect(page.get_by_text(f"Prompt {second + 1} of 3", exact=False)).to_be_visible(timeout=60_000)
             settled(page)
             # under the prompt's heading, its own numbers: this prompt's largest gap, not the set's
-            own = f"{run.meta.sequences[second].summary['max_abs_delta']:.3e}"
+            own = card_number(run.meta.sequences[second].summary["max_abs_delta"])
             largest = " ".join(page.get_by_test_id("stMetric").filter(has_text="largest gap").all_inner_texts())
             assert own in largest, (own, largest)
             assert page.get_by_text("The whole set: all 3 prompts", exact=False).count() == 1

@@ -80,21 +80,69 @@ def _rate(kind: str, device: str) -> tuple[float, str]:
     return MEASURED.get(key, MEASURED[(kind, "cpu")]), SOURCE
 
 
+# engines that start together load side by side (the pool starts every engine a run needs at once
+# when they fit): on the 2-core CPU the Rollout page's four engines of the demo model started and ran
+# its default in 36.7 s, not 4 x 40 s (tests/test_dashboard.py, the rollout estimate's test). A GPU's
+# side by side starts are not measured: counted one after another.
+SIDE_BY_SIDE = {"cpu": 4, "cuda": 1}
+
+
 def _starts(cold: int, device: str) -> tuple[float, str]:
     if cold == 0:
         return 0.0, "its engines are already running"
     last = max((v for (_, k), v in LAST_START.items() if k == kind_of(device)), default=None)
     each = last if last is not None else TYPICAL_START_S[kind_of(device)]
-    how = f"the last start here took {last:.0f} s" if last is not None else "a typical start"
-    return cold * each, f"{cold} engine{'s' if cold != 1 else ''} to start ({how})"
+    how = f"the last start here took {last:.0f} s" if last is not None else f"a typical start, {each:.0f} s"
+    side = min(cold, SIDE_BY_SIDE[kind_of(device)])
+    waves = -(-cold // side)
+    together = f", {side} at a time" if side > 1 else ""
+    return waves * each, f"{cold} engine{'s' if cold != 1 else ''} to start{together} ({how})"
+
+
+def _rough(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} minutes"
 
 
 def _words(total: float, parts: list[str]) -> str:
-    rough = f"{total:.0f} s" if total < 90 else f"{total / 60:.1f} minutes"
-    return f"About {rough} here: " + "; ".join(parts) + "."
+    return f"About {_rough(total)} here: " + "; ".join(parts) + "."
 
 
-def rollout_words(device: str, n_prompts: int, samples: int, max_tokens: int, n_dtypes: int, floors: bool, cold: int) -> str:
+# kind -> how many times its estimate the last run of that kind here took, where that was more than 2x:
+# the next estimate of the kind is scaled by it (and says so) until a run lands within 2x again
+_SLOWER: dict[tuple[str, str], float] = {}
+
+
+def learned(kind: str, device: str, seconds: float, parts: list[str]) -> tuple[float, list[str]]:
+    """An estimate scaled by what the last run of this kind here showed, when it ran over twice its estimate."""
+    k = _SLOWER.get((kind, kind_of(device)))
+    if not k:
+        return seconds, parts
+    return seconds * k, [*parts, f"times {k:.1f}: the last such run here took {k:.1f}x its estimate"]
+
+
+def judged(kind: str, device: str, estimated_s: float | None, took_s: float) -> str | None:
+    """After a run: the words a page shows when it took more than twice the estimate it showed
+    beforehand (None when within 2x), and the next estimate of this kind learns the ratio."""
+    if not estimated_s or estimated_s <= 0:
+        return None
+    key = (kind, kind_of(device))
+    base = estimated_s / _SLOWER.get(key, 1.0)  # the estimate before any earlier scaling
+    ratio = took_s / estimated_s
+    if ratio <= 2:
+        if key in _SLOWER and took_s / base <= 2:
+            _SLOWER.pop(key)  # back within 2x of the plain estimate: no scaling any more
+        return None
+    _SLOWER[key] = took_s / base
+    return (
+        f"This run took {_rough(took_s)}, {ratio:.1f}x the {_rough(estimated_s)} estimated before it started "
+        "(a busy machine, or more engines to start than expected). The next estimate here counts it."
+    )
+
+
+def rollout_estimate(
+    device: str, n_prompts: int, samples: int, max_tokens: int, n_dtypes: int, floors: bool, cold: int
+) -> tuple[float, str]:
+    """(seconds, the words a form shows) of a rollout before it starts."""
     tokens = n_prompts * samples * max_tokens * max(1, n_dtypes)
     rate, src = _rate("rollout", device)
     work = tokens * rate
@@ -104,26 +152,72 @@ def rollout_words(device: str, n_prompts: int, samples: int, max_tokens: int, n_
         work += tokens * frate
         parts.append(f"the noise floors, {frate * 1000:.0f} ms a token ({fsrc})")
     start, swords = _starts(cold, device)
-    return _words(work + start, [*parts, swords])
+    total, parts = learned("rollout", device, work + start, [*parts, swords])
+    return total, _words(total, parts)
 
 
-def frontier_words(device: str, n_configs: int, cold: int) -> str:
+def rollout_words(device: str, n_prompts: int, samples: int, max_tokens: int, n_dtypes: int, floors: bool, cold: int) -> str:
+    return rollout_estimate(device, n_prompts, samples, max_tokens, n_dtypes, floors, cold)[1]
+
+
+def frontier_estimate(device: str, n_configs: int, cold: int, repeats: int = 3) -> tuple[float, str]:
+    """(seconds, the words a form shows) of a frontier before it starts: every engine start, and each
+    configuration's accuracy and its speed timed `repeats` times."""
     rate, src = _rate("frontier", device)
     start, swords = _starts(cold, device)
-    return _words(n_configs * rate + start, [f"{n_configs} configuration(s) at {rate:.0f} s each once warm ({src})", swords])
+    total, parts = learned(
+        "frontier",
+        device,
+        n_configs * rate + start,
+        [f"{n_configs} configuration(s) at {rate:.0f} s each once warm, its speed timed {repeats} times ({src})", swords],
+    )
+    return total, _words(total, parts)
 
 
-def cold_engines(pool: Any, model_path: str | None, wanted: list[tuple[str, str]]) -> int:
-    """How many of the (backend, dtype) engines a run needs are not running in the pool for this model
-    (any settings or length counts as running: a close enough estimate before a run)."""
+def frontier_words(device: str, n_configs: int, cold: int, repeats: int = 3) -> str:
+    return frontier_estimate(device, n_configs, cold, repeats)[1]
+
+
+def diagnostics_estimate(
+    device: str, parts: list[str], n_dtypes: int, cold: int, ablation_engines: int
+) -> tuple[float, str, float]:
+    """(seconds, words, of them the engine starts) of a diagnosis before it starts: every engine it starts (the comparison's not
+    running, HF's other attention kernel a dtype for the noise part, HF in float64 for the reference,
+    one vLLM engine a setting and dtype for the setting-by-setting part), and the checks' own work at
+    the rate this server's last diagnosis measured (none yet: the words say so)."""
+    starts = cold + (n_dtypes if "noise" in parts else 0) + (1 if "reference" in parts else 0)
+    starts += ablation_engines if "ablation" in parts else 0
+    start, swords = _starts(starts, device)
+    key = ("diagnostics", kind_of(device))
+    units = max(1, len(parts)) * max(1, n_dtypes)
+    if key in _RATES:
+        work, wwords = units * _RATES[key], f"{len(parts)} check(s) in {n_dtypes} dtype(s) at this server's last rate"
+    else:
+        work, wwords = 0.0, "plus the checks themselves (not yet timed here: the first diagnosis times them)"
+    total, words = learned("diagnostics", device, start + work, [swords, wwords])
+    return total, _words(total, words), start
+
+
+def cold_engines(pool: Any, model_path: str | None, wanted: list[tuple[str, str]], settings: Any = None) -> int:
+    """How many of the (backend, dtype) engines a run needs are not running in the pool for this model.
+    With `settings` (an EngineSettings), an engine counts as running only with the same settings for
+    its backend: a rollout's eager vLLM engine is not the Compare page's, and counting it as running
+    said "About 2 s" for a run of 18.7 s. Any context length counts (a close enough estimate)."""
     if model_path is None:
         return len(wanted)
+    from logprob_parity.inputs.spec import canonical_json
+
     running = set()
     for key in pool.engine_keys():
         try:
             k = json.loads(key)
         except ValueError:
             continue
-        if k.get("model_path") == model_path:
-            running.add((k.get("backend"), k.get("dtype")))
+        if k.get("model_path") != model_path:
+            continue
+        if settings is not None:
+            own = settings.hf_part() if k.get("backend") in ("hf", "hf_null") else settings.vllm_part()
+            if canonical_json(k.get("settings")) != canonical_json(own):
+                continue
+        running.add((k.get("backend"), k.get("dtype")))
     return sum(1 for w in wanted if w not in running)

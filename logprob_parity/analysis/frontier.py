@@ -42,6 +42,15 @@ from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.results.frontier import FrontierResult
 
 REFERENCE_DTYPE = "float64"
+
+
+def progress_steps(n_configs: int, repeats: int) -> int:
+    """The progress events a frontier of n configurations emits, about: its start and store, and for
+    each configuration its start, its speed's 2 x repeats timed runs and its accuracy (a page's
+    "step N of about M" moves with each of them)."""
+    return 3 + n_configs * (4 + 2 * repeats)
+
+
 GEN_TOKENS = 32  # greedy tokens per prompt for the generation throughput
 # The speed load, sequences x tokens: what a configuration's speed is measured on (its accuracy is
 # measured on the user's texts), and how many times each speed is timed.
@@ -487,12 +496,17 @@ def _measure(
             ctx.emit("frontier", cfg.dtype, f"{cfg.name}: speed on {speed['words']}, {reps} times, warm")
             vllm.call("bare_prefill", load, 1, True)  # warm-up: the first calls after a start pay for lazy set-up
             vllm.generate(load[:2], GEN_TOKENS)
-            prefill_s = [vllm.call("bare_prefill", load, 1, True) for _ in range(reps)]
+            prefill_s = []
+            for r in range(reps):  # progress moves with each timed repeat (STEPS_PER_CONFIG counts them)
+                ctx.emit("frontier", cfg.dtype, f"{cfg.name}: prefill speed, repeat {r + 1} of {reps}")
+                prefill_s.append(vllm.call("bare_prefill", load, 1, True))
             gen_s = []
-            for _ in range(reps):
+            for r in range(reps):
+                ctx.emit("frontier", cfg.dtype, f"{cfg.name}: generation speed, repeat {r + 1} of {reps}")
                 t = time.perf_counter()
                 vllm.generate(load, GEN_TOKENS)
                 gen_s.append(time.perf_counter() - t)
+            ctx.emit("frontier", cfg.dtype, f"{cfg.name}: accuracy against HF in float64")
             vscores = vllm.score(seqs, 1)
             vllm.score(seqs, 1, None, None, "right", vfolder)  # its full logprobs, for the exact KL
             kl_why = fullvocab.problem(vfolder)  # then its gaps are still measured, its KL is not

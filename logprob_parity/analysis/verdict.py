@@ -19,6 +19,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from logprob_parity.results.bands import (  # noqa: F401 - LEVELS and LEVEL_WORDS: read from here too
     LEVEL_WORDS,
     LEVELS,
@@ -501,11 +503,12 @@ def _run_evidence(run: Any, diagnostics: Any) -> Evidence:
     return ev
 
 
-def prompt_verdicts(runs: list[Any], seq: int, diagnostics: Any = None) -> list[Verdict]:
+def prompt_verdicts(runs: list[Any], seq: int, diagnostics: Any = None, columns: Any = None) -> list[Verdict]:
     """The verdict of one prompt of each run: its own gap (the sequence's stored summary), judged
     against the same noise floor as the whole set, since HF's noise is measured once a comparison. What a
     diagnosis found for the set (a setting that removes the gap, the side closer to float64) is left out:
-    it was measured on the set, not on this prompt."""
+    it was measured on the set, not on this prompt. `columns`: {run_id: {seq: COUNT_COLUMNS}} read once
+    for every prompt (every_prompt_verdict); else this prompt's positions are read."""
     out = []
     for r in runs:
         summary = r.meta.sequences[seq].summary
@@ -513,20 +516,32 @@ def prompt_verdicts(runs: list[Any], seq: int, diagnostics: Any = None) -> list[
         mean = summary.get("mean_abs_delta")
         ratio = mean / ev.hf_noise if ev.hf_noise and mean is not None else None
         own = replace(ev, noise_ratio=ratio, vllm_to_ref=None, hf_to_ref=None, knob=None, knob_share=None)
-        seq_ = r.sequences[seq]
-        m = seq_.metrics
-        counted = with_counts(
-            {**summary, "noise_limit": None},
-            own,
-            lambda m=m: {
-                "abs_delta": m.abs_delta,
-                "prob_delta": m.prob_delta,
-                "argmax_agree": m.argmax_agree,
-                "scored": m.scored,
-            },
-        )
+
+        def read(r: Any = r) -> dict[str, Any]:
+            if columns is not None:
+                return columns[r.run_id].get(seq, {})
+            m = r.sequences[seq].metrics
+            return {"abs_delta": m.abs_delta, "prob_delta": m.prob_delta, "argmax_agree": m.argmax_agree, "scored": m.scored}
+
+        counted = with_counts({**summary, "noise_limit": None}, own, read)
         out.append(verdict(counted, r.dtype, own))
     return out
+
+
+def every_prompt_verdict(runs: list[Any], diagnostics: Any = None) -> list[list[Verdict]]:
+    """prompt_verdicts of every prompt (one list of each run's verdicts a prompt), each run's counted
+    columns read once for the whole set: the Prompt set table's verdict column."""
+    n = min(len(r.meta.sequences) for r in runs)
+    columns: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in runs:
+        f = r.column_frame(list(COUNT_COLUMNS))
+        order = np.argsort(f["seq"].to_numpy(), kind="stable")  # a prompt's positions, together and in order
+        seqs = f["seq"].to_numpy()[order]
+        cuts = np.flatnonzero(np.diff(seqs)) + 1 if len(seqs) else np.zeros(0, int)
+        starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(seqs)]])
+        arrays = {k: f[k].to_numpy()[order] for k in COUNT_COLUMNS}
+        columns[r.run_id] = {int(seqs[a]): {k: v[a:b] for k, v in arrays.items()} for a, b in zip(starts, ends) if b > a}
+    return [prompt_verdicts(runs, i, diagnostics, columns) for i in range(n)]
 
 
 def diagnosis_verdicts(diagnostics: Any) -> dict[str, Verdict]:

@@ -27,6 +27,17 @@ def load_run(run_id: str) -> Run:
     return get_store().load(run_id)
 
 
+@st.cache_data(max_entries=32, show_spinner="Reading each prompt's verdict…")
+def prompt_levels(run_ids: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Each prompt's verdict title in each run (the Prompt set table's verdict column): runs are
+    immutable, so read once for every session."""
+    from logprob_parity.analysis.verdict import every_prompt_verdict
+
+    runs = [load_run(r) for r in run_ids]
+    diag = get_store().diagnostics_for_run(run_ids[0])
+    return [tuple(v.title for v in vs) for vs in every_prompt_verdict(runs, diag)]
+
+
 def engines_available() -> str | None:
     """None when both engines can run here, else why not (viewer mode)."""
     missing = [name for name in ("torch", "transformers", "vllm") if importlib.util.find_spec(name) is None]

@@ -80,6 +80,35 @@ def resolve_model(
     return _from_hub(model, revision, trust_remote_code)
 
 
+def hub_model_why_not(repo_id: str, timeout: float = 2.0) -> str | None:
+    """None when a Hub model can load here (its config is in the local Hugging Face cache, or the Hub
+    answers), else why not, in words: a form offers a Hub preset only where it can load."""
+    import os
+
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return "huggingface_hub is not installed"
+    got = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(got, str):
+        return None  # cached: loads with no network
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "not in this machine's Hugging Face cache, and HF_HUB_OFFLINE is set"
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    if not endpoint.startswith(("https://", "http://")):
+        return f"HF_ENDPOINT {endpoint!r} is not an http(s) address"
+    try:
+        ask = urllib.request.Request(f"{endpoint}/api/models/{repo_id}", method="HEAD")  # noqa: S310 - http(s)
+        urllib.request.urlopen(ask, timeout=timeout)  # noqa: S310 - an http(s) endpoint, checked above
+    except Exception as exc:
+        if getattr(exc, "code", None) is not None and exc.code < 500:  # type: ignore[attr-defined]
+            return None if exc.code in (401, 403) else f"the Hub does not know it ({exc.code})"  # type: ignore[attr-defined]
+        return "not in this machine's Hugging Face cache, and the Hub cannot be reached from here"
+    return None
+
+
 def _from_hub(repo_id: str, revision: str | None, trust_remote_code: bool) -> ResolvedModel:
     try:
         from huggingface_hub import snapshot_download

@@ -101,3 +101,9 @@ def filler_ids(tokenizer: Any, n: int, length: int) -> list[list[int]]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return [bos + ids[i * 37 : i * 37 + length - len(bos)] for i in range(n)]
+
+
+def sample_set(name: str = "sentences.txt") -> PromptSet:
+    """A prompt set bundled with the package (logprob_parity/data): the Prompt set page's one-click sample."""
+    data = Path(__file__).resolve().parent.parent / "data" / name
+    return parse_prompts(data.read_bytes(), name)

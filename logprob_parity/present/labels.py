@@ -123,3 +123,23 @@ def token_shown(piece: str, raw: str) -> str:
     token that holds only part of a character (it adds no text until a later token completes it), the
     tokenizer's own spelling of its bytes, e.g. "part of a character: <0xE3>" (it printed as '')."""
     return repr(piece) if piece != "" else f"part of a character: {raw}"
+
+
+def settings_words(settings: dict) -> str:
+    """The engine settings of a run that differ from the defaults, as `name=value` pairs ("defaults"
+    when none does): what tells apart runs of one text, model and dtype on the Runs page."""
+    from logprob_parity.inputs.settings import SETTINGS
+
+    default = {s.name: s.default for s in SETTINGS}
+    changed = [f"{k}={v}" for k, v in sorted((settings or {}).items()) if k in default and v != default[k]]
+    return ", ".join(changed) or "defaults"
+
+
+def short_text(text: str, n: int = 48) -> str:
+    """`text` cut to at most n characters at a word's end, with "…" where it was cut (never mid-word
+    unless one word is longer than n)."""
+    text = " ".join(str(text).split())
+    if len(text) <= n:
+        return text
+    cut = text[: n - 1].rsplit(" ", 1)[0] if " " in text[: n - 1] else text[: n - 1]
+    return cut.rstrip(" ,.;:") + "…"

@@ -625,6 +625,7 @@ class Store:
         # index rows written before the index kept these carry the whole sequences list instead
         df["first_text"] = [m["first_text"] if "first_text" in m else _first_text(m) for m in metas]
         df["comparison"] = [m["comparison"] if "comparison" in m else _comparison_key(m) for m in metas]
+        df["settings"] = [dict(m.get("settings") or {}) for m in metas]  # as run: the Runs page names those changed
         return df
 
 

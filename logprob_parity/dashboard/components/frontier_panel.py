@@ -7,9 +7,9 @@ import time
 
 import streamlit as st
 
-from logprob_parity.analysis.estimate import cold_engines, frontier_defaults, frontier_words, record
-from logprob_parity.analysis.frontier import Config, default_grid, frontier, frontier_table, parse_configs
-from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.analysis.estimate import cold_engines, frontier_defaults, frontier_estimate, record
+from logprob_parity.analysis.frontier import Config, default_grid, frontier, frontier_table, parse_configs, progress_steps
+from logprob_parity.dashboard.components.alerts import into_view_once, show_error
 from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.runner import run_job
 from logprob_parity.dashboard.state import device_here, engines_available, get_store, model_path_of
@@ -17,6 +17,7 @@ from logprob_parity.engines.host import start_words
 from logprob_parity.engines.pool import POOL
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.prompts import SEED_TEXT
+from logprob_parity.inputs.settings import EngineSettings
 from logprob_parity.inputs.spec import RunSpec
 from logprob_parity.present.frontier_view import frontier_report_html, scatter
 
@@ -57,8 +58,12 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     picked = [c for c in grid if c.name in chosen]
     wanted = [("hf", "float64")] + sorted({(b, c.dtype) for c in picked if not c.changes for b in ("hf", "vllm")})
-    cold = cold_engines(POOL, model_path_of(chosen_model(preset, typed)), wanted) + sum(1 for c in picked if c.changes)
-    st.caption(":material/schedule: " + frontier_words(device, len(picked), cold))
+    cold = cold_engines(POOL, model_path_of(chosen_model(preset, typed)), wanted, EngineSettings()) + sum(
+        1 for c in picked if c.changes
+    )
+    seconds, words = frontier_estimate(device, len(picked), cold, d.repeats)
+    st.session_state[f"{KEY}-estimate"] = seconds  # run_frontier says so when the run takes over twice this
+    st.caption(":material/schedule: " + words)
     skipped = [c for c in grid if c.skip]
     if skipped:
         st.caption("Not measured here: " + "; ".join(f"{c.name} ({c.skip})" for c in skipped))
@@ -86,9 +91,10 @@ def run_frontier(spec: RunSpec, configs: list[Config], tolerance: float | None):
     done = run_job(
         lambda ctx: frontier(spec, configs, ctx, tolerance, speed_load=d.speed_load, repeats=d.repeats),
         "Measuring each configuration",
-        2 + len(configs),
+        progress_steps(len(configs), d.repeats),
         clear="frontier",
         model=spec.model,
+        estimate=("frontier", st.session_state.get(f"{KEY}-estimate") or 0.0),
     )
     if done is not None:  # this server's own rate, engine starts left out, for the next estimate
         ran = [c for c in done.configs if not c["skipped"]]
@@ -114,6 +120,7 @@ def frontier_from_query():
 
 
 def show_frontier(result) -> None:
+    into_view_once("frontier:" + result.frontier_id)  # a new result, or a share link
     rec = result.recommendation
     if rec.get("name"):
         st.success(f"**Recommended: {rec['name']}.** It is {rec['why']}.", icon=":material/recommend:")

@@ -8,10 +8,10 @@ from typing import Any
 
 import streamlit as st
 
-from logprob_parity.analysis.estimate import cold_engines, record, rollout_defaults, rollout_words
+from logprob_parity.analysis.estimate import cold_engines, record, rollout_defaults, rollout_estimate
 from logprob_parity.analysis.rollout import NOISE_SAMPLES, STEPS_PER_DTYPE, rollout
 from logprob_parity.analysis.verdict import Verdict
-from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.dashboard.components.alerts import into_view_once, show_error
 from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.run_view import verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
@@ -113,10 +113,13 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None, bool]:
             f2.caption(":material/block: CUDA graphs: GPUs only; this CPU decodes eagerly.")
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     n_prompts = len([line for line in text.splitlines() if line.strip()])
-    cold = cold_engines(POOL, model_path_of(chosen_model(preset, typed)), [(b, x) for x in chosen for b in ("hf", "vllm")])
-    st.caption(
-        ":material/schedule: " + rollout_words(device, n_prompts, int(samples), int(max_tokens), len(chosen), floors, cold)
-    )
+    eager = (not graphs) or not gpu
+    run_settings = dataclasses.replace(EngineSettings(), enforce_eager=eager)
+    wanted = [(b, x) for x in chosen for b in ("hf", "vllm")]
+    cold = cold_engines(POOL, model_path_of(chosen_model(preset, typed)), wanted, run_settings)
+    seconds, words = rollout_estimate(device, n_prompts, int(samples), int(max_tokens), len(chosen), floors, cold)
+    st.session_state[f"{KEY}-estimate"] = seconds  # run_rollout says so when the run takes over twice this
+    st.caption(":material/schedule: " + words)
     # One spot for this form's message. The run itself draws below the tabs, so without a placeholder
     # a refused run's error would stay on screen, faded, for the whole of the next (valid) run.
     say = st.empty()
@@ -244,6 +247,7 @@ def run_rollout(spec: RunSpec, sampling: Sampling, floors: bool = True) -> list[
         2 + STEPS_PER_DTYPE * max(1, len(spec.dtypes)),
         clear="rollout",
         model=spec.model,
+        estimate=("rollout", st.session_state.get(f"{KEY}-estimate") or 0.0),
     )
     device = device_here()
     units = len(spec.texts) * sampling.samples * sampling.max_tokens
@@ -397,6 +401,7 @@ def json_text(r: Rollout) -> str:
 
 
 def show_rollouts(ros: list[Rollout]) -> None:
+    into_view_once("rollout:" + ",".join(r.rollout_id for r in ros))  # a new result, or a share link
     verdict_cards([_verdict(r) for r in ros])
     m = ros[0].meta
     st.caption(

@@ -10,6 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from logprob_parity.analysis.verdict import BEYOND_WORDS, Verdict, hf_noise_of, prompt_verdicts, run_verdicts
+from logprob_parity.dashboard.components.alerts import into_view_once
 from logprob_parity.dashboard.state import query_float, query_int, query_metric, set_query
 from logprob_parity.present.charts import CHARTS, chart_frame, worst_tokens
 from logprob_parity.present.render import ROUTING_METRIC, SCALES, token_view_html, windows
@@ -248,6 +249,7 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
     n_seq = min(len(r.sequences) for r in runs)
     one_prompt = seq_fixed is not None and n_seq > 1  # a prompt of a set: its own verdict and numbers
     dtypes = ", ".join(r.dtype for r in runs)
+    into_view_once(f"{page}:" + ",".join(r.run_id for r in runs) + f":{seq_fixed}")  # a new result, or a share link
     if one_prompt:
         st.subheader(f"Prompt {seq_fixed + 1} of {n_seq:,}: {runs[0].meta.model}, {dtypes}")
         st.caption("This prompt's own verdict and numbers, judged against the same noise floor as the whole set.")

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import streamlit as st
 
 from logprob_parity.analysis.compare import compare
-from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.dashboard.components.alerts import bring_into_view, show_error
 from logprob_parity.dashboard.components.model_field import model_words
 from logprob_parity.dashboard.state import request_context, set_query
 from logprob_parity.errors import EngineError, UserError
@@ -61,10 +61,13 @@ def run_job(
     dtypes: int = 1,
     *,
     model: str | None,
+    estimate: tuple[str, float] | None = None,
 ) -> T | None:
     """Run job(ctx) with a live status that names `model` (the spec's, as typed) before anything starts
     and on every line after; on failure show the message at once (outside the collapsed box) and clear
-    the query key `clear`, so an older result does not stay on screen as if it were this one."""
+    the query key `clear`, so an older result does not stay on screen as if it were this one.
+    `estimate`: (kind, seconds) said before it started; a run over twice that says so, and the next
+    estimate of the kind learns from it (analysis.estimate.judged)."""
     events: queue.Queue = queue.Queue()
     box: dict[str, Any] = {}
 
@@ -86,6 +89,7 @@ def run_job(
     done = 0
     tokens: dict[str | None, tuple[int, int]] = {}  # dtype -> (tokens scored, tokens in all), from batches
     last = "starting"
+    bring_into_view("progress")  # below the form on a 1400x900 screen: Run must visibly start something
     bar = st.progress(0.0, text="starting") if progress_bar else None
     who = model_words(model)
     with st.status(f"{title} {who}…", expanded=True) as status:
@@ -130,6 +134,13 @@ def run_job(
     if failed is None:
         if bar is not None:
             bar.progress(1.0, text="done")
+        if estimate is not None:
+            from logprob_parity.analysis.estimate import judged
+            from logprob_parity.dashboard.state import device_here
+
+            over = judged(estimate[0], device_here(), estimate[1], time.monotonic() - t0)
+            if over:
+                st.warning(over, icon=":material/schedule:")
         return box.get("result")
     set_query(**{clear: None})
     if isinstance(failed, UserError):

@@ -3,18 +3,33 @@ and does it change an answer?"""
 
 import contextlib
 import json
+import time
 
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from logprob_parity.analysis.diagnostics import MEAN, PARTS, ablation_table, diagnose, diagnostics_tables, knob_lines
+from logprob_parity.analysis.diagnostics import (
+    MEAN,
+    PARTS,
+    ablation_knobs,
+    ablation_table,
+    diagnose,
+    diagnostics_tables,
+    knob_lines,
+)
+from logprob_parity.analysis.estimate import cold_engines, diagnostics_estimate, record
 from logprob_parity.analysis.verdict import diagnosis_verdicts
+from logprob_parity.dashboard.components.alerts import into_view_once
+from logprob_parity.dashboard.components.model_field import DEMO_LABEL, chosen_model
 from logprob_parity.dashboard.components.run_view import GLOSSARY, verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
 from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
-from logprob_parity.dashboard.state import get_store, load_run, set_query
+from logprob_parity.dashboard.state import device_here, get_store, load_run, model_path_of, set_query
+from logprob_parity.engines.pool import POOL
 from logprob_parity.errors import UserError
+from logprob_parity.inputs.settings import EngineSettings
+from logprob_parity.inputs.spec import DTYPES
 from logprob_parity.present.palette import dtype_color_encoding
 
 PART_WORDS = {
@@ -84,10 +99,27 @@ parts = st.multiselect(
     help="The setting-by-setting check starts one vLLM engine per setting and dtype (about 40 s each on a CPU).",
 )
 spec, submitted = spec_form("diag", with_text=True, noise_choice=False)  # its own noise check is a part above
+# how long, said before Run (the form's choices as they stand): every engine start counted
+picked = [d for d in DTYPES if st.session_state.get(f"diag-dt-{d}")] or ["float32"]
+model_now = chosen_model(st.session_state.get("diag-preset", DEMO_LABEL), st.session_state.get("diag-custom", ""))
+wanted = [(b, d) for d in picked for b in ("hf", "vllm")]
+cold = cold_engines(POOL, model_path_of(model_now), wanted, EngineSettings())
+knobs = len(ablation_knobs(device_here(), False)) * len(picked)
+est_s, est_words, est_starts = diagnostics_estimate(device_here(), list(parts), len(picked), cold, knobs)
+st.caption(":material/schedule: " + est_words)
 if submitted and spec is not None:
     steps = (3 + 4 * len(parts)) * max(1, len(spec.dtypes))
-    done = run_job(lambda ctx: diagnose(spec, ctx, parts=tuple(parts)), "Diagnosing", steps, clear="diag", model=spec.model)
+    t_diag = time.monotonic()
+    done = run_job(
+        lambda ctx: diagnose(spec, ctx, parts=tuple(parts)),
+        "Diagnosing",
+        steps,
+        clear="diag",
+        model=spec.model,
+        estimate=("diagnostics", est_s),
+    )
     if done is not None:
+        record("diagnostics", device_here(), time.monotonic() - t_diag - est_starts, len(parts) * len(spec.dtypes))
         set_query(diag=done.diagnostics_id)
         mark_shown("diag", [load_run(r) for r in done.run_ids.values()])
         result = done
@@ -95,6 +127,7 @@ if submitted and spec is not None:
         result = None  # the error above is the answer; an older diagnosis must not stay below it
 
 if result:
+    into_view_once("diag:" + ",".join(result.run_ids.values()))  # a new result, or a share link
     st.subheader(f"Result: {result.model} · {result.device}")
     verdict_cards(list(diagnosis_verdicts(result).values()))
     with st.expander("What do these words mean?", icon=":material/help:"):

@@ -10,9 +10,9 @@ from logprob_parity.dashboard.components.alerts import show_error
 from logprob_parity.dashboard.components.run_view import sci_columns, show_runs, verdict_cards
 from logprob_parity.dashboard.components.runner import run_with_status
 from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
-from logprob_parity.dashboard.state import current_runs, get_store, query_int, runs_from_query, set_query
+from logprob_parity.dashboard.state import current_runs, get_store, prompt_levels, query_int, runs_from_query, set_query
 from logprob_parity.errors import UserError
-from logprob_parity.inputs.prompts import MAX_UPLOAD_BYTES, parse_prompts
+from logprob_parity.inputs.prompts import MAX_UPLOAD_BYTES, parse_prompts, sample_set
 from logprob_parity.present.labels import summary_label, summary_value
 
 st.title("Prompt set")
@@ -23,6 +23,21 @@ upload = st.file_uploader(
     key="ps-upload",
 )
 texts = None
+SAMPLE = "sentences.txt"  # the bundled sample set: ten short English sentences, the demo's own
+sample = st.button(
+    "Try the bundled sample set (10 sentences)",
+    icon=":material/playlist_add:",
+    key="ps-sample",
+    help="Runs the comparison on the sample set shipped with the package, no upload needed.",
+)
+if sample:
+    st.session_state["ps-use-sample"] = True
+if upload is not None:
+    st.session_state["ps-use-sample"] = False
+if st.session_state.get("ps-use-sample") and upload is None:
+    pset = sample_set(SAMPLE)
+    texts = pset.texts
+    st.success(f"{len(texts)} prompts from the bundled sample set ({SAMPLE})", icon=":material/check:")
 if upload is not None:
     try:
         pset = parse_prompts(upload.getvalue(), upload.name)
@@ -35,10 +50,11 @@ if upload is not None:
 
 follow_view("ps", runs_from_query()[0], with_text=False)  # the form shows the model and settings on screen
 spec, submitted = spec_form("ps", with_text=False)
+submitted = submitted or bool(sample and spec is not None)  # the sample button runs at once
 just_run = None
 if submitted and spec is not None:
     if not texts:
-        show_error("Upload a prompt file first.")
+        show_error("Upload a prompt file first, or press “Try the bundled sample set”.")
     else:
         just_run = run_with_status(replace(spec, texts=tuple(texts)), progress_bar=True)
         if just_run:
@@ -59,7 +75,9 @@ if runs:
     table = pd.DataFrame(
         {"prompt": range(1, n + 1), "text": [s.text[:120] for s in infos], "tokens": [s.summary["n_tokens"] for s in infos]}
     )
-    for r in runs:
+    levels = prompt_levels(tuple(r.run_id for r in runs))  # each prompt's own verdict, as it reads when opened
+    for k, r in enumerate(runs):
+        table[f"verdict {r.dtype}"] = [lv[k] for lv in levels]
         table[f"largest gap {r.dtype}"] = [s.summary["max_abs_delta"] for s in r.meta.sequences[:n]]
         table[f"mean gap {r.dtype}"] = [s.summary["mean_abs_delta"] for s in r.meta.sequences[:n]]
     table = table.sort_values(f"largest gap {runs[0].dtype}", ascending=False, kind="stable", na_position="last")
@@ -71,12 +89,14 @@ if runs:
         on_select="rerun",
         selection_mode=["single-row", "single-cell"],
         key="ps-table",
-        column_config=sci_columns(table, skip=("prompt", "tokens")),
+        column_config=sci_columns(table, skip=("prompt", "tokens", *(c for c in table if c.startswith("verdict")))),
     )
     picked = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
     # the shown order is the largest gap first; people number prompts from 1, the stored index from 0
     picked = [int(table["prompt"].iloc[i]) - 1 for i in picked]
-    chosen = picked[0] if picked else query_int("seq", 0, 0, n - 1)
+    # nothing picked: the prompt the link names, else the top row (the largest gap), as the table invites
+    worst = int(table["prompt"].iloc[0]) - 1
+    chosen = picked[0] if picked else query_int("seq", worst, 0, n - 1)
     set_query(seq=chosen)
     st.divider()
     show_runs(runs, page="prompt-set", seq_fixed=int(chosen))

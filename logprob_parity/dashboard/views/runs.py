@@ -6,6 +6,7 @@ import streamlit as st
 
 from logprob_parity.dashboard.components.deletion import delete_step, table_key
 from logprob_parity.dashboard.state import get_store, load_run
+from logprob_parity.present.labels import settings_words, short_text
 
 st.title("Stored runs")
 st.caption(
@@ -40,6 +41,7 @@ def comparisons(runs: pd.DataFrame) -> pd.DataFrame:
                 ),
                 "model": g["model"].iloc[0],
                 "dtypes": ", ".join(g["dtype"]),
+                "settings": settings_words(g["settings"].iloc[0]),
                 "largest gap": " · ".join(f"{d}: {v:.2e}" for d, v in zip(g["dtype"], g["max_abs_delta"]) if v is not None),
                 "tokens": int(g["n_tokens"].iloc[0]),
                 "created": g["created"].max(),
@@ -88,10 +90,12 @@ if not df.empty:
         st.switch_page(
             "views/prompt_set.py" if several else "views/compare.py", query_params={"runs": ",".join(selected), "seq": "0"}
         )
-    chosen_rows = [table.loc[i] for i in picked]
-    what = (
-        f"{len(selected)} run{'s' if len(selected) != 1 else ''} of {len(chosen_rows)} comparison"
-        f"{'s' if len(chosen_rows) != 1 else ''} (" + "; ".join(f"{r['text'][:40]!r}, {r['dtypes']}" for r in chosen_rows) + ")"
+    # each run by id, text, dtype and settings: rows that read alike on screen are told apart
+    by_id = df.set_index("run_id")
+    what = f"{len(selected)} run{'s' if len(selected) != 1 else ''}: " + "; ".join(
+        f"{rid[:12]} (“{short_text(by_id.loc[rid, 'first_text'])}”, {by_id.loc[rid, 'dtype']}, "
+        f"settings: {settings_words(by_id.loc[rid, 'settings'])})"
+        for rid in selected
     )
 
     def delete_run(rid: str) -> None:
