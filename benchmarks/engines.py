@@ -64,6 +64,25 @@ def prompts_of(tokenizer, n: int, length: int) -> list[list[int]]:
     return filler_ids(tokenizer, n, length)
 
 
+def model_and_texts(name: str, tokenizer: str | None, n: int, length: int, device: str, prefix: str):
+    """A profiling script's model (tinyllama: the random 1.1B shape built now; demo; or a folder) and
+    n filler texts of `length` tokens as text (the BOS left for the comparison to add)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from logprob_parity.inputs.models import resolve_model
+
+    if name == "tinyllama":
+        work = Path(tempfile.mkdtemp(prefix=prefix))
+        model = resolve_model(build_tinyllama(work / "tinyllama-1.1b-random", tokenizer or resolve_model(None).path, device))
+    else:
+        model = resolve_model(None if name == "demo" else name)
+    tok = AutoTokenizer.from_pretrained(model.path)
+    seqs = prompts_of(tok, n, length)
+    return model, tuple(tok.decode(s[1:] if s and s[0] == tok.bos_token_id else s) for s in seqs)
+
+
 def matmul_tflops(torch, device: str, dtype) -> float:
     n = 8192 if device == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=dtype)

@@ -61,27 +61,17 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("LOGPROB_PARITY_HOME", tempfile.mkdtemp(prefix="lpp-floor-"))
 
-    from transformers import AutoTokenizer
-
-    from benchmarks.engines import build_tinyllama, prompts_of
+    from benchmarks.engines import model_and_texts
     from logprob_parity.analysis import floors
     from logprob_parity.analysis.compare import compare
     from logprob_parity.engines import pool
     from logprob_parity.env import resolve_device
-    from logprob_parity.inputs.models import resolve_model
     from logprob_parity.inputs.settings import EngineSettings
     from logprob_parity.inputs.spec import RunSpec
     from logprob_parity.results.store import Store
 
     device = resolve_device("auto")
-    if a.model == "tinyllama":
-        work = Path(tempfile.mkdtemp(prefix="lpp-floor-model-"))
-        model = resolve_model(build_tinyllama(work / "tinyllama-1.1b-random", a.tokenizer or resolve_model(None).path, device))
-    else:
-        model = resolve_model(None if a.model == "demo" else a.model)
-    tok = AutoTokenizer.from_pretrained(model.path)
-    seqs = prompts_of(tok, a.prompts, a.tokens)
-    texts = tuple(tok.decode(s[1:] if s and s[0] == tok.bos_token_id else s) for s in seqs)
+    model, texts = model_and_texts(a.model, a.tokenizer, a.prompts, a.tokens, device, "lpp-floor-model-")
     store = Store(Path(os.environ["LOGPROB_PARITY_HOME"]))
     settings = dataclasses.replace(EngineSettings(), hf_batch_size=a.hf_batch)
     log: list = []

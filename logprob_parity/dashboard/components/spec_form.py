@@ -53,9 +53,10 @@ def mark_shown(key: str, runs: list) -> None:
     st.session_state[SHOWN_KEY.format(key=key)] = ",".join(r.run_id for r in runs)
 
 
-def spec_form(key: str, with_text: bool, noise_choice: bool = True) -> tuple[RunSpec | None, bool]:
+def spec_form(key: str, with_text: bool, noise_choice: bool = True, run_now: bool = False) -> tuple[RunSpec | None, bool]:
     """Render the form; return (spec, submitted). Texts are filled by the caller when with_text is False.
-    `noise_choice`: offer the comparison's own noise floor (Diagnostics has its own noise check instead)."""
+    `noise_choice`: offer the comparison's own noise floor (Diagnostics has its own noise check instead).
+    `run_now`: submitted as if Run were pressed, with the form's values as they stand (a one-click sample)."""
     blocked = engines_available()
     reasons = dtype_reasons()
     with st.form(f"{key}-form"):
@@ -108,6 +109,7 @@ def spec_form(key: str, with_text: bool, noise_choice: bool = True) -> tuple[Run
         with st.expander("Engine settings (recorded in the run id)"):
             values = settings_inputs(key)
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
+        submitted = submitted or (run_now and blocked is None)
     if blocked:
         st.info(blocked)
     if values["trust_remote_code"]:

@@ -49,8 +49,7 @@ if upload is not None:
         show_error(str(exc))
 
 follow_view("ps", runs_from_query()[0], with_text=False)  # the form shows the model and settings on screen
-spec, submitted = spec_form("ps", with_text=False)
-submitted = submitted or bool(sample and spec is not None)  # the sample button runs at once
+spec, submitted = spec_form("ps", with_text=False, run_now=sample)  # the sample button runs at once
 just_run = None
 if submitted and spec is not None:
     if not texts:
