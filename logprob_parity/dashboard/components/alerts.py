@@ -45,9 +45,14 @@ def bring_into_view(kind: str = "progress") -> None:
     st.html(_SCROLL.format(kind=kind, n=n, block="start"), unsafe_allow_javascript=True)
 
 
-def into_view_once(key: str) -> None:
-    """bring_into_view("result") the first time this result (`key`: its ids) is drawn in this session:
-    a new result, or a share link opened fresh; not again when a view setting redraws it."""
-    if st.session_state.get(_SHOWN) != key:
-        st.session_state[_SHOWN] = key
+def into_view_once(key: str, slot: str = "result", scroll: bool = True) -> bool:
+    """bring_into_view("result") the first time this result (`key`: its ids) is drawn in this session in
+    this `slot` of a page: a new result, or a share link opened fresh; not again when a view setting
+    redraws it. scroll=False only notes it as shown (it is already on screen). Whether it scrolled."""
+    name = f"{_SHOWN}-{slot}"
+    if st.session_state.get(name) == key:
+        return False
+    st.session_state[name] = key
+    if scroll:
         bring_into_view("result")
+    return scroll

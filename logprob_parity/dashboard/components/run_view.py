@@ -242,14 +242,18 @@ def _cut_notice(runs: list[Run], seq: int) -> None:
         )
 
 
-def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = None) -> None:
+def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = None, into_view: bool = True) -> None:
+    """The result: verdicts, numbers and the token view. `into_view`: bring it on screen the first time
+    it is drawn (the Prompt set page brings its set's table instead when the set is new)."""
     from logprob_parity.dashboard.state import get_store
 
     diag = get_store().diagnostics_for_run(runs[0].run_id)  # once per render: verdict, noise band, report
     n_seq = min(len(r.sequences) for r in runs)
     one_prompt = seq_fixed is not None and n_seq > 1  # a prompt of a set: its own verdict and numbers
     dtypes = ", ".join(r.dtype for r in runs)
-    into_view_once(f"{page}:" + ",".join(r.run_id for r in runs) + f":{seq_fixed}")  # a new result, or a share link
+    # a new result, or a share link, comes on screen; with into_view False it is noted as shown (the page
+    # brought its set on screen), so only a later change of prompt scrolls here
+    into_view_once(f"{page}:" + ",".join(r.run_id for r in runs) + f":{seq_fixed}", scroll=into_view)
     if one_prompt:
         st.subheader(f"Prompt {seq_fixed + 1} of {n_seq:,}: {runs[0].meta.model}, {dtypes}")
         st.caption("This prompt's own verdict and numbers, judged against the same noise floor as the whole set.")

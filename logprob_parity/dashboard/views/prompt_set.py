@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from logprob_parity.analysis.verdict import run_verdicts
-from logprob_parity.dashboard.components.alerts import show_error
+from logprob_parity.dashboard.components.alerts import into_view_once, show_error
 from logprob_parity.dashboard.components.run_view import sci_columns, show_runs, verdict_cards
 from logprob_parity.dashboard.components.runner import run_with_status
 from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
@@ -61,6 +61,7 @@ if submitted and spec is not None:
 runs = current_runs(just_run)
 if runs:
     n = min(len(r.meta.sequences) for r in runs)
+    new_set = into_view_once(",".join(r.run_id for r in runs), slot="set")  # a new set: its summary on screen
     st.subheader(f"The whole set: all {n:,} prompts, per dtype")
     verdict_cards(run_verdicts(runs, get_store().diagnostics_for_run(runs[0].run_id)))
     keys = list(runs[0].summary)
@@ -98,4 +99,4 @@ if runs:
     chosen = picked[0] if picked else query_int("seq", worst, 0, n - 1)
     set_query(seq=chosen)
     st.divider()
-    show_runs(runs, page="prompt-set", seq_fixed=int(chosen))
+    show_runs(runs, page="prompt-set", seq_fixed=int(chosen), into_view=not new_set)
