@@ -546,7 +546,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if df.empty:
         print("no stored runs")
     else:
+        from logprob_parity.present.labels import settings_words
+
         df["created"] = df["created"].dt.strftime("%Y-%m-%d %H:%M")
+        df["settings"] = df["settings"].map(settings_words)  # those that differ from the defaults, as on the Runs page
         print(df.to_string(index=False, formatters={"max_abs_delta": "{:.3e}".format, "mean_abs_delta": "{:.3e}".format}))
     ros = store.list_rollouts()
     if not ros.empty:
