@@ -16,6 +16,7 @@
 #   bash benchmarks/h200.sh moetest   issue 30: the Qwen3-MoE GPU test (vLLM's two ways read the same experts)
 #   bash benchmarks/h200.sh qwen3     issue 30: the Qwen3-8B shape: speed against the bare engines, exact KL
 #   bash benchmarks/h200.sh gemma2    issue 30: the Gemma-2-9B shape (soft-caps: HF runs eager attention for it, which applies them)
+#   bash benchmarks/h200.sh floor     the noise floor's cost (1.1B compare speed) and each of its calls timed (floor_profile.py)
 #   bash benchmarks/h200.sh now       the exact KL's transport alone, the IPC test, the 1.1B compare speed, and
 #                                     a profile of a compare with the exact KL (the HF host's phases included)
 set -uo pipefail
@@ -33,6 +34,10 @@ case "${1:-}" in
   tests)
     python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py -k "ipc or verdict_equals" 2>&1 | tail -15 | tee "$OUT/tests.log"
     python benchmarks/compare_speed.py --model tinyllama --tokenizer $TOK --out "$OUT/compare_speed_1b.md" 2>&1 | tail -16 ;;
+  floor)
+    python benchmarks/floor_profile.py --model tinyllama --tokenizer $TOK --out "$OUT/floor_profile_1b.md" 2>&1 | grep "^|\|^floor_profile"
+    python benchmarks/compare_speed.py --model tinyllama --tokenizer $TOK --out "$OUT/compare_speed_1b.md" 2>&1 | grep "floor\|without the exact"
+    python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "verdict_equals" 2>&1 | grep -E "^E |passed|failed" | tee "$OUT/tests.log" ;;
   rollout)
     python benchmarks/rollout.py --model $TOK --hf-batch-size 16 --out "$OUT/rollout.md" 2>&1 | tail -25 ;;
   again)
@@ -93,5 +98,5 @@ build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
     python benchmarks/compare_speed.py --model $shape --tokenizer $TOK --build-dir /root/models --repeats 1 \
       --out "$OUT/compare_speed_$1.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -20
     rm -rf /root/models/*-shape ;;
-  *) echo "usage: $0 tests|rollout|again|8b|set|frontier|now|rescore|moe|moetest|qwen3|gemma2" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|floor|rollout|again|8b|set|frontier|now|rescore|moe|moetest|qwen3|gemma2|ray|rescorevs" >&2; exit 2 ;;
 esac
