@@ -265,7 +265,8 @@ def hf_variations(
         return [np.asarray(a, np.float64)[s:] for a, s in zip(arrs, starts)]
 
     # a padded batch costs its longest text a row: on a CPU, one other prompt in it (packing wastes nothing)
-    in_batch = near(others) if str(device).startswith("cuda") else others[:OTHER_PROMPTS_CPU]
+    beside = near(others)
+    in_batch = beside if str(device).startswith("cuda") else others[:OTHER_PROMPTS_CPU]
     big = filled(seqs, in_batch, large_positions(device))
     size = {"to": len(big), "positions": sum(len(x) - 1 for x in big), "texts": n, "texts_added": added}
     right_s = hf.score(big, 1, None, len(big), "right")[:n]
@@ -278,13 +279,13 @@ def hf_variations(
     }
     skipped: dict[str, str] = {}
     # one row holds the texts and the other prompts (a trainer packs to its row length)
-    packed = hf.score_packed(seqs + near(others), max(large_positions(device), sum(map(len, seqs + near(others)))))
+    packed = hf.score_packed(seqs + beside, max(large_positions(device), sum(map(len, seqs + beside))))
     if isinstance(packed, str):
         skipped["packed"] = packed
     else:
         out["packed"] = {
             **gap(cut(base), cut([s.logprob for s in packed[:n]])),
-            "rows_of": len(seqs) + len(near(others)),
+            "rows_of": len(seqs) + len(beside),
             "texts": n,
             **flips(top1, _top1(packed[:n]), starts),
         }

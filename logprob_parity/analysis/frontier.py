@@ -497,7 +497,7 @@ def _measure(
             vllm.call("bare_prefill", load, 1, True)  # warm-up: the first calls after a start pay for lazy set-up
             vllm.generate(load[:2], GEN_TOKENS)
             prefill_s = []
-            for r in range(reps):  # progress moves with each timed repeat (STEPS_PER_CONFIG counts them)
+            for r in range(reps):  # progress moves with each timed repeat (progress_steps counts them)
                 ctx.emit("frontier", cfg.dtype, f"{cfg.name}: prefill speed, repeat {r + 1} of {reps}")
                 prefill_s.append(vllm.call("bare_prefill", load, 1, True))
             gen_s = []

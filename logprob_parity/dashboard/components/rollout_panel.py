@@ -142,14 +142,7 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None, bool]:
     )
     try:
         sampling.validate()
-        eager = (not graphs) or not gpu
-        spec = RunSpec(
-            texts=prompts,
-            model=model,
-            dtypes=tuple(chosen),
-            bos=bos,
-            settings=dataclasses.replace(EngineSettings(), enforce_eager=eager),
-        )
+        spec = RunSpec(texts=prompts, model=model, dtypes=tuple(chosen), bos=bos, settings=run_settings)
         spec.validate()
     except UserError as exc:
         show_error(str(exc), say)

@@ -104,7 +104,8 @@ picked = [d for d in DTYPES if st.session_state.get(f"diag-dt-{d}")] or ["float3
 model_now = chosen_model(st.session_state.get("diag-preset", DEMO_LABEL), st.session_state.get("diag-custom", ""))
 wanted = [(b, d) for d in picked for b in ("hf", "vllm")]
 cold = cold_engines(POOL, model_path_of(model_now), wanted, EngineSettings())
-knobs = len(ablation_knobs(device_here(), False)) * len(picked)
+# the setting-by-setting part starts one engine a setting it runs here (a skipped one starts none)
+knobs = sum(1 for _, change, _ in ablation_knobs(device_here(), False) if change is not None) * len(picked)
 est_s, est_words, est_starts = diagnostics_estimate(device_here(), list(parts), len(picked), cold, knobs)
 st.caption(":material/schedule: " + est_words)
 if submitted and spec is not None:
