@@ -92,6 +92,8 @@ def test_identical_runs_list_no_mover_and_a_zero_gap_in_a_reads_a_is_0(home, cap
     b = _stored(home, "d1ff0024")
     d = diff_runs(a, b)
     assert d.mean_a == 0 and d.movers and all(m["ratio"] is None and ratio_words(m) == "A is 0" for m in d.movers)
+    assert "moved the mean gap from 0.00e+00 to" in d.headline and "A's is 0: no ratio to give" in d.headline
+    assert "widened" not in d.headline  # it read "widened the mean gap 1.5e+09x"
     assert main(["diff", "d1ff0023", "d1ff0024"]) == 0
     assert "(A is 0)" in capsys.readouterr().out
     assert ratio_words({"ratio": 3.0}) == "3x" and np.isfinite(d.mean_b)

@@ -136,6 +136,13 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
     within = noise_words(a, b, mean_a, mean_b)
     if within:
         moved = within
+    elif mean_a == mean_b == 0:
+        moved = "left the mean gap at 0: no token has a gap in either run"
+    elif mean_a == 0 or mean_b == 0:  # no ratio to give: from what to what (it read "widened 1.5e+09x")
+        moved = (
+            f"moved the mean gap from {mean_a:.2e} to {mean_b:.2e} ({'A' if mean_a == 0 else 'B'}'s is 0: no ratio to give); "
+            f"the gap grew more than {FACTOR:g}x at {wider:.0%} of tokens"
+        )
     elif r >= 1.05:
         moved = f"widened the mean gap {r:,.3g}x ({mean_a:.2e} → {mean_b:.2e}); the gap grew more than {FACTOR:g}x at {wider:.0%} of tokens"
     elif r <= 1 / 1.05:
