@@ -12,16 +12,68 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builders import CACHE, REPO, build_tiny_gptq, build_tiny_llama
 
+pytest_plugins = ("pytester",)  # a test runs two tests in one session (engine sharing)
+
 # Demo model and other built models live here across test runs (CI builds them once per run).
 MODELS_HOME = CACHE / "home"
 os.environ.setdefault("LOGPROB_PARITY_HOME", str(MODELS_HOME))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every engine load of the session, in this process and in the CLIs and servers it starts (inherited).
+START_LOG = CACHE / "engine-starts.jsonl"
+os.environ.setdefault("LPP_ENGINE_START_LOG", str(START_LOG))
+
+
+def pytest_sessionstart(session):
+    from logprob_parity.engines.pool import POOL
+
+    START_LOG.parent.mkdir(parents=True, exist_ok=True)
+    START_LOG.unlink(missing_ok=True)
+    # the session's engines are shared across tests by key (the pool keeps them warm); a new key loads
+    # into a spare that has done its imports, or swaps into a host stopped for room
+    POOL.keep_spares = True
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many engines the session loaded, where, and what they cost: the suite's largest cost."""
+    import json
+    from collections import Counter
+
+    if not START_LOG.exists():
+        return
+    rows = [json.loads(line) for line in START_LOG.read_text().splitlines() if line.strip()]
+    here = [r for r in rows if r["pid"] == os.getpid()]
+    keys = Counter(r["key"] for r in here)
+    by_test = Counter(r["test"].split("::")[0] for r in rows)
+    tr = terminalreporter
+    tr.section("engine loads")
+    tr.write_line(
+        f"{len(rows)} engine loads, {sum(r['wall_s'] for r in rows):.0f} s in all; {len(here)} in the test process "
+        f"({len(keys)} keys, {sum(n - 1 for n in keys.values())} loaded again after being stopped), "
+        f"{len(rows) - len(here)} in CLIs and servers it started; {sum(1 for r in rows if r.get('swapped'))} swaps"
+    )
+    for test, n in by_test.most_common(15):
+        tr.write_line(f"  {n:3d}  {test}")
+
+
+def _module_rank(items) -> dict[str, int]:
+    """Per test module: 0 without real engines or a browser, 1 with real engines, 2 with a browser."""
+    rank: dict[str, int] = {}
+    for item in items:
+        r = 2 if "browser" in item.keywords else 1 if "engine" in item.keywords else 0
+        rank[item.module.__name__] = max(rank.get(item.module.__name__, 0), r)
+    return rank
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests need CUDA, multi-GPU tests two GPUs; skip them (with the reason) elsewhere."""
+    """The fast modules first, so a failure there shows in seconds; then those that drive the real
+    engines, then the browser's (whole modules move, in their own order: a module's shared engines and
+    fixtures are set up once). GPU tests need CUDA, multi-GPU tests two GPUs; skip them (with the
+    reason) elsewhere."""
     from logprob_parity.engines.memory import gpus
     from logprob_parity.env import cuda_present
+
+    rank = _module_rank(items)
+    items.sort(key=lambda item: rank[item.module.__name__])  # stable: each module keeps its order
 
     cuda = cuda_present()
     many = cuda and len(gpus()) >= 2
@@ -68,13 +120,34 @@ def gpu_model() -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def build_answer() -> bytes:
+    """What this machine's vLLM build can run (logprob_parity.engines.build), asked once: the probe
+    imports vLLM in two subprocesses (about 8 s), and every CLI and dashboard a test starts on a new
+    store would ask again. Kept in MODELS_HOME, keyed by the versions, like any store keeps it."""
+    from logprob_parity.engines.build import CACHE_NAME, unsupported
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOGPROB_PARITY_HOME", str(MODELS_HOME))
+        unsupported.cache_clear()
+        unsupported()
+    unsupported.cache_clear()
+    path = MODELS_HOME / CACHE_NAME
+    return path.read_bytes() if path.exists() else b""
+
+
 @pytest.fixture()
-def home(tmp_path, monkeypatch) -> Path:
-    """An empty store root for one test, sharing the built demo model (no 30 s rebuild)."""
+def home(tmp_path, monkeypatch, build_answer) -> Path:
+    """An empty store root for one test, sharing the built demo model (no 30 s rebuild) and the build's
+    answer (no 8 s probe in each process the test starts; test_build_checks asks it afresh)."""
+    from logprob_parity.engines.build import CACHE_NAME
+
     root = tmp_path / "home"
     root.mkdir()
     (MODELS_HOME / "models").mkdir(parents=True, exist_ok=True)
     (root / "models").symlink_to(MODELS_HOME / "models")
+    if build_answer:
+        (root / CACHE_NAME).write_bytes(build_answer)
     monkeypatch.setenv("LOGPROB_PARITY_HOME", str(root))
     return root
 

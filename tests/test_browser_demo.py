@@ -79,14 +79,23 @@ def test_a_prompt_of_a_set_shows_its_own_numbers_under_its_heading(server, home)
     run = make_run("5e7001", texts=texts)
     Store(home).save(run)
     with stored_page(f"{server}/prompt-set?runs=5e7001&seq=0", "demo-traps") as (page, out):
+        from playwright.sync_api import expect
+
         page.get_by_text("Prompt 1 of 3", exact=False).wait_for(timeout=60_000)
         settled(page)
-        page.screenshot(path=str(out / "prompt-own-numbers.png"), full_page=True)
         own = card_number(run.meta.sequences[0].summary["max_abs_delta"])
         whole = card_number(run.summary["max_abs_delta"])
         assert own != whole
-        largest = page.get_by_test_id("stMetric").filter(has_text="largest gap").all_inner_texts()
-        assert len(largest) == 1 and own in largest[0] and whole not in largest[0], (own, whole, largest)
+        # wait on the card itself: on a loaded machine the heading can be drawn a moment before its cards
+        card = page.get_by_test_id("stMetric").filter(has_text="largest gap")
+        try:
+            expect(card).to_have_count(1, timeout=60_000)
+        except AssertionError as e:  # say what the page showed instead
+            raise AssertionError(page.get_by_test_id("stMain").inner_text()[:3000]) from e
+        finally:
+            page.screenshot(path=str(out / "prompt-own-numbers.png"), full_page=True)
+        largest = card.all_inner_texts()
+        assert own in largest[0] and whole not in largest[0], (own, whole, largest)
         assert page.get_by_text("The whole set: all 3 prompts", exact=False).count() == 1
 
 
@@ -94,7 +103,7 @@ def test_delete_asks_first_then_says_what_it_deleted_and_no_row_stays_ticked(ser
     from playwright.sync_api import expect
 
     store = Store(home)
-    store.save(make_run("de1e7e", texts=("delete me",), created_ts=2.0))  # the newest: the first row
+    store.save(make_run("de1e7e", texts=("delete me مرحبا",), created_ts=2.0))  # the newest: the first row; ends right-to-left
     store.save(make_run("4ee900", texts=("keep me",), created_ts=1.0))
     with stored_page(f"{server}/runs", "demo-traps") as (page, out):
         grid = page.get_by_test_id("stDataFrame").first

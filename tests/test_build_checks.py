@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not CPU_BUILD, reason="checks what vLLM's CPU bu
 def test_asking_the_cpu_build_finds_its_fp8_kernel_is_a_stub(home):
     from logprob_parity.engines.build import CACHE_NAME, unsupported
 
+    (home / CACHE_NAME).unlink()  # a store that has never asked (the fixture gives every other test the answer)
     unsupported.cache_clear()
     found = unsupported()
     assert set(found) == {("quantization", "fp8"), *CPU_NO_EFFECT}

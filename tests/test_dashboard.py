@@ -127,7 +127,10 @@ def test_runs_page_deletes_after_asking_then_says_so_with_the_selection_cleared(
     assert not at.exception
     assert store.has("abc111")  # asked first: nothing is deleted yet
     question = " ".join(w.value for w in at.warning)
-    assert "Delete 1 run: abc111 (“Dave lives in Palm Coast and likes to go…”, float32, settings: defaults)" in question
+    # the text between Unicode isolates: a right-to-left text cannot pull the comma after it to its side
+    assert (
+        "Delete 1 run: abc111 (“\u2068Dave lives in Palm Coast and likes to go…\u2069”, float32, settings: defaults)" in question
+    )
     assert "cannot be undone" in question
     at.button(key="runs-table-cancel").click().run()
     assert store.has("abc111") and not at.warning  # cancelled: kept, and the question gone
@@ -685,3 +688,11 @@ def test_the_rollout_pages_estimate_holds_for_its_own_default_run(home, monkeypa
     assert estimated / 2 <= took <= estimated * 2, (estimated, took, said)
     over = [w.value for w in at.warning if "estimated before it started" in w.value]
     assert not over, over
+
+
+def test_only_compare_offers_hf_against_itself_diagnostics_has_no_vllm_gap_to_explain_without_vllm(home):
+    label = "Show what noise looks like: HF against itself instead of vLLM"
+    compare_page, diagnostics_page = _open("compare"), _open("diagnostics")
+    assert not compare_page.exception and not diagnostics_page.exception
+    assert [c.label for c in compare_page.checkbox if c.label == label] == [label]
+    assert label not in [c.label for c in diagnostics_page.checkbox]

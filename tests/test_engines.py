@@ -134,38 +134,46 @@ def test_hf_compile_scores_the_same_positions(tiny_bos):
         np.testing.assert_array_equal(b.topk_ids[1:], a.topk_ids[1:])
 
 
-def _idle_hf(tiny_bos, **settings):
-    """A loaded HF host that no request holds, last used 5 s ago."""
+def _idle_hf(engines, tiny_bos, **settings):
+    """A loaded HF host of `engines` (a pool) that no request holds, last used 5 s ago."""
     from logprob_parity.engines.records import LoadRequest
     from logprob_parity.inputs.spec import EngineSettings
 
     load = LoadRequest("hf", str(tiny_bos), "float32", "cpu", EngineSettings(**settings), 256)
-    with pool.lease([load]) as lease:
+    with engines.lease([load]) as lease:
         worker = lease.host(load)
     worker.last_used -= 5.0
     return worker, load
 
 
-def test_idle_engines_stop_after_the_timeout(tiny_bos, monkeypatch):
-    worker, _ = _idle_hf(tiny_bos)
-    # an hour: longer than any engine of this session has been idle (a shorter limit would also stop
-    # engines earlier tests left warm, and the count would depend on test order and speed)
+@pytest.fixture()
+def own_pool():
+    """A pool of this test's own: stopping its idle engines leaves the session's warm engines alone."""
+    engines = pool.EnginePool()
+    yield engines
+    engines.shutdown(grace=2.0)
+
+
+def test_idle_engines_stop_after_the_timeout(own_pool, tiny_bos, monkeypatch):
+    worker, _ = _idle_hf(own_pool, tiny_bos)
     monkeypatch.setenv(pool.IDLE_TIMEOUT_ENV, "3600")
-    assert pool.reap_idle() == 0 and worker.alive()
+    assert own_pool.reap_idle() == 0 and worker.alive()
     monkeypatch.setenv(pool.IDLE_TIMEOUT_ENV, "2")
-    assert pool.reap_idle() >= 1
-    assert not worker.alive() and worker not in pool.running()
-    assert pool.POOL._reaper is not None and pool.POOL._reaper.is_alive()
+    assert own_pool.reap_idle() == 1
+    assert not worker.alive() and worker not in own_pool.running()
+    assert own_pool._reaper is not None and own_pool._reaper.is_alive()
 
 
-def test_a_new_engine_that_does_not_fit_stops_idle_ones(tiny_bos, monkeypatch):
-    """Memory-aware eviction: when free memory is short, idle warm engines go, least recently used first."""
+def test_a_new_engine_that_does_not_fit_stops_idle_ones(own_pool, tiny_bos, monkeypatch):
+    """Memory-aware eviction: when free memory is short, idle warm engines go, least recently used
+    first; the process of the one that went may load the new engine (a swap), but holds only that."""
     from logprob_parity.engines import memory
 
-    old, _ = _idle_hf(tiny_bos, attn_implementation="eager")
+    old, _ = _idle_hf(own_pool, tiny_bos, attn_implementation="eager")
     monkeypatch.setattr(memory, "free_bytes", lambda device: 0)
-    new, _ = _idle_hf(tiny_bos, attn_implementation="sdpa")
-    assert not old.alive() and new.alive()
+    new, new_load = _idle_hf(own_pool, tiny_bos, attn_implementation="sdpa")
+    assert own_pool.engine_keys() == [new_load.key()] and new.alive()
+    assert new.request == new_load and (new is old or not old.alive())
 
 
 def test_fits_together_counts_cold_engines_and_reclaimable_ones(tiny_bos, monkeypatch):
@@ -184,3 +192,70 @@ def test_fits_together_counts_cold_engines_and_reclaimable_ones(tiny_bos, monkey
     assert fresh.fits_together(plan)
     monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
     assert not fresh.fits_together(plan)
+
+
+SWAP_IDS = [[1, 45, 49, 17, 17, 300, 21, 9, 4], [1, 200, 3, 77]]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_a_host_that_swaps_models_scores_the_second_exactly_as_a_fresh_host(tiny_bos, demo_model, backend):
+    """The tiny Llama, then the demo model in the same process (its imports kept): every field of its
+    scores equals those of a host started fresh for the demo model, bit for bit."""
+    from logprob_parity.engines.host import HostClient
+    from logprob_parity.engines.records import LoadRequest
+
+    first, second = (LoadRequest(backend, str(m), "float32", "cpu", max_model_len=128) for m in (tiny_bos, demo_model))
+    swapped, fresh = HostClient(f"{backend} swapped").start(), HostClient(f"{backend} fresh").start()
+    try:
+        swapped.begin_load(first)
+        swapped.wait_loaded()
+        pid = swapped.pid
+        assert len(swapped.score(SWAP_IDS, 3)) == 2
+        swapped.begin_load(second)
+        timing = swapped.wait_loaded()["load_timing"]
+        assert swapped.pid == pid and timing["swapped"] and timing["import_s"] < 0.5, timing
+        fresh.begin_load(second)
+        assert not fresh.wait_loaded()["load_timing"].get("swapped")
+        a, b = swapped.score(SWAP_IDS, 3), fresh.score(SWAP_IDS, 3)
+    finally:
+        swapped.stop()
+        fresh.stop()
+    for x, y in zip(a, b):
+        for name in ("token_ids", "logprob", "topk_ids", "topk_logprobs", "rank"):
+            np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=f"{name}: swapped vs fresh")
+
+
+def test_two_tests_asking_for_one_engine_key_in_a_session_start_it_once(pytester, tiny_bos):
+    """Two tests of one pytest session lease the same engine key through the process pool: the first
+    starts it, the second finds it warm in the same process; the start log holds one load of it."""
+    import json
+    import os
+
+    from conftest import START_LOG
+
+    key_len = 112  # a context length no other test asks for: a key this session has not loaded
+    pytester.makepyfile(
+        test_shared=f"""
+from logprob_parity.engines.pool import POOL
+from logprob_parity.engines.records import LoadRequest
+
+REQ = LoadRequest("vllm", {str(tiny_bos)!r}, "float32", "cpu", max_model_len={key_len})
+PIDS = []
+
+def test_first_asks():
+    with POOL.lease([REQ]) as lease:
+        PIDS.append(lease.host(REQ).pid)
+        assert not lease.warm(REQ)
+        assert len(lease.host(REQ).score([[1, 5, 9, 11]], 2)) == 1
+
+def test_second_asks_again():
+    with POOL.lease([REQ]) as lease:
+        assert lease.warm(REQ) and lease.host(REQ).pid == PIDS[0]
+        assert len(lease.host(REQ).score([[1, 5, 9, 11]], 2)) == 1
+"""
+    )
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    rows = [json.loads(line) for line in START_LOG.read_text().splitlines()]
+    loads = [r for r in rows if r["pid"] == os.getpid() and json.loads(r["key"])["max_model_len"] == key_len]
+    assert len(loads) == 1, loads

@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from logprob_parity.analysis.compare import compare, run_id_for
 from logprob_parity.analysis.diagnostics import diagnose
-from logprob_parity.engines.pool import EnginePool
+from logprob_parity.engines.pool import SWAP_ENV, EnginePool
 from logprob_parity.engines.records import LoadRequest
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.settings import SETTINGS, Setting, settings_class
@@ -157,7 +157,57 @@ def test_a_leased_engine_is_never_stopped_and_a_queued_request_says_so(fake_engi
     for t in threads:
         t.join(120)
     assert got == {"bfloat16": [1, 1], "float32": [1, 1]}
-    assert len(pool.running()) <= 2 and not any(h.alive() for h in held)  # released, then evicted for the others
+    assert len(pool.running()) <= 2  # released, then stopped or swapped to hold the others' engines
+    assert all(not h.alive() or h.request.dtype != "float16" for h in held)
+
+
+def test_a_host_stopped_for_room_loads_the_next_engine_in_its_own_process(fake_engines, tiny_bos, monkeypatch):
+    """Cap 1: the second model's engine goes into the first one's process (a swap), which keeps its
+    imports; an engine of another backend, or with another environment, gets a process of its own."""
+    pool = fake_engines
+    monkeypatch.setenv("LPP_MAX_WARM_ENGINES", "1")
+    a, b = (LoadRequest("vllm", str(tiny_bos), d, "cpu", max_model_len=128) for d in ("float32", "bfloat16"))
+    with pool.lease([a]) as lease:
+        first = lease.host(a)
+        pid = first.pid
+    with pool.lease([b]) as lease:
+        second = lease.host(b)
+        assert second is first and second.pid == pid and second.alive()
+        assert second.info["load_timing"]["swapped"] and second.swaps == 1
+        assert len(second.score([[1, 5, 9, 11]], 2)) == 1
+    hf = LoadRequest("hf", str(tiny_bos), "float32", "cpu", max_model_len=128)
+    with pool.lease([hf]) as lease:
+        assert lease.host(hf).pid != pid and not first.alive()  # another backend: stopped, a new process
+    monkeypatch.setenv(SWAP_ENV, "0")
+    with pool.lease([a]) as lease:
+        assert lease.host(a).swaps == 0  # swaps turned off: a new process
+
+
+def test_a_spare_that_did_its_imports_takes_the_next_model(tiny_bos, monkeypatch):
+    """A pool that keeps spares starts one per backend when a job ends; the next cold engine of that
+    backend loads into it (no import), and a spare started for another environment is not used."""
+    monkeypatch.setenv("LPP_FAKE_ENGINES", "1")
+    pool = EnginePool(keep_spares=True)
+    try:
+        a, b = (LoadRequest("hf", str(tiny_bos), d, "cpu", max_model_len=128) for d in ("float32", "bfloat16"))
+        with pool.lease([a]) as lease:
+            lease.host(a)
+            assert pool.spares() == []  # made when the job ends, not while it loads
+        (spare,) = pool.spares()
+        with pool.lease([b]) as lease:
+            host = lease.host(b)
+            assert host is spare and host.prepared == "hf" and host.loads == 1 and host.swaps == 0
+        (again,) = pool.spares()  # the job that took it ended: a new spare
+        assert again is not spare
+        monkeypatch.setenv("LPP_FAKE_SCORE_S", "0.01")  # another environment than the spare's
+        c = LoadRequest("hf", str(tiny_bos), "float16", "cpu", max_model_len=128)
+        with pool.lease([c]) as lease:
+            assert lease.host(c) is not again
+        assert again not in pool.spares()  # replaced by a spare for the new environment
+        (newest,) = pool.spares()
+    finally:
+        pool.shutdown(grace=2.0)
+    assert pool.spares() == [] and not newest.alive()
 
 
 def test_the_device_queue_tells_a_waiting_job_its_place(fake_engines):

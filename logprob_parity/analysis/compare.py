@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import threading
 import time
@@ -27,7 +26,7 @@ from logprob_parity.inputs.tokens import TokenizedText
 from logprob_parity.results.bands import metrics_band_stats
 from logprob_parity.results.metrics import concat, summarize
 from logprob_parity.results.positions import METRIC_COLUMNS, batch_table, metrics_of
-from logprob_parity.results.records import RunEnv, RunMeta, SequenceInfo
+from logprob_parity.results.records import RunMeta, SequenceInfo
 from logprob_parity.results.run import SCHEMA_VERSION, Run, StoredSequences
 from logprob_parity.results.store import Store
 
@@ -298,31 +297,13 @@ def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_ca
             "kl_transport": fullvocab.TRANSPORT_WORDS[fullvocab.transport(p.device)],
         },
     }
-    now = dt.datetime.now(dt.timezone.utc)
-    v = versions()
     meta = RunMeta(
         run_id=rid,
-        created=now.isoformat(timespec="seconds"),
-        created_ts=now.timestamp(),
-        model=p.model.name,
-        model_path=p.model.path,
-        revision=p.model.revision,
-        model_identity=p.model.identity,
-        dtype=dtype,
+        **p.provenance(dtype, infos.get("hf") or {}, infos["vllm"]),
         backends=("hf", NULL_BACKEND) if spec.null else tuple(spec.backends),
         settings={**spec.settings.to_dict(), "max_model_len": mml},
         top_k=spec.top_k,
         bos=spec.bos,
-        device=p.device,
-        env=RunEnv(
-            device=device_name(p.device),
-            torch=v["torch"],
-            transformers=v["transformers"],
-            vllm=v["vllm"],
-            vllm_dist=v["vllm_dist"],
-            hf_engine=infos.get("hf") or {},
-            vllm_engine=infos["vllm"],
-        ),
         timing={
             **{k: round(x, 3) for k, x in timing.items()},
             "batches": len(batches),

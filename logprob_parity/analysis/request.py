@@ -154,6 +154,37 @@ class Prepared:
     def tokenizer(self) -> Any:
         return load_tokenizer(self.model.path, self.spec.settings.trust_remote_code)
 
+    def provenance(self, dtype: str, hf_engine: dict[str, Any], vllm_engine: dict[str, Any]) -> dict[str, Any]:
+        """The fields every stored record (a run, a rollout, a rescore) opens with: when, which model,
+        which dtype and device, and the versions and engine reports the numbers came from."""
+        import datetime as dt
+
+        from logprob_parity.env import device_name, versions
+        from logprob_parity.results.records import RunEnv
+
+        now = dt.datetime.now(dt.timezone.utc)
+        v = versions()
+        m = self.model
+        return {
+            "created": now.isoformat(timespec="seconds"),
+            "created_ts": now.timestamp(),
+            "model": m.name,
+            "model_path": m.path,
+            "revision": m.revision,
+            "model_identity": m.identity,
+            "dtype": dtype,
+            "device": self.device,
+            "env": RunEnv(
+                device=device_name(self.device),
+                torch=v["torch"],
+                transformers=v["transformers"],
+                vllm=v["vllm"],
+                vllm_dist=v["vllm_dist"],
+                hf_engine=hf_engine,
+                vllm_engine=vllm_engine,
+            ),
+        }
+
     @cached_property
     def _encoded(self) -> tuple[list[list[int]], bool, int | None]:
         """(every text's ids as scored, whether a BOS was prepended, the length they were cut to or

@@ -22,7 +22,6 @@ Memory is bounded by a batch, not the file (up to 100,000 sequences):
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import functools
 import time
 from pathlib import Path
@@ -44,7 +43,6 @@ from logprob_parity.inputs.rollout_logs import LoggedIndex, LoggedSequence, spoo
 from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.inputs.tokens import decode_tail_pieces
 from logprob_parity.results.offpolicy import floor_stats
-from logprob_parity.results.records import RunEnv
 from logprob_parity.results.rollout import (
     COLUMNS,
     EXACT,
@@ -486,32 +484,14 @@ def finish(
         "varies": len(temps) * len(top_ps) * len(top_ks) > 1,
         "digest": logged.digest,
     }
-    now = dt.datetime.now(dt.timezone.utc)
-    v = versions()
     meta = RolloutMeta(
         rollout_id=rid,
-        created=now.isoformat(timespec="seconds"),
-        created_ts=now.timestamp(),
-        model=p.model.name,
-        model_path=p.model.path,
-        revision=p.model.revision,
-        model_identity=p.model.identity,
-        dtype=dtype,
-        device=p.device,
+        **p.provenance(dtype, engines["hf"], engines["vllm"]),
         bos=p.spec.bos,
         settings={**p.spec.settings.to_dict(), "max_model_len": mml},
         sampling=sampling,
         prompts=(),
         processed=PROCESSED_WORDS,
-        env=RunEnv(
-            device=device_name(p.device),
-            torch=v["torch"],
-            transformers=v["transformers"],
-            vllm=v["vllm"],
-            vllm_dist=v["vllm_dist"],
-            hf_engine=engines["hf"],
-            vllm_engine=engines["vllm"],
-        ),
         timing={k: round(x, 3) for k, x in {**timing, "total_s": time.perf_counter() - t_all}.items()},
         summary=summary,
         floors=floors,

@@ -16,7 +16,6 @@ For each dtype:
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,6 @@ from logprob_parity.errors import UserError
 from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.inputs.tokens import decode_tail_pieces
 from logprob_parity.results.offpolicy import floor_stats, mismatch_metrics
-from logprob_parity.results.records import RunEnv
 from logprob_parity.results.rollout import (
     COLUMNS,
     MAIN_PAIR,
@@ -189,19 +187,14 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
         summary, done.floors or {}, dtype, ((r.logprob[a], r.logprob[b]) for r in recs for a, b, _ in [PAIRS[MAIN_PAIR]])
     )
     processes = sampling.processes(p.model.vocab_size)
-    now = dt.datetime.now(dt.timezone.utc)
-    v = versions()
     kl_why = done.kl_why
+    vllm_engine = {
+        **(done.engines.get("vllm") or {}),
+        "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None else f"not computed: {kl_why}",
+    }
     meta = RolloutMeta(
         rollout_id=rid,
-        created=now.isoformat(timespec="seconds"),
-        created_ts=now.timestamp(),
-        model=p.model.name,
-        model_path=p.model.path,
-        revision=p.model.revision,
-        model_identity=p.model.identity,
-        dtype=dtype,
-        device=p.device,
+        **p.provenance(dtype, done.engines.get("hf") or {}, vllm_engine),
         bos=p.spec.bos,
         settings={**p.spec.settings.to_dict(), "max_model_len": vreq.max_model_len},
         sampling=sampling.to_dict(),
@@ -210,18 +203,6 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             "vLLM's own pass in processed_logprobs mode, same seeds, same tokens"
             if processes
             else "equal to raw: at temperature 1 with no top-k/top-p, processing changes nothing (checked in the tests)"
-        ),
-        env=RunEnv(
-            device=device_name(p.device),
-            torch=v["torch"],
-            transformers=v["transformers"],
-            vllm=v["vllm"],
-            vllm_dist=v["vllm_dist"],
-            hf_engine=done.engines.get("hf") or {},
-            vllm_engine={
-                **(done.engines.get("vllm") or {}),
-                "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None else f"not computed: {kl_why}",
-            },
         ),
         timing={k: round(x, 3) for k, x in timing.items()},
         summary=summary,

@@ -19,7 +19,9 @@ def main(argv: list[str]) -> None:
     from streamlit.web import cli
 
     from logprob_parity.analysis import prewarm
+    from logprob_parity.engines.pool import POOL
 
+    POOL.keep_spares = True  # a model switch on a page loads into a host that has done its imports
     prewarm.start()
     sys.argv = ["streamlit", "run", str(Path(__file__).resolve().parent / "app.py"), *argv]
     cli.main()

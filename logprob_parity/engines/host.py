@@ -50,6 +50,9 @@ BACKEND_OPS = (
 )
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
+# A file to append one JSON line to for every engine load (what, how long, in which process and test):
+# the test suite counts its engine starts from it, and a slow dashboard can be traced to its starts.
+START_LOG_ENV = "LPP_ENGINE_START_LOG"
 # Root causes vLLM's engine core logs but does not raise to the caller, as (pattern, message).
 _LOG_CAUSES = (
     (
@@ -117,8 +120,46 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="lpp-parent-watch", daemon=True).start()
 
 
+def _log_start(request: LoadRequest, timing: dict[str, Any], wall_s: float, spare: bool) -> None:
+    """One line in LPP_ENGINE_START_LOG (when set) for this load."""
+    path = os.environ.get(START_LOG_ENV)
+    if not path:
+        return
+    import json
+
+    line = {
+        "backend": request.backend,
+        "model": Path(request.model_path).name,
+        "dtype": request.dtype,
+        "key": request.key(),
+        "wall_s": round(wall_s, 2),
+        **timing,
+        "spare": spare,
+        "pid": os.getpid(),  # the process whose pool asked for it (a test run, a CLI, a dashboard)
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+    }
+    with contextlib.suppress(OSError), open(path, "a") as f:  # O_APPEND: whole lines from many processes
+        f.write(json.dumps(line) + "\n")
+
+
+def _unload(backend: Any) -> None:
+    """Free a loaded model so that this process can load the next one (a swap): the backend's own
+    close (vLLM: its engine core and its process-wide distributed state), then the memory."""
+    import gc
+
+    backend.close()
+    del backend
+    gc.collect()
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def serve() -> None:
-    """Host loop: load the backend named in the first request, then answer score/generate requests."""
+    """Host loop: load the backend named in the first request, then answer score/generate requests.
+    A later load request swaps the model: the process, and the seconds its imports took, stay."""
     address = os.environ[ADDRESS_ENV]
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     parent = int(os.environ.get(PARENT_ENV, "0"))
@@ -137,14 +178,27 @@ def serve() -> None:
             if op == "close":
                 return
             try:
-                if op == "load" and msg.load is not None:
+                if op == "prepare":  # a spare: pay the imports now, load whichever model comes later
                     from logprob_parity.engines.backends.base import load_backend_class
 
                     t0 = time.monotonic()
-                    cls = load_backend_class(msg.load.backend)
+                    load_backend_class(msg.args[0])
+                    conn.send(HostReply(True, {"import_s": round(time.monotonic() - t0, 2)}))
+                elif op == "load" and msg.load is not None:
+                    from logprob_parity.engines.backends.base import load_backend_class
+
+                    t0 = time.monotonic()
+                    swapped = backend is not None
+                    if swapped:  # a model swap: the imports stay, the old model goes first
+                        _unload(backend)
+                        backend = None
                     t1 = time.monotonic()
+                    cls = load_backend_class(msg.load.backend)
+                    t2 = time.monotonic()
                     backend = cls(**msg.load.backend_kwargs())
-                    timing = {"import_s": round(t1 - t0, 2), "init_s": round(time.monotonic() - t1, 2)}
+                    timing = {"import_s": round(t2 - t1, 2), "init_s": round(time.monotonic() - t2, 2)}
+                    if swapped:
+                        timing |= {"swapped": True, "unload_s": round(t1 - t0, 2)}
                     conn.send(HostReply(True, {**backend.info(), "load_timing": timing}))
                 elif op in BACKEND_OPS and backend is not None and hasattr(backend, op):
                     conn.send(HostReply(True, getattr(backend, op)(*msg.args)))
@@ -164,6 +218,14 @@ def serve() -> None:
         if backend is not None:
             backend.close()
         conn.close()
+
+
+def env_print(extra_env: dict[str, str]) -> int:
+    """The environment a host started now with `extra_env` would have (less the test name, which
+    changes per test): a spare or a swap serves only an engine its process was started for."""
+    env = dict(os.environ, **extra_env)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return hash(tuple(sorted(env.items())))
 
 
 class HostClient:
@@ -189,8 +251,15 @@ class HostClient:
         self.log_path = self._dir / "host.log"
         self._authkey = secrets.token_bytes(32)
         self.last_used = time.monotonic()
+        self.request: LoadRequest | None = None  # the model it holds or is loading
+        self.prepared: str | None = None  # a spare: the backend it imported before any model came
+        self._preparer: threading.Thread | None = None
+        self.env_print = 0  # env_print of the environment it was started with
+        self.loads = 0  # models loaded in this process
+        self.swaps = 0  # of which loaded in place of another model
 
     def start(self) -> HostClient:
+        self.env_print = env_print(self.extra_env)
         env = dict(os.environ, **self.extra_env)
         env[ADDRESS_ENV] = self.address
         env[AUTHKEY_ENV] = self._authkey.hex()
@@ -291,16 +360,39 @@ class HostClient:
                 return f"{message} ({line.strip()[-300:]})"
         return None
 
+    def prepare(self, backend: str) -> HostClient:
+        """Make this (started, empty) host a spare: it imports `backend`'s engine now, in the background,
+        and loads a model only when `begin_load` names one (logprob_parity.engines.pool)."""
+
+        def run() -> None:
+            with contextlib.suppress(BaseException):  # a spare that failed is found dead, or fails its load
+                self._connect(timeout=float(os.environ.get(LOAD_TIMEOUT_ENV, "900")))
+                self._request(HostRequest("prepare", (backend,)), f"importing {backend}", 900.0)
+
+        self.prepared = backend
+        self._preparer = threading.Thread(target=run, name=f"prepare {backend}", daemon=True)
+        self._preparer.start()
+        return self
+
     def begin_load(self, request: LoadRequest) -> None:
         """Send the load request from a thread and return at once: engines started together import
-        and load side by side; `wait_loaded` collects the answer."""
+        and load side by side; `wait_loaded` collects the answer. On a host that holds a model, the
+        load swaps it for this one in the same process."""
+        preparing = self._preparer
 
         def run() -> None:
             try:
+                if preparing is not None:  # one request at a time on the connection
+                    preparing.join()
                 self.load(request)
             except BaseException as exc:  # handed to whoever waits for this engine
                 self._load_error = exc
 
+        self.request = request
+        self.label = request.label
+        self.info = None
+        self.swaps += self.loads > 0
+        self.loads += 1
         self._load_error: BaseException | None = None
         self._loader = threading.Thread(target=run, name=f"load {self.label}", daemon=True)
         self._loader.start()
@@ -331,6 +423,7 @@ class HostClient:
         if t:
             kind = "cuda" if request.device.startswith("cuda") else "cpu"
             LAST_START[(request.backend, kind)] = float(t.get("import_s", 0)) + float(t.get("init_s", 0))
+        _log_start(request, t, time.monotonic() - start, spare=self.prepared is not None and self.loads == 1)
         return self.info
 
     def score(

@@ -5,6 +5,12 @@ that queues behind another user's job keeps its engines however long it waits (t
 "recently used" guard did not). Requests take every engine of one step in a single lease, so two
 requests never wait for each other's engines.
 
+Why spares and swaps: most of a small model's engine start is the process importing torch and its
+engine (vLLM: about 7 of 10 s on a CPU), not the model. So a pool that keeps spares (the dashboard
+and the test suite; `keep_spares`) keeps one started host per backend that has done its imports
+and waits for whichever model comes next; and a host stopped to make room for an engine of the
+same backend loads that engine in its own process instead (a swap), keeping its imports.
+
 Hosts stay warm between requests. Idle ones (no lease) stop when unused longer than
 LPP_ENGINE_IDLE_TIMEOUT seconds (default 1800; 0 keeps them), when more than LPP_MAX_WARM_ENGINES
 (default 8) would be running, or when a new engine would not fit in the device's free memory: the
@@ -23,10 +29,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from logprob_parity.engines import memory
-from logprob_parity.engines.host import HostClient
+from logprob_parity.engines.host import HostClient, env_print
 from logprob_parity.engines.records import LoadRequest
 
 MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
+# "1": a host whose model is stopped to make room loads the next model in its own process on a GPU
+# too; "0": never. Default: on a CPU only (on a GPU, a swap's freed memory is not yet measured).
+SWAP_ENV = "LPP_ENGINE_SWAP"
 IDLE_TIMEOUT_ENV = "LPP_ENGINE_IDLE_TIMEOUT"
 REAP_EVERY_S = 30.0
 WaitFn = Callable[[str], None]
@@ -101,9 +110,13 @@ class Lease:
 
 
 class EnginePool:
-    def __init__(self, host_factory: Callable[..., HostClient] = HostClient) -> None:
+    def __init__(self, host_factory: Callable[..., HostClient] = HostClient, keep_spares: bool = False) -> None:
         self._cond = threading.Condition()
         self._hosts: dict[str, HostClient] = {}
+        # a long-lived process (the dashboard, the test suite) keeps a spare per backend; a one-shot CLI
+        # does not: a spare it started would import for nothing while the command finishes
+        self.keep_spares = keep_spares
+        self._spares: dict[tuple[Any, ...], HostClient] = {}
         self._host_factory = host_factory
         self._reaper: threading.Thread | None = None
         self._device = threading.Lock()
@@ -147,9 +160,12 @@ class EnginePool:
                 key = r.key()
                 host = self._hosts.get(key)
                 if host is None:
-                    host = self._host_factory(
-                        r.label, extra_env=r.host_env(), device=r.device, need_bytes=engine_bytes(r)
-                    ).start()
+                    # a spare that has done its imports, else a host stopped for room (its imports
+                    # stay), else a new process
+                    host = self._take_spare_locked(r) or _take_swappable(victims, r)
+                    if host is None:
+                        host = self._host_factory(r.label, extra_env=r.host_env(), device=r.device).start()
+                    host.need_bytes = engine_bytes(r)
                     host.begin_load(r)
                     self._hosts[key] = host
                 host.leases += 1
@@ -170,7 +186,37 @@ class EnginePool:
                 else:
                     h.owners.pop(owner, None)
                 h.last_used = time.monotonic()
+            if self.keep_spares:  # the job is done: the next model's imports happen while nothing runs
+                for h in hosts:
+                    if h.request is not None:
+                        self._keep_spare_locked(h.request)
             self._cond.notify_all()
+
+    # -- spares: hosts that did their imports and wait for a model -------------------------------
+    def _keep_spare_locked(self, request: LoadRequest) -> None:
+        kind = _spare_kind(request)
+        for other in [k for k in self._spares if k[:2] == kind[:2] and k != kind]:  # started for another environment
+            stale = self._spares.pop(other)
+            threading.Thread(target=stale.stop, kwargs={"grace": 2.0}, daemon=True).start()
+        spare = self._spares.get(kind)
+        if spare is None or not spare.alive():
+            self._spares[kind] = (
+                self._host_factory(f"spare {request.backend}", extra_env=request.host_env(), device=request.device)
+                .start()
+                .prepare(request.backend)
+            )
+
+    def _take_spare_locked(self, request: LoadRequest) -> HostClient | None:
+        spare = self._spares.pop(_spare_kind(request), None)
+        if spare is not None and not spare.alive():
+            spare.stop(grace=0.0)
+            return None
+        return spare
+
+    def spares(self) -> list[HostClient]:
+        """The spare hosts (imports done, no model) alive now."""
+        with self._cond:
+            return [h for h in self._spares.values() if h.alive()]
 
     def _held_by_others_locked(self, owner: int) -> int:
         return sum(1 for h in self._hosts.values() if any(o != owner for o in h.owners))
@@ -292,6 +338,10 @@ class EnginePool:
             old = [h for h in self._idle_locked(longer_than=timeout) if h.info is not None or not h.alive()]
             for h in old:
                 self._forget_locked(h)
+            now = time.monotonic()
+            for kind, h in list(self._spares.items()):  # a spare nobody took since its last job
+                if now - h.last_used >= timeout:
+                    old.append(self._spares.pop(kind))
         _stop_all(old, grace=10.0)
         return len(old)
 
@@ -308,10 +358,52 @@ class EnginePool:
     def shutdown(self, grace: float = 5.0) -> None:
         """Stop every host at once (a dashboard that stops leaves no engine behind)."""
         with self._cond:
-            hosts = list(self._hosts.values())
+            hosts = list(self._hosts.values()) + list(self._spares.values())
             self._hosts.clear()
+            self._spares.clear()
             self._cond.notify_all()
         _stop_all(hosts, grace=grace)
+
+
+def _spare_kind(request: LoadRequest) -> tuple[Any, ...]:
+    """What a spare must share with an engine to load it: backend, device and the environment its
+    process would start with."""
+    return (request.backend, request.device, env_print(request.host_env()))
+
+
+def swap_allowed(request: LoadRequest) -> bool:
+    """Whether a host may load this engine in place of another: one process (no tensor or pipeline
+    parallel workers, no Ray executor), on a CPU unless LPP_ENGINE_SWAP=1."""
+    flag = os.environ.get(SWAP_ENV, "")
+    if flag == "0":
+        return False
+    s = request.settings
+    one_process = (
+        (getattr(s, "tensor_parallel_size", None) or 1) == 1
+        and (getattr(s, "pipeline_parallel_size", None) or 1) == 1
+        and getattr(s, "distributed_executor_backend", None) is None
+    )
+    return one_process and (flag == "1" or request.device == "cpu")
+
+
+def _take_swappable(victims: list[HostClient], request: LoadRequest) -> HostClient | None:
+    """A host about to be stopped for room whose process can load `request` instead: same backend,
+    device and environment, its model loaded and both engines swappable. Taken off `victims`."""
+    if not swap_allowed(request):
+        return None
+    for v in victims:
+        old = v.request
+        if (
+            old is not None
+            and v.info is not None
+            and v.alive()
+            and (old.backend, old.device) == (request.backend, request.device)
+            and v.env_print == env_print(request.host_env())
+            and swap_allowed(old)
+        ):
+            victims.remove(v)
+            return v
+    return None
 
 
 def _stop_all(hosts: list[HostClient], grace: float) -> None:

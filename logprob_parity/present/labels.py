@@ -135,6 +135,13 @@ def settings_words(settings: dict) -> str:
     return ", ".join(changed) or "defaults"
 
 
+def isolated(text: str) -> str:
+    """A person's text inside a sentence of ours, between Unicode's first-strong isolate and its pop
+    (invisible): a right-to-left text (Arabic, Hebrew) then cannot carry our commas and brackets after
+    it to its own side."""
+    return f"\u2068{text}\u2069"
+
+
 def short_text(text: str, n: int = 48) -> str:
     """`text` cut to at most n characters at a word's end, with "…" where it was cut (never mid-word
     unless one word is longer than n)."""

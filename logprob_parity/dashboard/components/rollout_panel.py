@@ -15,6 +15,7 @@ from logprob_parity.dashboard.components.alerts import into_view_once, show_erro
 from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.run_view import verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
+from logprob_parity.dashboard.components.tables import picked_rows
 from logprob_parity.dashboard.state import (
     device_here,
     dtype_reasons,
@@ -325,13 +326,10 @@ def worst_lists(r: Rollout, pair: str) -> None:
         seqs = views["seqs"]
         seqs = seqs.assign(sample=seqs["sample"] + 1) if not seqs.empty else seqs  # numbered as the Sample list numbers them
         c1.caption("Sequences by their whole-sequence log ratio Σ log ρ (0 is a perfect match)")
-        ev1 = c1.dataframe(
+        rows1 = picked_rows(
             seqs,
-            hide_index=True,
-            width="stretch",
-            on_select="rerun",
-            selection_mode=["single-row", "single-cell"],
-            key=f"{KEY}-worst-seq",
+            f"{KEY}-worst-seq",
+            where=c1,
             column_config={
                 "seq_log_ratio": st.column_config.NumberColumn(format="%.3e"),
                 "largest |Δ|": st.column_config.NumberColumn(format="%.3e"),
@@ -340,13 +338,10 @@ def worst_lists(r: Rollout, pair: str) -> None:
         toks = views["toks"]
         toks = toks.assign(sample=toks["sample"] + 1) if not toks.empty else toks
         c2.caption("Tokens by |Δ logp|; ratio = the trainer's probability / the rollout's")
-        ev2 = c2.dataframe(
+        rows2 = picked_rows(
             toks,
-            hide_index=True,
-            width="stretch",
-            on_select="rerun",
-            selection_mode=["single-row", "single-cell"],
-            key=f"{KEY}-worst-tok",
+            f"{KEY}-worst-tok",
+            where=c2,
             column_config={
                 k: st.column_config.NumberColumn(format="%.3e")
                 for k in toks.columns
@@ -354,8 +349,6 @@ def worst_lists(r: Rollout, pair: str) -> None:
             },
         )
         # a click on any cell opens that row's sequence, as does the row's checkbox
-        rows1 = (list(ev1.selection.rows) + [c[0] for c in ev1.selection.cells]) if ev1 else []
-        rows2 = (list(ev2.selection.rows) + [c[0] for c in ev2.selection.cells]) if ev2 else []
         picked = [int(seqs.loc[i, "sample"]) - 1 for i in rows1] + [int(toks.loc[i, "sample"]) - 1 for i in rows2]
         if picked and picked[0] != query_int("sample", 0, 0, max(len(r.samples) - 1, 0)):
             set_query(sample=picked[0])

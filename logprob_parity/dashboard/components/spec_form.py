@@ -53,9 +53,13 @@ def mark_shown(key: str, runs: list) -> None:
     st.session_state[SHOWN_KEY.format(key=key)] = ",".join(r.run_id for r in runs)
 
 
-def spec_form(key: str, with_text: bool, noise_choice: bool = True, run_now: bool = False) -> tuple[RunSpec | None, bool]:
+def spec_form(
+    key: str, with_text: bool, noise_choice: bool = True, run_now: bool = False, null_choice: bool = True
+) -> tuple[RunSpec | None, bool]:
     """Render the form; return (spec, submitted). Texts are filled by the caller when with_text is False.
     `noise_choice`: offer the comparison's own noise floor (Diagnostics has its own noise check instead).
+    `null_choice`: offer HF against itself in vLLM's place (a comparison's control; Diagnostics explains
+    vLLM's gap, and with no vLLM there is no gap to explain).
     `run_now`: submitted as if Run were pressed, with the form's values as they stand (a one-click sample)."""
     blocked = engines_available()
     reasons = dtype_reasons()
@@ -98,7 +102,7 @@ def spec_form(key: str, with_text: bool, noise_choice: bool = True, run_now: boo
                 "with other texts, as a trainer's micro-batch changes. The page then shows HF's own noise in the same "
                 "colours and with the same verdict, so you can see what a gap that is only noise looks like.",
             )
-            if with_text
+            if with_text and null_choice
             else False
         )
         st.caption(

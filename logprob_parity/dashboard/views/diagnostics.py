@@ -98,7 +98,8 @@ parts = st.multiselect(
     format_func=PART_WORDS.get,
     help="The setting-by-setting check starts one vLLM engine per setting and dtype (about 40 s each on a CPU).",
 )
-spec, submitted = spec_form("diag", with_text=True, noise_choice=False)  # its own noise check is a part above
+# its own noise check is a part above; HF against itself leaves no vLLM gap to explain
+spec, submitted = spec_form("diag", with_text=True, noise_choice=False, null_choice=False)
 # how long, said before Run (the form's choices as they stand): every engine start counted
 picked = [d for d in DTYPES if st.session_state.get(f"diag-dt-{d}")] or ["float32"]
 model_now = chosen_model(st.session_state.get("diag-preset", DEMO_LABEL), st.session_state.get("diag-custom", ""))

@@ -10,6 +10,7 @@ from logprob_parity.dashboard.components.alerts import into_view_once, show_erro
 from logprob_parity.dashboard.components.run_view import sci_columns, show_runs, verdict_cards
 from logprob_parity.dashboard.components.runner import run_with_status
 from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
+from logprob_parity.dashboard.components.tables import picked_rows
 from logprob_parity.dashboard.state import current_runs, get_store, prompt_levels, query_int, runs_from_query, set_query
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.prompts import MAX_UPLOAD_BYTES, parse_prompts, sample_set
@@ -82,16 +83,11 @@ if runs:
         table[f"mean gap {r.dtype}"] = [s.summary["mean_abs_delta"] for s in r.meta.sequences[:n]]
     table = table.sort_values(f"largest gap {runs[0].dtype}", ascending=False, kind="stable", na_position="last")
     # a click on any cell opens that row's prompt (cell selection), as does the row's checkbox
-    event = st.dataframe(
+    picked = picked_rows(
         table,
-        hide_index=True,
-        width="stretch",
-        on_select="rerun",
-        selection_mode=["single-row", "single-cell"],
-        key="ps-table",
+        "ps-table",
         column_config=sci_columns(table, skip=("prompt", "tokens", *(c for c in table if c.startswith("verdict")))),
     )
-    picked = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
     # the shown order is the largest gap first; people number prompts from 1, the stored index from 0
     picked = [int(table["prompt"].iloc[i]) - 1 for i in picked]
     # nothing picked: the prompt the link names, else the top row (the largest gap), as the table invites

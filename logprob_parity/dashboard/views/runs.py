@@ -5,8 +5,9 @@ import pandas as pd
 import streamlit as st
 
 from logprob_parity.dashboard.components.deletion import delete_step, table_key
+from logprob_parity.dashboard.components.tables import picked_rows
 from logprob_parity.dashboard.state import get_store, load_run
-from logprob_parity.present.labels import settings_words, short_text
+from logprob_parity.present.labels import isolated, settings_words, short_text
 
 st.title("Stored runs")
 st.caption(
@@ -56,20 +57,16 @@ if not df.empty:
     table = comparisons(df)
     st.subheader("Comparisons")
     st.caption(f"{len(table)} comparisons ({len(df)} runs, one per dtype) in {store.root}. Tick rows to open or delete them.")
-    event = st.dataframe(
+    picked = picked_rows(
         table,
-        hide_index=True,
-        width="stretch",
-        on_select="rerun",
-        selection_mode=["multi-row", "single-cell"],
-        key=table_key("runs-table"),
+        table_key("runs-table"),
+        many=True,
         column_config={
             "text": st.column_config.TextColumn("text", width="large"),
             "run ids": st.column_config.TextColumn("run ids", width="small"),
             "prompts": None,
         },
     )
-    picked = sorted(set(event.selection.rows) | {c[0] for c in event.selection.cells}) if event else []
     selected = [rid for i in picked for rid in table.loc[i, "run ids"].split(",")][:8]
     c1, c2, c3 = st.columns(3)
     if c3.button(
@@ -93,7 +90,7 @@ if not df.empty:
     # each run by id, text, dtype and settings: rows that read alike on screen are told apart
     by_id = df.set_index("run_id")
     what = f"{len(selected)} run{'s' if len(selected) != 1 else ''}: " + "; ".join(
-        f"{rid[:12]} (“{short_text(by_id.loc[rid, 'first_text'])}”, {by_id.loc[rid, 'dtype']}, "
+        f"{rid[:12]} (“{isolated(short_text(by_id.loc[rid, 'first_text']))}”, {by_id.loc[rid, 'dtype']}, "
         f"settings: {settings_words(by_id.loc[rid, 'settings'])})"
         for rid in selected
     )
@@ -131,20 +128,16 @@ if not ros.empty:
             "id",
         ]
     ]
-    event = st.dataframe(
+    picked_ro = picked_rows(
         shown_ro,
-        hide_index=True,
-        width="stretch",
-        on_select="rerun",
-        selection_mode=["multi-row", "single-cell"],
-        key=table_key("rollout-table"),
+        table_key("rollout-table"),
+        many=True,
         column_config={
             "prompt": st.column_config.TextColumn("prompt", width="large"),
             "largest gap": st.column_config.NumberColumn(format="%.2e"),
             "mean gap": st.column_config.NumberColumn(format="%.2e"),
         },
     )
-    picked_ro = sorted(set(event.selection.rows) | {c[0] for c in event.selection.cells}) if event else []
     ids = [shown_ro.iloc[i]["id"] for i in picked_ro][:4]
     r1, r2 = st.columns(2)
     if r1.button("Open rollouts", disabled=not ids, type="primary", icon=":material/model_training:", key="rollout-open"):
@@ -159,16 +152,7 @@ if not frs.empty:
     shown_fr = frs.rename(columns={"first_text": "text", "n_configs": "configurations", "frontier_id": "id"})[
         ["text", "model", "configurations", "recommendation", "created", "id"]
     ]
-    event = st.dataframe(
-        shown_fr,
-        hide_index=True,
-        width="stretch",
-        on_select="rerun",
-        selection_mode=["single-row", "single-cell"],
-        key="frontier-table",
-        column_config={"text": st.column_config.TextColumn("text", width="large")},
-    )
-    rows_fr = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
+    rows_fr = picked_rows(shown_fr, "frontier-table", column_config={"text": st.column_config.TextColumn("text", width="large")})
     if st.button("Open frontier", disabled=not rows_fr, icon=":material/speed:", key="frontier-open"):
         st.switch_page("views/frontier.py", query_params={"frontier": shown_fr.iloc[rows_fr[0]]["id"]})
 
@@ -177,15 +161,6 @@ if not diags.empty:
     shown = diags[["first_text", "model", "dtypes", "parts", "created", "diagnostics_id"]].rename(
         columns={"first_text": "text", "parts": "checks", "diagnostics_id": "id"}
     )
-    event = st.dataframe(
-        shown,
-        hide_index=True,
-        width="stretch",
-        on_select="rerun",
-        selection_mode=["single-row", "single-cell"],
-        key="diag-table",
-        column_config={"text": st.column_config.TextColumn("text", width="large")},
-    )
-    rows = (event.selection.rows or [c[0] for c in event.selection.cells]) if event else []
+    rows = picked_rows(shown, "diag-table", column_config={"text": st.column_config.TextColumn("text", width="large")})
     if st.button("Open diagnostics", disabled=not rows, icon=":material/stethoscope:", key="diag-open"):
         st.switch_page("views/diagnostics.py", query_params={"diag": shown.iloc[rows[0]]["id"]})

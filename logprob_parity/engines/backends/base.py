@@ -73,7 +73,8 @@ class Backend(ABC):
         """Versions, device and resolved settings, recorded with each run."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Free the engine; the worker process exits right after."""
+        """Free the engine and any process-wide state it set up: the host then exits, or loads the next
+        model in this process (a swap); it collects the garbage itself."""
 
 
 def load_backend_class(name: str) -> Any:

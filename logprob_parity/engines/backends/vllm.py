@@ -341,4 +341,11 @@ class VLLMBackend(Backend):
         }
 
     def close(self) -> None:
+        """Stop the engine core and drop vLLM's process-wide state (its distributed groups), so that a
+        host can build the next engine in this process (a model swap)."""
         self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()  # (vLLM's cleanup_dist_env_and_memory, less its gc: the host collects once)
+        destroy_distributed_environment()
