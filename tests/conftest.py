@@ -27,7 +27,8 @@ def pytest_sessionstart(session):
     from logprob_parity.engines.pool import POOL
 
     START_LOG.parent.mkdir(parents=True, exist_ok=True)
-    START_LOG.unlink(missing_ok=True)
+    if not hasattr(session.config, "workerinput"):  # the session's own process, not a pytest-xdist worker
+        START_LOG.unlink(missing_ok=True)
     # the session's engines are shared across tests by key (the pool keeps them warm); a new key loads
     # into a spare that has done its imports, or swaps into a host stopped for room
     POOL.keep_spares = True
