@@ -201,7 +201,7 @@ SWAP_IDS = [[1, 45, 49, 17, 17, 300, 21, 9, 4], [1, 200, 3, 77]]
 def test_a_host_that_swaps_models_scores_the_second_exactly_as_a_fresh_host(tiny_bos, demo_model, backend):
     """The tiny Llama, then the demo model in the same process (its imports kept): every field of its
     scores equals those of a host started fresh for the demo model, bit for bit."""
-    from logprob_parity.engines.host import HostClient
+    from logprob_parity.engines.host import LAST_START, HostClient
     from logprob_parity.engines.records import LoadRequest
 
     first, second = (LoadRequest(backend, str(m), "float32", "cpu", max_model_len=128) for m in (tiny_bos, demo_model))
@@ -211,11 +211,14 @@ def test_a_host_that_swaps_models_scores_the_second_exactly_as_a_fresh_host(tiny
         swapped.wait_loaded()
         pid = swapped.pid
         assert len(swapped.score(SWAP_IDS, 3)) == 2
+        cold = dict(LAST_START)
         swapped.begin_load(second)
         timing = swapped.wait_loaded()["load_timing"]
         assert swapped.pid == pid and timing["swapped"] and timing["import_s"] < 0.5, timing
+        assert cold == LAST_START  # a swap is no cold start: the next estimate does not read it as one
         fresh.begin_load(second)
-        assert not fresh.wait_loaded()["load_timing"].get("swapped")
+        t = fresh.wait_loaded()["load_timing"]
+        assert not t.get("swapped") and LAST_START[(backend, "cpu")] == t["import_s"] + t["init_s"]
         a, b = swapped.score(SWAP_IDS, 3), fresh.score(SWAP_IDS, 3)
     finally:
         swapped.stop()

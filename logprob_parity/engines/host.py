@@ -75,7 +75,9 @@ _LOG_CAUSES = (
 
 
 # The last measured start of each backend on each kind of device in this process (imports and
-# load, seconds), so waiting messages say what a start takes here rather than a guess.
+# load, seconds), so waiting messages say what a start takes here rather than a guess. Only a start
+# that paid the imports counts: a spare's or a swap's load is shorter than a new process's (and the
+# fake backend's, which loads nothing, never counts).
 LAST_START: dict[tuple[str, str], float] = {}
 TYPICAL_START = {"cpu": "about 20-60 s", "cuda": "about 30-90 s"}
 
@@ -420,10 +422,12 @@ class HostClient:
             raise type(exc)(f"{self.label} cannot run the {family} family: {text}") from None
 
         t = (self.info or {}).get("load_timing") or {}
-        if t:
+        spare = self.prepared is not None and self.loads == 1
+        real = (self.info or {}).get("backend") != "fake"  # the plumbing tests' stand-in loads no model
+        if t and real and not spare and not t.get("swapped"):  # a cold start: what an estimate of the next one reads
             kind = "cuda" if request.device.startswith("cuda") else "cpu"
             LAST_START[(request.backend, kind)] = float(t.get("import_s", 0)) + float(t.get("init_s", 0))
-        _log_start(request, t, time.monotonic() - start, spare=self.prepared is not None and self.loads == 1)
+        _log_start(request, t, time.monotonic() - start, spare=spare)
         return self.info
 
     def score(
