@@ -32,17 +32,19 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def hosts_of(pid: int) -> list[int]:
-    """Engine host processes started by process `pid` (they carry LPP_HOST_PARENT=pid)."""
+def hosts_of(pid: int, spares: bool = True) -> list[int]:
+    """Engine host processes started by process `pid` (they carry LPP_HOST_PARENT=pid); spares=False
+    leaves out the spares (started with --spare: imports done, waiting for a model after a job)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             env = (entry / "environ").read_bytes().split(b"\0")
+            spare = b"--spare" in (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"LPP_HOST_PARENT={pid}".encode() in env:
+        if f"LPP_HOST_PARENT={pid}".encode() in env and (spares or not spare):
             found.append(int(entry.name))
     return found
 
@@ -187,9 +189,9 @@ def test_engines_start_with_the_server_and_serve_the_first_run(home):
     dash = Dashboard(home, LPP_FAKE_ENGINES="1", LPP_FAKE_LOAD_S="15", LPP_PREWARM="1")
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(hosts_of(dash.proc.pid)) < 4:
+        while time.monotonic() < deadline and len(hosts_of(dash.proc.pid, spares=False)) < 4:
             time.sleep(0.2)  # polling the process table: no browser has connected yet
-        warm = set(hosts_of(dash.proc.pid))
+        warm = set(hosts_of(dash.proc.pid, spares=False))
         assert len(warm) == 4, "hf and vllm, bfloat16 and float32, started with the server"
         with sync_playwright() as p:
             browser = _browser(p)
@@ -201,7 +203,8 @@ def test_engines_start_with_the_server_and_serve_the_first_run(home):
             settled(page)
             assert page.get_by_test_id("stException").count() == 0
             browser.close()
-        assert set(hosts_of(dash.proc.pid)) == warm  # the Run was served by the engines started with the server
+        # the Run was served by the engines started with the server (spares wait for the next model)
+        assert set(hosts_of(dash.proc.pid, spares=False)) == warm
     finally:
         dash.kill()
 
@@ -220,8 +223,8 @@ def test_sigterm_stops_the_dashboard_and_every_engine_host(home, tiny_bos):
             page.get_by_role("button", name="Run", exact=True).click()
             page.locator(".lpp-tok").first.wait_for(timeout=120_000)
             browser.close()
-        hosts = hosts_of(dash.proc.pid)
-        assert len(hosts) == 4  # hf and vllm roles, bfloat16 and float32
+        assert len(hosts_of(dash.proc.pid, spares=False)) == 4  # hf and vllm roles, bfloat16 and float32
+        hosts = hosts_of(dash.proc.pid)  # and the spares the ended job left: every one must stop
         os.kill(dash.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (

@@ -260,7 +260,9 @@ class HostClient:
         self.loads = 0  # models loaded in this process
         self.swaps = 0  # of which loaded in place of another model
 
-    def start(self) -> HostClient:
+    def start(self, spare: bool = False) -> HostClient:
+        """Start the host process. spare: it is started as a spare (`prepare` follows), and says so in
+        its command line (`--spare`), where a person or a test looking at the processes sees it."""
         self.env_print = env_print(self.extra_env)
         env = dict(os.environ, **self.extra_env)
         env[ADDRESS_ENV] = self.address
@@ -274,7 +276,7 @@ class HostClient:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "logprob_parity.engines.host"],
+                [sys.executable, "-m", "logprob_parity.engines.host", *(["--spare"] if spare else [])],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

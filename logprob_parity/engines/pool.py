@@ -202,7 +202,7 @@ class EnginePool:
         if spare is None or not spare.alive():
             self._spares[kind] = (
                 self._host_factory(f"spare {request.backend}", extra_env=request.host_env(), device=request.device)
-                .start()
+                .start(spare=True)
                 .prepare(request.backend)
             )
 
