@@ -23,14 +23,14 @@ def _spec(model, text="Shall I compare thee to a summer's day?", seed=0, **kw):
     return RunSpec(texts=(text,), model=str(model), dtypes=("float32",), top_k=3, settings=EngineSettings(seed=seed, **kw))
 
 
-def _workers(backend):
-    return [w for w in pool.running() if w.label.startswith(backend)]
+def _workers(backend, engines=pool.POOL):
+    return [w for w in engines.running() if w.label.startswith(backend)]
 
 
-def _wait_for_worker(backend, exclude, timeout=120):
+def _wait_for_worker(backend, exclude, timeout=120, engines=pool.POOL):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for w in _workers(backend):
+        for w in _workers(backend, engines):
             if w.pid not in exclude:
                 return w
         time.sleep(0.1)
@@ -41,23 +41,30 @@ def _wait_for_worker(backend, exclude, timeout=120):
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
 def test_kill_9_a_worker_mid_run(home, tiny_nobos, backend):
     """The run fails with a clear message, nothing is stored, and the next run starts fresh and succeeds."""
+    from logprob_parity.analysis.request import Context
+
     store = Store(home)
-    # settings no other test uses: cold workers for both engines, so the kill lands mid-start
+    # a pool of its own and settings no other test uses: cold workers for both engines (no spare that
+    # did its imports), so the kill lands mid-start
+    cold = pool.EnginePool()
+    ctx = Context.of(store=store, pool=cold)
     spec = _spec(tiny_nobos, seed=1000 + len(backend), attn_implementation="eager" if backend == "hf" else None)
-    before = {w.pid for w in pool.running()}
     errors = []
-    t = threading.Thread(target=lambda: _run_catching(errors, spec, store))
-    t.start()
-    victim = _wait_for_worker(backend, before)
-    time.sleep(2.0)
-    os.kill(victim.pid, signal.SIGKILL)
-    t.join(600)
-    assert len(errors) == 1 and isinstance(errors[0], EngineError), errors
-    assert "died" in str(errors[0]) and "signal 9" in str(errors[0])
-    assert store.list_runs().empty and run_files(home) == []
-    (run,) = compare(spec, store=store)
-    assert run.summary["n_tokens"] > 5 and store.has(run.run_id)
-    assert victim.pid not in {w.pid for w in pool.running()}
+    try:
+        t = threading.Thread(target=lambda: _run_catching(errors, spec, ctx))
+        t.start()
+        victim = _wait_for_worker(backend, set(), engines=cold)
+        time.sleep(2.0)
+        os.kill(victim.pid, signal.SIGKILL)
+        t.join(600)
+        assert len(errors) == 1 and isinstance(errors[0], EngineError), errors
+        assert "died" in str(errors[0]) and "signal 9" in str(errors[0])
+        assert store.list_runs().empty and run_files(home) == []
+        (run,) = compare(spec, ctx)
+        assert run.summary["n_tokens"] > 5 and store.has(run.run_id)
+        assert victim.pid not in {w.pid for w in cold.running()}
+    finally:
+        cold.shutdown(grace=2.0)
 
 
 @engine
@@ -71,9 +78,9 @@ def test_a_warm_worker_that_died_is_replaced(home, tiny_bos):
     assert store.has(run.run_id) and all(w.pid != hf.pid for w in pool.running())
 
 
-def _run_catching(errors, spec, store):
+def _run_catching(errors, spec, ctx):
     try:
-        compare(spec, store=store)
+        compare(spec, ctx)
     except Exception as exc:
         errors.append(exc)
 
@@ -110,10 +117,18 @@ def test_eight_concurrent_clients(home, tiny_bos):
 
 @engine
 def test_engine_start_timeout(home, tiny_bos, monkeypatch):
+    """A cold start (a pool of its own: no spare that did its imports, which could load within the
+    limit) that passes LPP_ENGINE_START_TIMEOUT is stopped and said, and nothing is stored."""
+    from logprob_parity.analysis.request import Context
+
     monkeypatch.setenv("LPP_ENGINE_START_TIMEOUT", "3")
-    with pytest.raises(EngineError, match=r"within 3 s|longer than 3 s"):
-        compare(_spec(tiny_bos, seed=2001), store=Store(home))
-    assert not [w for w in pool.running() if w.info is None]
+    cold = pool.EnginePool()
+    try:
+        with pytest.raises(EngineError, match=r"within 3 s|longer than 3 s"):
+            compare(_spec(tiny_bos, seed=2001), Context.of(store=Store(home), pool=cold))
+        assert not [w for w in cold.running() if w.info is None]
+    finally:
+        cold.shutdown(grace=2.0)
     assert run_files(home) == []
 
 
