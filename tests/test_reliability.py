@@ -124,7 +124,8 @@ def test_engine_start_timeout(home, tiny_bos, monkeypatch):
     monkeypatch.setenv("LPP_ENGINE_START_TIMEOUT", "3")
     cold = pool.EnginePool()
     try:
-        with pytest.raises(EngineError, match=r"within 3 s|longer than 3 s"):
+        # the load gets what is left of the 3 s once the host has connected: "longer than 2 s" on a busy machine
+        with pytest.raises(EngineError, match=r"within 3 s|longer than [1-3] s loading the model"):
             compare(_spec(tiny_bos, seed=2001), Context.of(store=Store(home), pool=cold))
         assert not [w for w in cold.running() if w.info is None]
     finally:
