@@ -199,6 +199,8 @@ class EnginePool:
             stale = self._spares.pop(other)
             threading.Thread(target=stale.stop, kwargs={"grace": 2.0}, daemon=True).start()
         spare = self._spares.get(kind)
+        if spare is not None and not spare.alive():  # a spare that died: its socket folder goes too
+            threading.Thread(target=spare.stop, kwargs={"grace": 0.0}, daemon=True).start()
         if spare is None or not spare.alive():
             self._spares[kind] = (
                 self._host_factory(f"spare {request.backend}", extra_env=request.host_env(), device=request.device)
