@@ -23,8 +23,20 @@ START_LOG = CACHE / "engine-starts.jsonl"
 os.environ.setdefault("LPP_ENGINE_START_LOG", str(START_LOG))
 
 
+ZYGOTE = None  # the session's engine zygote (logprob_parity.engines.zygote), where it started one
+
+
 def pytest_sessionstart(session):
+    """The session's engine hosts are forked from one zygote that imported the engines once: in this
+    process, in pytest-xdist's workers, and in every CLI and dashboard a test starts (they inherit
+    its address). `LPP_TEST_ZYGOTE=0` starts every host the ordinary way, as the product does."""
+    global ZYGOTE
+    from logprob_parity.engines.host import host_env
     from logprob_parity.engines.pool import POOL
+    from logprob_parity.engines.zygote import ZYGOTE_ENV, Zygote
+
+    if os.environ.get("LPP_TEST_ZYGOTE", "1") == "1" and not os.environ.get(ZYGOTE_ENV):
+        ZYGOTE = Zygote().start(host_env({}))
 
     START_LOG.parent.mkdir(parents=True, exist_ok=True)
     if not hasattr(session.config, "workerinput"):  # the session's own process, not a pytest-xdist worker
@@ -32,6 +44,25 @@ def pytest_sessionstart(session):
     # the session's engines are shared across tests by key (the pool keeps them warm); a new key loads
     # into a spare that has done its imports, or swaps into a host stopped for room
     POOL.keep_spares = True
+
+
+def pytest_sessionfinish(session):
+    """The pool's hosts stop before the zygote that forked them (it reports their exits)."""
+    if ZYGOTE is not None:
+        from logprob_parity.engines.pool import POOL
+
+        POOL.shutdown()
+        ZYGOTE.stop()
+
+
+@pytest.fixture()
+def cold_start(monkeypatch):
+    """For a test about a real cold start (imports, start limits, spares, the processes a server
+    starts): hosts start as new processes, not forked from the session's zygote."""
+    from logprob_parity.engines.zygote import ZYGOTE_ENV, ZYGOTE_KEY_ENV
+
+    monkeypatch.delenv(ZYGOTE_ENV, raising=False)
+    monkeypatch.delenv(ZYGOTE_KEY_ENV, raising=False)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -50,8 +81,13 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_line(
         f"{len(rows)} engine loads, {sum(r['wall_s'] for r in rows):.0f} s in all; {len(here)} in the test process "
         f"({len(keys)} keys, {sum(n - 1 for n in keys.values())} loaded again after being stopped), "
-        f"{len(rows) - len(here)} in CLIs and servers it started; {sum(1 for r in rows if r.get('swapped'))} swaps"
+        f"{len(rows) - len(here)} in CLIs and servers it started; {sum(1 for r in rows if r.get('swapped'))} swaps, "
+        f"{sum(1 for r in rows if r.get('forked'))} forked from the zygote; "
+        f"{sum(r.get('import_s', 0) for r in rows):.0f} s of imports"
     )
+    refused = Counter(r["fork_refused"] for r in rows if r.get("fork_refused"))
+    for why, n in refused.most_common(5):
+        tr.write_line(f"  not forked ({n}): {why}")
     for test, n in by_test.most_common(15):
         tr.write_line(f"  {n:3d}  {test}")
 

@@ -186,7 +186,8 @@ def test_engines_start_with_the_server_and_serve_the_first_run(home):
     says they are starting; the first Run uses them (no engine is started for it)."""
     from playwright.sync_api import expect, sync_playwright
 
-    dash = Dashboard(home, LPP_FAKE_ENGINES="1", LPP_FAKE_LOAD_S="15", LPP_PREWARM="1")
+    # hosts started the ordinary way (no zygote): hosts_of finds them by the parent in their environment
+    dash = Dashboard(home, LPP_FAKE_ENGINES="1", LPP_FAKE_LOAD_S="15", LPP_PREWARM="1", LPP_ENGINE_ZYGOTE="")
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(hosts_of(dash.proc.pid, spares=False)) < 4:
@@ -212,7 +213,7 @@ def test_engines_start_with_the_server_and_serve_the_first_run(home):
 def test_sigterm_stops_the_dashboard_and_every_engine_host(home, tiny_bos):
     from playwright.sync_api import sync_playwright
 
-    dash = Dashboard(home, LPP_FAKE_ENGINES="1")
+    dash = Dashboard(home, LPP_FAKE_ENGINES="1", LPP_ENGINE_ZYGOTE="")  # ordinary hosts: hosts_of finds them
     try:
         with sync_playwright() as p:
             browser = _browser(p)

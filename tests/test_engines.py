@@ -198,7 +198,7 @@ SWAP_IDS = [[1, 45, 49, 17, 17, 300, 21, 9, 4], [1, 200, 3, 77]]
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
-def test_a_host_that_swaps_models_scores_the_second_exactly_as_a_fresh_host(tiny_bos, demo_model, backend):
+def test_a_host_that_swaps_models_scores_the_second_exactly_as_a_fresh_host(tiny_bos, demo_model, backend, cold_start):
     """The tiny Llama, then the demo model in the same process (its imports kept): every field of its
     scores equals those of a host started fresh for the demo model, bit for bit."""
     from logprob_parity.engines.host import LAST_START, HostClient
@@ -226,6 +226,68 @@ def test_a_host_that_swaps_models_scores_the_second_exactly_as_a_fresh_host(tiny
     for x, y in zip(a, b):
         for name in ("token_ids", "logprob", "topk_ids", "topk_logprobs", "rank"):
             np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=f"{name}: swapped vs fresh")
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_a_host_forked_from_the_zygote_scores_exactly_as_a_new_process(tiny_bos, backend, monkeypatch):
+    """The session's hosts are forked from a zygote that imported the engines once: a forked host
+    loads without importing, and every field of its scores equals a host started as a new process,
+    bit for bit. Its exit status reaches the pool through the zygote."""
+    from logprob_parity.engines.host import HostClient, host_env
+    from logprob_parity.engines.records import LoadRequest
+    from logprob_parity.engines.zygote import ZYGOTE_ENV, ZYGOTE_KEY_ENV, ForkedProcess, Zygote
+
+    request = LoadRequest(backend, str(tiny_bos), "float32", "cpu", max_model_len=128)
+    zygote = Zygote().start(host_env({}))  # this test's own, so that it holds without the session's
+    try:
+        forked = HostClient(f"{backend} forked").start()
+        assert isinstance(forked.proc, ForkedProcess), forked.refused_fork
+        with monkeypatch.context() as m:  # a new process, as the product starts its hosts
+            m.delenv(ZYGOTE_ENV)
+            m.delenv(ZYGOTE_KEY_ENV)
+            fresh = HostClient(f"{backend} fresh").start()
+        assert not isinstance(fresh.proc, ForkedProcess)
+        try:
+            forked.begin_load(request)
+            fresh.begin_load(request)
+            t_forked, t_fresh = forked.wait_loaded()["load_timing"], fresh.wait_loaded()["load_timing"]
+            assert t_forked["forked"] and t_forked["import_s"] < 0.5 and not t_fresh.get("forked"), (t_forked, t_fresh)
+            a, b = forked.score(SWAP_IDS, 3), fresh.score(SWAP_IDS, 3)
+        finally:
+            forked.stop()
+            fresh.stop()
+        assert forked.proc.returncode == 0 and fresh.proc.returncode == 0  # closed when asked, both
+    finally:
+        zygote.stop()
+    for x, y in zip(a, b):
+        for name in ("token_ids", "logprob", "topk_ids", "topk_logprobs", "rank"):
+            np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=f"{name}: forked vs new process")
+
+
+def test_the_zygote_forks_no_host_whose_environment_differs_in_what_imports_read(monkeypatch, tmp_path):
+    """A variable that vLLM or torch may read at import time (here VLLM_LOGGING_LEVEL) makes the
+    zygote refuse, naming it, and the host starts as a new process; a variable the project reads when
+    it uses it (the store's folder) does not. A forked host killed by a signal reports that signal."""
+    import signal
+
+    from logprob_parity.engines.host import HostClient, host_env
+    from logprob_parity.engines.zygote import ForkedProcess, Zygote
+
+    zygote = Zygote().start(host_env({}))
+    try:
+        monkeypatch.setenv("LOGPROB_PARITY_HOME", str(tmp_path))
+        same = HostClient("fake").start()
+        assert isinstance(same.proc, ForkedProcess), same.refused_fork
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+        other = HostClient("fake").start()
+        assert not isinstance(other.proc, ForkedProcess)
+        assert other.refused_fork == "its environment differs in VLLM_LOGGING_LEVEL"
+        other.stop(grace=0.0)
+        same.proc.kill()
+        assert same.proc.wait(10) == -signal.SIGKILL
+        same.stop(grace=0.0)
+    finally:
+        zygote.stop()
 
 
 def test_two_tests_asking_for_one_engine_key_in_a_session_start_it_once(pytester, tiny_bos):

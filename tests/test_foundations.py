@@ -183,7 +183,7 @@ def test_a_host_stopped_for_room_loads_the_next_engine_in_its_own_process(fake_e
         assert lease.host(a).swaps == 0  # swaps turned off: a new process
 
 
-def test_a_spare_that_did_its_imports_takes_the_next_model(tiny_bos, monkeypatch):
+def test_a_spare_that_did_its_imports_takes_the_next_model(tiny_bos, monkeypatch, cold_start):
     """A pool that keeps spares starts one per backend when a job ends; the next cold engine of that
     backend loads into it (no import), and a spare started for another environment is not used."""
     monkeypatch.setenv("LPP_FAKE_ENGINES", "1")

@@ -39,7 +39,7 @@ def _wait_for_worker(backend, exclude, timeout=120, engines=pool.POOL):
 
 @engine
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
-def test_kill_9_a_worker_mid_run(home, tiny_nobos, backend):
+def test_kill_9_a_worker_mid_run(home, tiny_nobos, backend, cold_start):
     """The run fails with a clear message, nothing is stored, and the next run starts fresh and succeeds."""
     from logprob_parity.analysis.request import Context
 
@@ -116,7 +116,7 @@ def test_eight_concurrent_clients(home, tiny_bos):
 
 
 @engine
-def test_engine_start_timeout(home, tiny_bos, monkeypatch):
+def test_engine_start_timeout(home, tiny_bos, monkeypatch, cold_start):
     """A cold start (a pool of its own: no spare that did its imports, which could load within the
     limit) that passes LPP_ENGINE_START_TIMEOUT is stopped and said, and nothing is stored."""
     from logprob_parity.analysis.request import Context

@@ -109,20 +109,33 @@ def _describe_error(exc: BaseException) -> tuple[str, str]:
     return "engine", text
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent(parent: int, forked: bool = False) -> None:
     """A host must not outlive the process that started it (a killed dashboard, a crashed test):
-    when it is re-parented, it ends its whole process group, vLLM's own children included."""
+    when it is re-parented, it ends its whole process group, vLLM's own children included. A host
+    forked by the zygote (logprob_parity.engines.zygote) has the zygote as its parent: it watches the
+    process whose pool asked for it instead."""
+
+    def gone() -> bool:
+        if not forked:
+            return os.getppid() != parent
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
     def watch() -> None:
         while True:
             time.sleep(1.0)
-            if os.getppid() != parent:
+            if gone():
                 os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="lpp-parent-watch", daemon=True).start()
 
 
-def _log_start(request: LoadRequest, timing: dict[str, Any], wall_s: float, spare: bool) -> None:
+def _log_start(request: LoadRequest, timing: dict[str, Any], wall_s: float, spare: bool, fork: str | None = None) -> None:
     """One line in LPP_ENGINE_START_LOG (when set) for this load."""
     path = os.environ.get(START_LOG_ENV)
     if not path:
@@ -137,6 +150,8 @@ def _log_start(request: LoadRequest, timing: dict[str, Any], wall_s: float, spar
         "wall_s": round(wall_s, 2),
         **timing,
         "spare": spare,
+        "forked": bool(timing.get("forked")),
+        **({"fork_refused": fork} if fork else {}),
         "pid": os.getpid(),  # the process whose pool asked for it (a test run, a CLI, a dashboard)
         "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
     }
@@ -165,8 +180,9 @@ def serve() -> None:
     address = os.environ[ADDRESS_ENV]
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     parent = int(os.environ.get(PARENT_ENV, "0"))
-    if parent and parent == os.getppid():
-        _exit_with_parent(parent)
+    forked = os.environ.get("LPP_HOST_FORKED") == "1"
+    if parent and (parent == os.getppid() or forked):
+        _exit_with_parent(parent, forked)
     with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
         conn = listener.accept()
     backend = None
@@ -201,6 +217,8 @@ def serve() -> None:
                     timing = {"import_s": round(t2 - t1, 2), "init_s": round(time.monotonic() - t2, 2)}
                     if swapped:
                         timing |= {"swapped": True, "unload_s": round(t1 - t0, 2)}
+                    if os.environ.get("LPP_HOST_FORKED") == "1":  # imports inherited from the zygote
+                        timing["forked"] = True
                     conn.send(HostReply(True, {**backend.info(), "load_timing": timing}))
                 elif op in BACKEND_OPS and backend is not None and hasattr(backend, op):
                     conn.send(HostReply(True, getattr(backend, op)(*msg.args)))
@@ -220,6 +238,19 @@ def serve() -> None:
         if backend is not None:
             backend.close()
         conn.close()
+
+
+def host_env(extra_env: dict[str, str]) -> dict[str, str]:
+    """The environment of a host started now with `extra_env`, less its own address, key and parent."""
+    env = dict(os.environ, **extra_env)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM's engine core in this host process, not a second one: one import of torch and vLLM
+    # instead of two, which halves the start and the CPU that engines starting side by side share.
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    root = str(Path(__file__).resolve().parents[2])  # the folder that holds the package
+    paths = [root, *(env["PYTHONPATH"].split(os.pathsep) if env.get("PYTHONPATH") else [])]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    return env
 
 
 def env_print(extra_env: dict[str, str]) -> int:
@@ -259,21 +290,26 @@ class HostClient:
         self.env_print = 0  # env_print of the environment it was started with
         self.loads = 0  # models loaded in this process
         self.swaps = 0  # of which loaded in place of another model
+        self.refused_fork: str | None = None  # why the zygote did not fork this host, where one was asked
 
     def start(self, spare: bool = False) -> HostClient:
         """Start the host process. spare: it is started as a spare (`prepare` follows), and says so in
-        its command line (`--spare`), where a person or a test looking at the processes sees it."""
+        its command line (`--spare`), where a person or a test looking at the processes sees it.
+        Where this process has an engine zygote (logprob_parity.engines.zygote), the host is forked
+        from it, imports done, unless its environment or device rule that out."""
         self.env_print = env_print(self.extra_env)
-        env = dict(os.environ, **self.extra_env)
+        env = host_env(self.extra_env)
         env[ADDRESS_ENV] = self.address
         env[AUTHKEY_ENV] = self._authkey.hex()
         env[PARENT_ENV] = str(os.getpid())
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        # vLLM's engine core in this host process, not a second one: one import of torch and vLLM
-        # instead of two, which halves the start and the CPU that engines starting side by side share.
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        root = str(Path(__file__).resolve().parents[2])  # the folder that holds the package
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if os.environ.get("LPP_ENGINE_ZYGOTE") and not spare:
+            from logprob_parity.engines.zygote import fork_host
+
+            forked = fork_host(env, self.log_path, self.device)
+            if not isinstance(forked, str):
+                self.proc = forked  # type: ignore[assignment]
+                return self
+            self.refused_fork = forked
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "logprob_parity.engines.host", *(["--spare"] if spare else [])],
@@ -426,10 +462,12 @@ class HostClient:
         t = (self.info or {}).get("load_timing") or {}
         spare = self.prepared is not None and self.loads == 1
         real = (self.info or {}).get("backend") != "fake"  # the plumbing tests' stand-in loads no model
-        if t and real and not spare and not t.get("swapped"):  # a cold start: what an estimate of the next one reads
+        if (
+            t and real and not spare and not t.get("swapped") and not t.get("forked")
+        ):  # a cold start: what an estimate of the next one reads
             kind = "cuda" if request.device.startswith("cuda") else "cpu"
             LAST_START[(request.backend, kind)] = float(t.get("import_s", 0)) + float(t.get("init_s", 0))
-        _log_start(request, t, time.monotonic() - start, spare=spare)
+        _log_start(request, t, time.monotonic() - start, spare=spare, fork=self.refused_fork)
         return self.info
 
     def score(

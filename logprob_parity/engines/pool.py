@@ -194,6 +194,8 @@ class EnginePool:
 
     # -- spares: hosts that did their imports and wait for a model -------------------------------
     def _keep_spare_locked(self, request: LoadRequest) -> None:
+        if os.environ.get("LPP_ENGINE_ZYGOTE"):  # hosts are forked with their imports done: no spare needed
+            return
         kind = _spare_kind(request)
         for other in [k for k in self._spares if k[:2] == kind[:2] and k != kind]:  # started for another environment
             stale = self._spares.pop(other)

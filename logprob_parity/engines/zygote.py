@@ -1,0 +1,288 @@
+"""A zygote: one process that imports the engines once, then forks a ready engine host for each start.
+
+Why: a new engine host spends most of its start importing torch, transformers and vLLM (6 to 10 s on a
+2-core CPU), and a test session starts about 250 of them, in its own process and in every CLI and
+dashboard it runs. A host forked from a process that already holds those imports starts in milliseconds
+and runs the same `host.serve()` as a host started by `python -m logprob_parity.engines.host`.
+
+It is opt-in: `LPP_ENGINE_ZYGOTE` (the socket's address) and `LPP_ENGINE_ZYGOTE_KEY` (its authkey, hex) in
+a process's environment make that process's pool ask here first. The test session starts one
+(`tests/conftest.py`); every process it starts inherits the two variables. The dashboard and the CLI
+start hosts the ordinary way unless a person sets them.
+
+A fork is refused, and the host is started the ordinary way, when the environment asked for differs
+from the zygote's in a variable that may be read at import time: only `FORK_SAFE` variables, which the
+project reads when it uses them, may differ. A host needs no GPU here: a forked CUDA context is
+unusable, so the zygote never serves a host whose device is not the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any
+
+ZYGOTE_ENV = "LPP_ENGINE_ZYGOTE"
+ZYGOTE_KEY_ENV = "LPP_ENGINE_ZYGOTE_KEY"
+FORKED_ENV = "LPP_HOST_FORKED"  # set in a forked host: the start log and the parent watch read it
+EXIT_FILE = "exit"  # written by the zygote, in the host's folder, when it reaps the host: its exit status
+# Variables that may differ between the zygote and a host forked from it: read when used, not at import.
+FORK_SAFE = frozenset(
+    {
+        "LPP_WORKER_ADDRESS",
+        "LPP_WORKER_AUTHKEY",
+        "LPP_HOST_PARENT",
+        "PYTEST_CURRENT_TEST",
+        "LOGPROB_PARITY_HOME",
+        "LPP_ENGINE_START_LOG",
+        "LPP_FAKE_ENGINES",
+        "LPP_MODEL_ROOTS",
+        "LPP_ENGINE_START_TIMEOUT",
+        "LPP_PREWARM",
+        FORKED_ENV,
+        ZYGOTE_ENV,
+        ZYGOTE_KEY_ENV,
+    }
+)
+PRELOAD = ("hf", "vllm")  # the backends whose imports every forked host inherits
+
+
+def _refusal(env: dict[str, str], base: dict[str, str]) -> str | None:
+    """Why a host with environment `env` must not be forked from a zygote started with `base`, or None.
+    (`base` is the zygote's environment before its imports: vLLM's import sets a few variables.)"""
+    keys = set(env) ^ set(base) | {k for k in env if k in base and env[k] != base[k]}
+    unsafe = sorted(k for k in keys if k not in FORK_SAFE)
+    return f"its environment differs in {', '.join(unsafe[:5])}" if unsafe else None
+
+
+def _child(env: dict[str, str], log_path: str) -> None:
+    """In the forked child: become a host process as `python -m logprob_parity.engines.host` would be."""
+    code = 1
+    try:
+        os.setsid()  # its own process group, as start_new_session gives an ordinary host
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(null)
+        os.close(log)
+        os.environ.clear()
+        os.environ.update(env, **{FORKED_ENV: "1"})
+        from logprob_parity.engines import host
+
+        host.serve()
+        code = 0
+    except BaseException:  # what an ordinary host would print before it exits non-zero
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(folders: dict[int, str]) -> None:
+    """Collect every child that ended and write its status where its pool looks (`EXIT_FILE`)."""
+    while folders:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        folder = folders.pop(pid, None)
+        if folder and os.path.isdir(folder):
+            tmp = os.path.join(folder, EXIT_FILE + ".tmp")
+            with contextlib.suppress(OSError):
+                Path(tmp).write_text(str(os.waitstatus_to_exitcode(status)))
+                os.replace(tmp, os.path.join(folder, EXIT_FILE))
+
+
+def main() -> None:
+    """Listen, import the engines, then fork a host for each request until the parent is gone."""
+    address = os.environ[ZYGOTE_ENV]
+    authkey = bytes.fromhex(os.environ[ZYGOTE_KEY_ENV])
+    parent = os.getppid()
+    base = dict(os.environ)
+    folders: dict[int, str] = {}
+    with Listener(address, family="AF_UNIX", authkey=authkey) as listener:  # clients wait while we import
+        from logprob_parity.engines.backends.base import load_backend_class
+
+        for name in PRELOAD:
+            with contextlib.suppress(Exception):  # a backend that is not installed is imported by its host
+                load_backend_class(name)
+        sock = listener._listener._socket  # to wait with a timeout, and reap ended hosts between requests
+        while os.getppid() == parent:
+            _reap(folders)
+            if not select.select([sock], [], [], 0.5)[0]:
+                continue
+            try:
+                conn = listener.accept()
+            except Exception as exc:  # a client that failed the handshake: say so, serve the next
+                print(f"zygote: a client failed to connect ({exc})", flush=True)
+                continue
+            with conn:
+                try:
+                    req: dict[str, Any] = conn.recv()
+                except (EOFError, OSError):
+                    continue
+                why = _refusal(req["env"], base) if req.get("device", "cpu") == "cpu" else "its device is not the CPU"
+                if why:
+                    conn.send({"refused": why})
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    conn.close()
+                    _child(req["env"], req["log_path"])
+                folders[pid] = str(Path(req["log_path"]).parent)
+                conn.send({"pid": pid})
+
+
+# -- the pool's side -----------------------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A host forked by the zygote, with the parts of `subprocess.Popen` that `HostClient` uses.
+
+    We are not its parent, so its liveness comes from a pidfd and its exit status from the file the
+    zygote writes when it reaps it."""
+
+    def __init__(self, pid: int, folder: Path) -> None:
+        self.pid = pid
+        self.args = ["<forked by the engine zygote>"]
+        self.returncode: int | None = None
+        self._exit = folder / EXIT_FILE
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # it ended already
+            self._fd = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self._fd is not None and not select.select([self._fd], [], [], 0)[0]:
+            return None
+        deadline = time.monotonic() + 2.0  # it ended: the zygote writes its status when it reaps it
+        while not self._exit.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            self.returncode = int(self._exit.read_text())
+        except (OSError, ValueError):  # the zygote is gone and someone else reaped it
+            self.returncode = -signal.SIGKILL
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            if self._fd is not None:
+                left = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+                select.select([self._fd], [], [], left)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None and self._fd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._fd, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_host(env: dict[str, str], log_path: Path, device: str) -> ForkedProcess | str:
+    """Ask this process's zygote (`LPP_ENGINE_ZYGOTE`) for a host; returns it, or why not."""
+    address, key = os.environ.get(ZYGOTE_ENV), os.environ.get(ZYGOTE_KEY_ENV)
+    if not address or not key:
+        return "no zygote"
+    if not os.path.exists(address):
+        return "the zygote is gone"
+    try:
+        with Client(address, family="AF_UNIX", authkey=bytes.fromhex(key)) as conn:
+            conn.send({"env": env, "log_path": str(log_path), "device": device})
+            if not conn.poll(120.0):
+                return "the zygote did not answer"
+            reply = conn.recv()
+    except (OSError, EOFError, ValueError) as exc:
+        return f"the zygote failed ({exc})"
+    if "refused" in reply:
+        return str(reply["refused"])
+    return ForkedProcess(int(reply["pid"]), log_path.parent)
+
+
+class Zygote:
+    """Start a zygote from this process (the test session) and point this process's environment at it,
+    so the pools here and in every process started from here fork their hosts from it."""
+
+    def __init__(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="lpp-zygote-"))
+        os.chmod(self._dir, 0o700)
+        self.address = str(self._dir / "sock")
+        self.log_path = self._dir / "zygote.log"
+        self.proc: subprocess.Popen | None = None
+        self._before: dict[str, str | None] = {}
+
+    def start(self, env: dict[str, str]) -> Zygote:
+        """env: the environment hosts will ask for (`host.host_env`), less their own address and key."""
+        key = secrets.token_hex(32)
+        env = {**env, ZYGOTE_ENV: self.address, ZYGOTE_KEY_ENV: key}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "logprob_parity.engines.zygote"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 30.0  # its socket comes before its imports: a client then waits for them
+        while not os.path.exists(self.address) and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._before = {k: os.environ.get(k) for k in (ZYGOTE_ENV, ZYGOTE_KEY_ENV)}
+        os.environ[ZYGOTE_ENV] = self.address
+        os.environ[ZYGOTE_KEY_ENV] = key
+        return self
+
+    def stop(self) -> None:
+        """Stop it, and point this process back where it pointed before `start` (another zygote, or none)."""
+        for name, value in self._before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if self.proc is not None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+            self.proc.kill()
+            self.proc.wait()
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
