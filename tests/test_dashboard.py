@@ -663,7 +663,7 @@ def test_diagnostics_offers_its_noise_check_once(home):
 
 
 @pytest.mark.engine
-def test_the_rollout_pages_estimate_holds_for_its_own_default_run(home, monkeypatch):
+def test_the_rollout_pages_estimate_holds_for_its_own_default_run(home, monkeypatch, cold_start):
     """Item 3 of the first hour: the Rollout page said "About 2 s here" before a run of 18.7 s. Its
     estimate of its own default run on this machine, engine starts included, is within 2x of the time
     the run takes, measured from pressing Run to the result."""
@@ -672,7 +672,7 @@ def test_the_rollout_pages_estimate_holds_for_its_own_default_run(home, monkeypa
     from logprob_parity.analysis import estimate
     from logprob_parity.engines import pool
 
-    pool.shutdown_all()  # a fresh server's first rollout: every engine it needs starts
+    pool.shutdown_all()  # a fresh server's first rollout: every engine it needs starts, as new processes
     monkeypatch.setattr(estimate, "LAST_START", {})  # no start measured yet in this process
     at = AppTest.from_file(APP, default_timeout=900)
     at.switch_page("views/rollout.py")

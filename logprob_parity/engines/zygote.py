@@ -11,9 +11,8 @@ a process's environment make that process's pool ask here first. The test sessio
 start hosts the ordinary way unless a person sets them.
 
 A fork is refused, and the host is started the ordinary way, when the environment asked for differs
-from the zygote's in a variable that may be read at import time: only `FORK_SAFE` variables, which the
-project reads when it uses them, may differ. A host needs no GPU here: a forked CUDA context is
-unusable, so the zygote never serves a host whose device is not the CPU.
+from the zygote's in a variable that may be read at import time (`_refusal`), or when the host's device
+is not the CPU: a CUDA context does not survive a fork.
 """
 
 from __future__ import annotations
@@ -35,32 +34,23 @@ ZYGOTE_ENV = "LPP_ENGINE_ZYGOTE"
 ZYGOTE_KEY_ENV = "LPP_ENGINE_ZYGOTE_KEY"
 FORKED_ENV = "LPP_HOST_FORKED"  # set in a forked host: the start log and the parent watch read it
 EXIT_FILE = "exit"  # written by the zygote, in the host's folder, when it reaps the host: its exit status
-# Variables that may differ between the zygote and a host forked from it: read when used, not at import.
-FORK_SAFE = frozenset(
-    {
-        "LPP_WORKER_ADDRESS",
-        "LPP_WORKER_AUTHKEY",
-        "LPP_HOST_PARENT",
-        "PYTEST_CURRENT_TEST",
-        "LOGPROB_PARITY_HOME",
-        "LPP_ENGINE_START_LOG",
-        "LPP_FAKE_ENGINES",
-        "LPP_MODEL_ROOTS",
-        "LPP_ENGINE_START_TIMEOUT",
-        "LPP_PREWARM",
-        FORKED_ENV,
-        ZYGOTE_ENV,
-        ZYGOTE_KEY_ENV,
-    }
-)
+# Variables that may differ between the zygote and a host forked from it. The project's own (LPP_...)
+# are read when used, but for those in READ_AT_IMPORT; MPLBACKEND and RAY_CLIENT_MODE are read by
+# matplotlib and Ray, which the zygote does not import (a forked host imports them with its own).
+FORK_SAFE = frozenset({"PYTEST_CURRENT_TEST", "LOGPROB_PARITY_HOME", "MPLBACKEND", "RAY_CLIENT_MODE"})
+READ_AT_IMPORT = frozenset({"LPP_FULL_KL_MAX_BYTES", "LPP_FULL_KL"})  # logprob_parity.engines.fullvocab
 PRELOAD = ("hf", "vllm")  # the backends whose imports every forked host inherits
 
 
-def _refusal(env: dict[str, str], base: dict[str, str]) -> str | None:
+def _safe(name: str) -> bool:
+    return name in FORK_SAFE or (name.startswith("LPP_") and name not in READ_AT_IMPORT)
+
+
+def _refusal(env: dict[str, str], base: dict[str, str], after: dict[str, str]) -> str | None:
     """Why a host with environment `env` must not be forked from a zygote started with `base`, or None.
-    (`base` is the zygote's environment before its imports: vLLM's import sets a few variables.)"""
-    keys = set(env) ^ set(base) | {k for k in env if k in base and env[k] != base[k]}
-    unsafe = sorted(k for k in keys if k not in FORK_SAFE)
+    A value the zygote had before its imports or has after them is the same: vLLM's import sets a few
+    variables (LD_LIBRARY_PATH, TORCHINDUCTOR_CACHE_DIR), and so did the asking process's."""
+    unsafe = sorted(k for k in set(env) | set(base) if env.get(k) not in (base.get(k), after.get(k)) and not _safe(k))
     return f"its environment differs in {', '.join(unsafe[:5])}" if unsafe else None
 
 
@@ -125,6 +115,7 @@ def main() -> None:
         for name in PRELOAD:
             with contextlib.suppress(Exception):  # a backend that is not installed is imported by its host
                 load_backend_class(name)
+        after = dict(os.environ)
         sock = listener._listener._socket  # to wait with a timeout, and reap ended hosts between requests
         while os.getppid() == parent:
             _reap(folders)
@@ -140,7 +131,7 @@ def main() -> None:
                     req: dict[str, Any] = conn.recv()
                 except (EOFError, OSError):
                     continue
-                why = _refusal(req["env"], base) if req.get("device", "cpu") == "cpu" else "its device is not the CPU"
+                why = _refusal(req["env"], base, after) if req.get("device", "cpu") == "cpu" else "its device is not the CPU"
                 if why:
                     conn.send({"refused": why})
                     continue
