@@ -5,12 +5,39 @@ Both HF and vLLM load these folders like any checkpoint; they are small enough t
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
 import os
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("LPP_TEST_CACHE", REPO / ".test-cache"))
+
+_HELD = threading.local()
+
+
+def one_build_at_a_time(build):
+    """Builders write under the shared cache: one at a time across the session's processes (pytest-xdist
+    workers, CLIs), so a worker finds the model another built instead of writing over it. Nested
+    builders (the GPTQ checkpoint builds the Llama first) take the lock once."""
+
+    @functools.wraps(build)
+    def locked(*args, **kwargs):
+        if getattr(_HELD, "depth", 0):
+            return build(*args, **kwargs)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with open(CACHE / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _HELD.depth = 1
+            try:
+                return build(*args, **kwargs)
+            finally:
+                _HELD.depth = 0
+
+    return locked
+
 
 CORPUS = [
     "Dave lives in Palm Coast, FL and is a lawyer.",
@@ -46,6 +73,7 @@ def build_tokenizer(out: Path, adds_bos: bool, bos: str | None = "<s>") -> None:
     fast.save_pretrained(out)
 
 
+@one_build_at_a_time
 def build_tiny_llama(name: str = "tiny-llama-bos", adds_bos: bool = True, max_positions: int = 128) -> Path:
     """A 2-layer random Llama (head_dim 32, which vLLM's CPU attention supports)."""
     out = CACHE / name
@@ -79,6 +107,7 @@ def build_tiny_llama(name: str = "tiny-llama-bos", adds_bos: bool = True, max_po
     return out
 
 
+@one_build_at_a_time
 def build_tiny_gptq(group: int = 32) -> tuple[Path, Path]:
     """The tiny Llama's projections quantized to 4 bits by hand in GPTQ's format (symmetric,
     `group` inputs a scale, no act-order), which vLLM loads as a pre-quantized checkpoint; and a
@@ -130,6 +159,7 @@ def build_tiny_gptq(group: int = 32) -> tuple[Path, Path]:
     return out, deq
 
 
+@one_build_at_a_time
 def build_tiny_openai_gpt() -> Path:
     """An architecture HF runs but vLLM does not (OpenAI GPT-1), for the 'unsupported' message."""
     out = CACHE / "tiny-openai-gpt"

@@ -35,8 +35,9 @@ def pytest_sessionstart(session):
     from logprob_parity.engines.pool import POOL
     from logprob_parity.engines.zygote import ZYGOTE_ENV, Zygote
 
-    if os.environ.get("LPP_TEST_ZYGOTE", "1") == "1" and not os.environ.get(ZYGOTE_ENV):
-        ZYGOTE = Zygote().start(host_env({}))
+    controller = session.config.getoption("numprocesses", None) and not hasattr(session.config, "workerinput")
+    if os.environ.get("LPP_TEST_ZYGOTE", "1") == "1" and not os.environ.get(ZYGOTE_ENV) and not controller:
+        ZYGOTE = Zygote().start(host_env({}))  # pytest-xdist's controller runs no test: each worker starts its own
 
     START_LOG.parent.mkdir(parents=True, exist_ok=True)
     if not hasattr(session.config, "workerinput"):  # the session's own process, not a pytest-xdist worker

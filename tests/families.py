@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builders import CACHE, build_tokenizer
+from builders import CACHE, build_tokenizer, one_build_at_a_time
 
 WINDOW = 16  # sliding window of the windowed families: the matrix's text is more than 3x longer
 
@@ -146,6 +146,7 @@ def family(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 
 
+@one_build_at_a_time
 def build_family(f: Family) -> Path:
     """The family's tiny checkpoint (random weights, float32), built once under the tests' cache."""
     out = CACHE / f"tiny-{f.name}"

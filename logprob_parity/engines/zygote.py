@@ -11,7 +11,7 @@ a process's environment make that process's pool ask here first. The test sessio
 start hosts the ordinary way unless a person sets them.
 
 A fork is refused, and the host is started the ordinary way, when the environment asked for differs
-from the zygote's in a variable that may be read at import time (`_refusal`), or when the host's device
+from the zygote's in a variable that may be read at import time (`refusal`), or when the host's device
 is not the CPU: a CUDA context does not survive a fork.
 """
 
@@ -26,9 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client
 from pathlib import Path
-from typing import Any
 
 ZYGOTE_ENV = "LPP_ENGINE_ZYGOTE"
 ZYGOTE_KEY_ENV = "LPP_ENGINE_ZYGOTE_KEY"
@@ -36,8 +35,18 @@ FORKED_ENV = "LPP_HOST_FORKED"  # set in a forked host: the start log and the pa
 EXIT_FILE = "exit"  # written by the zygote, in the host's folder, when it reaps the host: its exit status
 # Variables that may differ between the zygote and a host forked from it. The project's own (LPP_...)
 # are read when used, but for those in READ_AT_IMPORT; MPLBACKEND and RAY_CLIENT_MODE are read by
-# matplotlib and Ray, which the zygote does not import (a forked host imports them with its own).
-FORK_SAFE = frozenset({"PYTEST_CURRENT_TEST", "LOGPROB_PARITY_HOME", "MPLBACKEND", "RAY_CLIENT_MODE"})
+# matplotlib and Ray, which the zygote does not import (a forked host imports them with its own);
+# torch's inductor sets _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR in the process that compiles, just
+# before it reads it.
+FORK_SAFE = frozenset(
+    {
+        "PYTEST_CURRENT_TEST",
+        "LOGPROB_PARITY_HOME",
+        "MPLBACKEND",
+        "RAY_CLIENT_MODE",
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    }
+)
 READ_AT_IMPORT = frozenset({"LPP_FULL_KL_MAX_BYTES", "LPP_FULL_KL"})  # logprob_parity.engines.fullvocab
 PRELOAD = ("hf", "vllm")  # the backends whose imports every forked host inherits
 
@@ -46,104 +55,12 @@ def _safe(name: str) -> bool:
     return name in FORK_SAFE or (name.startswith("LPP_") and name not in READ_AT_IMPORT)
 
 
-def _refusal(env: dict[str, str], base: dict[str, str], after: dict[str, str]) -> str | None:
+def refusal(env: dict[str, str], base: dict[str, str], after: dict[str, str]) -> str | None:
     """Why a host with environment `env` must not be forked from a zygote started with `base`, or None.
     A value the zygote had before its imports or has after them is the same: vLLM's import sets a few
     variables (LD_LIBRARY_PATH, TORCHINDUCTOR_CACHE_DIR), and so did the asking process's."""
     unsafe = sorted(k for k in set(env) | set(base) if env.get(k) not in (base.get(k), after.get(k)) and not _safe(k))
     return f"its environment differs in {', '.join(unsafe[:5])}" if unsafe else None
-
-
-def _child(env: dict[str, str], log_path: str) -> None:
-    """In the forked child: become a host process as `python -m logprob_parity.engines.host` would be."""
-    code = 1
-    try:
-        os.setsid()  # its own process group, as start_new_session gives an ordinary host
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        null = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(null)
-        os.close(log)
-        os.environ.clear()
-        os.environ.update(env, **{FORKED_ENV: "1"})
-        from logprob_parity.engines import host
-
-        host.serve()
-        code = 0
-    except BaseException:  # what an ordinary host would print before it exits non-zero
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _reap(folders: dict[int, str]) -> None:
-    """Collect every child that ended and write its status where its pool looks (`EXIT_FILE`)."""
-    while folders:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        folder = folders.pop(pid, None)
-        if folder and os.path.isdir(folder):
-            tmp = os.path.join(folder, EXIT_FILE + ".tmp")
-            with contextlib.suppress(OSError):
-                Path(tmp).write_text(str(os.waitstatus_to_exitcode(status)))
-                os.replace(tmp, os.path.join(folder, EXIT_FILE))
-
-
-def main() -> None:
-    """Listen, import the engines, then fork a host for each request until the parent is gone."""
-    address = os.environ[ZYGOTE_ENV]
-    authkey = bytes.fromhex(os.environ[ZYGOTE_KEY_ENV])
-    parent = os.getppid()
-    base = dict(os.environ)
-    folders: dict[int, str] = {}
-    with Listener(address, family="AF_UNIX", authkey=authkey) as listener:  # clients wait while we import
-        from logprob_parity.engines.backends.base import load_backend_class
-
-        for name in PRELOAD:
-            with contextlib.suppress(Exception):  # a backend that is not installed is imported by its host
-                load_backend_class(name)
-        after = dict(os.environ)
-        sock = listener._listener._socket  # to wait with a timeout, and reap ended hosts between requests
-        while os.getppid() == parent:
-            _reap(folders)
-            if not select.select([sock], [], [], 0.5)[0]:
-                continue
-            try:
-                conn = listener.accept()
-            except Exception as exc:  # a client that failed the handshake: say so, serve the next
-                print(f"zygote: a client failed to connect ({exc})", flush=True)
-                continue
-            with conn:
-                try:
-                    req: dict[str, Any] = conn.recv()
-                except (EOFError, OSError):
-                    continue
-                why = _refusal(req["env"], base, after) if req.get("device", "cpu") == "cpu" else "its device is not the CPU"
-                if why:
-                    conn.send({"refused": why})
-                    continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    conn.close()
-                    _child(req["env"], req["log_path"])
-                folders[pid] = str(Path(req["log_path"]).parent)
-                conn.send({"pid": pid})
 
 
 # -- the pool's side -----------------------------------------------------------------------------
@@ -242,7 +159,7 @@ class Zygote:
         env = {**env, ZYGOTE_ENV: self.address, ZYGOTE_KEY_ENV: key}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "logprob_parity.engines.zygote"],
+                [sys.executable, "-m", "logprob_parity.engines.zygote_server"],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -273,7 +190,3 @@ class Zygote:
         import shutil
 
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -44,13 +44,18 @@ _BUILD_LOCK = threading.Lock()
 
 def build_demo_model(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
     """Write the demo model as an HF folder (config, safetensors, tokenizer) and return its path.
-    One build at a time in a process: sessions that ask together wait for the first build."""
-    with _BUILD_LOCK:
-        return _build(out_dir, force)
+    One build at a time: sessions of a process, and processes (two CLIs, a dashboard and a CLI) that
+    ask together, wait for the first build and then find the model built."""
+    import fcntl
 
-
-def _build(out_dir: str | os.PathLike | None, force: bool) -> Path:
     out = Path(out_dir) if out_dir is not None else demo_dir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _BUILD_LOCK, open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(out, force)
+
+
+def _build(out: Path, force: bool) -> Path:
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
         return out
     src = gguf_path()
