@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from logprob_parity.engines.records import HostReply, HostRequest, LoadRequest
+from logprob_parity.engines.zygote import FORKED_ENV, ZYGOTE_ENV
 from logprob_parity.errors import EngineError, ProtocolError, UserError
 
 ADDRESS_ENV = "LPP_WORKER_ADDRESS"
@@ -180,7 +181,7 @@ def serve() -> None:
     address = os.environ[ADDRESS_ENV]
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     parent = int(os.environ.get(PARENT_ENV, "0"))
-    forked = os.environ.get("LPP_HOST_FORKED") == "1"
+    forked = os.environ.get(FORKED_ENV) == "1"  # imports inherited from the zygote
     if parent and (parent == os.getppid() or forked):
         _exit_with_parent(parent, forked)
     with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
@@ -217,7 +218,7 @@ def serve() -> None:
                     timing = {"import_s": round(t2 - t1, 2), "init_s": round(time.monotonic() - t2, 2)}
                     if swapped:
                         timing |= {"swapped": True, "unload_s": round(t1 - t0, 2)}
-                    if os.environ.get("LPP_HOST_FORKED") == "1":  # imports inherited from the zygote
+                    if forked:
                         timing["forked"] = True
                     conn.send(HostReply(True, {**backend.info(), "load_timing": timing}))
                 elif op in BACKEND_OPS and backend is not None and hasattr(backend, op):
@@ -302,7 +303,7 @@ class HostClient:
         env[ADDRESS_ENV] = self.address
         env[AUTHKEY_ENV] = self._authkey.hex()
         env[PARENT_ENV] = str(os.getpid())
-        if os.environ.get("LPP_ENGINE_ZYGOTE") and not spare:
+        if os.environ.get(ZYGOTE_ENV) and not spare:
             from logprob_parity.engines.zygote import fork_host
 
             forked = fork_host(env, self.log_path, self.device)
@@ -462,9 +463,8 @@ class HostClient:
         t = (self.info or {}).get("load_timing") or {}
         spare = self.prepared is not None and self.loads == 1
         real = (self.info or {}).get("backend") != "fake"  # the plumbing tests' stand-in loads no model
-        if (
-            t and real and not spare and not t.get("swapped") and not t.get("forked")
-        ):  # a cold start: what an estimate of the next one reads
+        cold = t and real and not spare and not t.get("swapped") and not t.get("forked")
+        if cold:  # a new process that paid the imports: what an estimate of the next start reads
             kind = "cuda" if request.device.startswith("cuda") else "cpu"
             LAST_START[(request.backend, kind)] = float(t.get("import_s", 0)) + float(t.get("init_s", 0))
         _log_start(request, t, time.monotonic() - start, spare=spare, fork=self.refused_fork)

@@ -31,6 +31,7 @@ from typing import Any
 from logprob_parity.engines import memory
 from logprob_parity.engines.host import HostClient, env_print
 from logprob_parity.engines.records import LoadRequest
+from logprob_parity.engines.zygote import ZYGOTE_ENV
 
 MAX_WARM_ENV = "LPP_MAX_WARM_ENGINES"
 # "1": a host whose model is stopped to make room loads the next model in its own process on a GPU
@@ -194,7 +195,7 @@ class EnginePool:
 
     # -- spares: hosts that did their imports and wait for a model -------------------------------
     def _keep_spare_locked(self, request: LoadRequest) -> None:
-        if os.environ.get("LPP_ENGINE_ZYGOTE"):  # hosts are forked with their imports done: no spare needed
+        if os.environ.get(ZYGOTE_ENV):  # hosts are forked with their imports done: no spare needed
             return
         kind = _spare_kind(request)
         for other in [k for k in self._spares if k[:2] == kind[:2] and k != kind]:  # started for another environment

@@ -21,6 +21,7 @@ import contextlib
 import os
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -187,6 +188,4 @@ class Zygote:
                 self.proc.wait(5)
             self.proc.kill()
             self.proc.wait()
-        import shutil
-
         shutil.rmtree(self._dir, ignore_errors=True)
