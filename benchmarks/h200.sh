@@ -17,6 +17,7 @@
 #   bash benchmarks/h200.sh qwen3     issue 30: the Qwen3-8B shape: speed against the bare engines, exact KL
 #   bash benchmarks/h200.sh gemma2    issue 30: the Gemma-2-9B shape (soft-caps: HF runs eager attention for it, which applies them)
 #   bash benchmarks/h200.sh floor     the noise floor's cost (1.1B compare speed) and each of its calls timed (floor_profile.py)
+#   bash benchmarks/h200.sh layers    issue 44: the 8B shape's layer profile in bfloat16 (GPU test) and the layer part's cost
 #   bash benchmarks/h200.sh now       the exact KL's transport alone, the IPC test, the 1.1B compare speed, and
 #                                     a profile of a compare with the exact KL (the HF host's phases included)
 set -uo pipefail
@@ -98,5 +99,10 @@ build_tinyllama(Path('$B1'), '$TOK', 'cuda')" 2>&1 | tail -3
     python benchmarks/compare_speed.py --model $shape --tokenizer $TOK --build-dir /root/models --repeats 1 \
       --out "$OUT/compare_speed_$1.md" 2>&1 | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -20
     rm -rf /root/models/*-shape ;;
-  *) echo "usage: $0 tests|floor|rollout|again|8b|set|frontier|now|rescore|moe|moetest|qwen3|gemma2|ray|rescorevs" >&2; exit 2 ;;
+  layers)
+    build8b
+    LPP_GPU_8B=$B8 python -m pytest -q -x -s -p no:cacheprovider -m gpu tests/test_gpu.py -k "layer_profile" 2>&1 \
+      | grep -E "passed|failed|Error|assert|^\| 8B" | tail -12 | tee "$OUT/tests-layers.log"
+    python benchmarks/layers_cost.py --model $TOK --tokens 1024 --dtype bfloat16 --device cuda --out "$OUT/layers_cost_demo.md" 2>&1 | tail -14 ;;
+  *) echo "usage: $0 tests|floor|rollout|again|8b|set|frontier|now|rescore|moe|moetest|qwen3|gemma2|ray|rescorevs|layers" >&2; exit 2 ;;
 esac

@@ -7,6 +7,7 @@
     ro.worst_tokens()                                               # the largest importance-ratio breaks
     gate = lp.check(runs, max_abs_delta=0.05); gate.passed
     lp.diff(runs[0], runs[1]).headline
+    lp.layers("The capital of France is Paris.", dtypes="bfloat16")["bfloat16"]["words"]  # where they part
     lp.load("3f2a9c")                                               # any stored run, rollout or frontier
 
 The same functions the console script and the pages call (logprob_parity.analysis.*), with plain keyword
@@ -26,7 +27,7 @@ from typing import Any
 # and the engines load in their own host processes.
 __version__ = "0.1.0"
 
-__all__ = ["check", "compare", "diff", "load", "rescore", "rollout"]
+__all__ = ["check", "compare", "diff", "layers", "load", "rescore", "rollout"]
 
 
 def _spec(
@@ -108,6 +109,30 @@ def compare(
     spec = _spec(texts, model, dtypes, device, bos, settings, top_k=top_k, noise_floor=noise_floor, truncate=truncate)
     spec = dataclasses.replace(spec, null=null)
     return _compare(spec, _ctx(home, progress, ray), use_cache=use_cache)
+
+
+def layers(
+    texts: str | Sequence[str],
+    model: str | None = None,
+    dtypes: str | Sequence[str] = ("float32",),
+    *,
+    text: int = 0,
+    device: str = "auto",
+    bos: str = "auto",
+    settings: dict[str, Any] | None = None,
+    home: str | None = None,
+    progress: bool | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Where in the network vLLM and HF part, per dtype: every decoder layer's attention and MLP outputs
+    and residual stream on both engines for one of `texts` (the `text`-th), against HF's own noise and
+    HF in float64 (logprob_parity.analysis.layers). Each value is the stored profile: "words" says it in
+    a sentence, "per_layer" has a row per (layer, block), "vllm_vs_hf" the relative error per token. It
+    is the layer part of a diagnosis (`diagnose --parts layers`), stored with it."""
+    from logprob_parity.analysis.diagnostics import diagnose
+
+    spec = _spec(texts, model, dtypes, device, bos, settings)
+    result = diagnose(spec, _ctx(home, progress), parts=("layers",), layer_text=text)
+    return {d: out.layers or {} for d, out in result.dtypes.items()}
 
 
 def rollout(

@@ -361,7 +361,14 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip()) if args.parts != "all" else PARTS
     with progress(args, "diagnose", (3 + 4 * len(parts)) * len(spec.dtypes)) as rep:
-        result = diagnose(spec, parts=parts, gen_tokens=args.gen_tokens, slow_knobs=args.slow_knobs, on_event=rep.on_event)
+        result = diagnose(
+            spec,
+            parts=parts,
+            gen_tokens=args.gen_tokens,
+            slow_knobs=args.slow_knobs,
+            layer_text=args.layer_text - 1,
+            on_event=rep.on_event,
+        )
     print(diagnostics_text(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False))
@@ -800,7 +807,12 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
 
     g = sub.add_parser("diagnose", help="noise floor, knob ablation, float64 reference, downstream impact, verdict")
     _add_spec_args(g, registry)
-    g.add_argument("--parts", default="noise,reference,downstream", help="noise,reference,downstream,ablation or 'all'")
+    g.add_argument(
+        "--parts",
+        default="noise,reference,downstream",
+        help="noise,reference,downstream,ablation,layers or 'all' (layers: where in the network the engines part)",
+    )
+    g.add_argument("--layer-text", type=COUNT, default=1, help="which text (1 = the first) the layers part captures")
     g.add_argument("--gen-tokens", type=COUNT, default=16, help="greedy tokens to generate for the downstream check")
     g.add_argument("--slow-knobs", action="store_true", help="also ablate knobs that are slow here (torch.compile on CPU)")
     g.set_defaults(func=cmd_diagnose)

@@ -142,6 +142,35 @@ REFUSED = Family(
 )
 
 
+# Out of the matrix: vLLM's CPU MLA disagrees with itself (docs/concepts/families.md). Kept for the layer
+# part, which says where its gap is born (tests/test_layers.py). MLA with a 512 latent and a 64 rope
+# head: the 576-wide latent heads vLLM's CPU MLA takes; DeepSeek's own nope and v head sizes.
+DEEPSEEK_V2 = Family(
+    "deepseek_v2",
+    "DeepseekV2Config",
+    "DeepseekV2ForCausalLM",
+    {
+        **_BASE,
+        "num_key_value_heads": 2,
+        "moe_intermediate_size": 64,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 0,
+        "topk_method": "greedy",
+        "n_group": 1,  # vLLM routes DeepSeek-V2 by groups: one group of all 8 experts is plain top-2
+        "topk_group": 1,
+    },
+    moe=True,
+    quirks=("multi-head latent attention", "mixture of experts, 8 experts top-2, one shared"),
+)
+
+
 def family(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 

@@ -497,3 +497,39 @@ def test_the_default_compare_paints_no_token_within_hfs_own_spread_red_and_says_
         _verdict_and_tokens(page, out, "compare-null")
         boxes = page.get_by_test_id("stAlertContainer").all_inner_texts()
         assert any("What noise looks like (HF against itself, no vLLM)" in b for b in boxes), boxes
+
+
+@pytest.mark.engine
+def test_diagnostics_shows_where_in_the_network_as_words_a_heat_map_and_lines(server, home):
+    """Issue 44: a tiny Qwen3-MoE diagnosed with the layer part in bfloat16, opened from its link: the words
+    say where vLLM and HF first part, the heat map draws a cell per (layer, token) with the routing flips
+    marked, the block choice redraws it, and the numbers sit in a table a click away."""
+    from families import build_family, family
+    from playwright.sync_api import expect
+
+    from logprob_parity.analysis.diagnostics import diagnose
+    from logprob_parity.inputs.spec import EngineSettings, RunSpec
+    from logprob_parity.results.store import Store
+
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. Shall I compare thee to a summer's day?"
+    spec = RunSpec(
+        texts=(text,), model=str(build_family(family("qwen3_moe"))), dtypes=("bfloat16",), device="cpu", settings=EngineSettings()
+    )
+    diag = diagnose(spec, store=Store(home), parts=("layers",))
+    prof = diag.dtypes["bfloat16"].layers
+    with stored_page(f"{server}/diagnostics?diag={diag.diagnostics_id}", "layers", height=1400) as (page, out):
+        settled(page)
+        expect(page.get_by_text("Where in the network").first).to_be_visible(timeout=120_000)
+        expect(page.get_by_text(prof["words"][:60]).first).to_be_visible()
+        maps = page.locator('[data-testid="stVegaLiteChart"]')
+        expect(maps.first).to_be_visible()
+        maps.first.scroll_into_view_if_needed()
+        settled(page)
+        page.screenshot(path=str(out / "layers-resid.png"))
+        page.get_by_test_id("stButtonGroup").get_by_text("attention", exact=True).click()  # the block choice redraws the map
+        settled(page)
+        expect(page.get_by_text("vLLM against HF, attention, layer by token").first).to_be_attached()
+        page.screenshot(path=str(out / "layers-attention.png"))
+        page.get_by_text("Layer by layer in numbers, bfloat16").first.click()
+        expect(page.get_by_text("median relative error, vLLM vs HF").first).to_be_attached()
+        page.screenshot(path=str(out / "layers-table.png"), full_page=True)

@@ -103,8 +103,20 @@ def test_each_family_compares_in_both_dtypes_with_the_exact_kl_rolls_out_and_dia
         assert rolled[0].meta.routing == {"measured": False, "why": "not an MoE model"}
     # Diagnostics (HF's noise floor on every text) on the same ids: the comparison's level
     spec = RunSpec(texts=(TEXT,), model=str(path), dtypes=("float32",), device="cpu", settings=EngineSettings())
-    diag = diagnose(spec, store=Store(matrix_home), parts=("noise",))
+    diag = diagnose(spec, store=Store(matrix_home), parts=("noise", "layers"))
     assert diagnosis_verdicts(diag)["float32"].level == own.level, name
+    # where in the network: both engines' layers line up, one by one, and in float32 agree to its rounding
+    layers = diag.dtypes["float32"].layers
+    n_layers = f.kwargs.get("num_hidden_layers") or f.kwargs.get("n_layer")
+    assert layers["layers"] == n_layers and len(layers["per_layer"]) == 3 * n_layers, (name, layers.get("why"))
+    assert all(r["vllm_vs_hf_median"] < 1e-5 and r["vllm_vs_hf_max"] < 1e-4 for r in layers["per_layer"]), name
+    assert layers["moe_layers"] == (list(range(n_layers)) if f.moe else [])
+    if f.moe:  # float32: the same experts at every token and layer, said on the same grid
+        assert layers["routing"]["flips"] == [] and "Every token was routed to the same experts" in layers["words"]
+    spec_bf16 = RunSpec(texts=(TEXT,), model=str(path), dtypes=("bfloat16",), device="cpu", settings=EngineSettings())
+    bf = diagnose(spec_bf16, store=Store(matrix_home), parts=("layers",)).dtypes["bfloat16"].layers
+    assert bf["layers"] == n_layers and len(bf["vllm_vs_hf"]["resid"][0]) == bf["n_tokens"] == len(ids), name
+    print(f"LAYERS {name} float32: {layers['words']}\nLAYERS {name} bfloat16: {bf['words']}")
 
 
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.window])

@@ -402,3 +402,46 @@ def test_a_qwen3_moe_shape_compares_and_both_vllm_capture_paths_give_the_same_ex
     for x, theirs, mine in zip(ids, own, captured):
         assert theirs.shape == mine.shape == (len(x), 4, 8), (theirs.shape, mine.shape)
         assert np.array_equal(np.sort(theirs, axis=-1), np.sort(mine, axis=-1))
+
+
+LAYER_TOKENS = int(os.environ.get("LPP_GPU_LAYER_TOKENS", "2048"))
+
+
+def test_the_8b_shape_layer_profile_in_bfloat16_comes_from_an_eager_vllm_engine(store, tmp_path_factory):
+    """Issue 44 on the card: Llama-3.1-8B's shape, one text of LAYER_TOKENS tokens in bfloat16, the layer part
+    (`diagnose --parts layers`) after a compare of the same text: every one of the 32 layers captured on both
+    engines, the vLLM engine's record eager (the capture's hooks run in Python at every forward), and the words
+    say where the bfloat16 gap is born. The cost against the compare is written beside the GPU table."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.compare_speed import build_llama8b
+    from benchmarks.engines import prompts_of
+    from logprob_parity.analysis.diagnostics import diagnose
+
+    path = os.environ.get("LPP_GPU_8B") or ""
+    if not Path(path, "config.json").is_file():
+        path = build_llama8b(
+            tmp_path_factory.mktemp("llama8b"), os.environ.get("LPP_GPU_MODEL", "/tmp/models/smollm2-135m"), "cuda"
+        )
+    tok = AutoTokenizer.from_pretrained(path)
+    (ids,) = prompts_of(tok, 1, LAYER_TOKENS)
+    spec = RunSpec(texts=(tok.decode(ids[1:]),), model=path, dtypes=("bfloat16",), device="cuda")
+    compare(spec, store=store, use_cache=False)  # the engines start here
+    t = time.perf_counter()
+    compare(spec, store=store, use_cache=False)
+    compare_s = time.perf_counter() - t
+    diagnose(spec, store=store, parts=("layers",))  # the float64 reference starts here
+    t = time.perf_counter()
+    prof = diagnose(spec, store=store, parts=("layers",)).dtypes["bfloat16"].layers
+    layers_s = time.perf_counter() - t
+    assert "why" not in prof, prof.get("why")
+    assert prof["layers"] == 32 and prof["vllm_record"]["eager"] is True
+    assert len(prof["vllm_vs_hf"]["resid"]) == 32 and len(prof["vllm_vs_hf"]["resid"][0]) == prof["n_tokens"]
+    line = (
+        f"| 8B shape, one {prof['n_tokens']:,}-token text, bfloat16 | compare {compare_s:.1f} s | layer part {layers_s:.1f} s "
+        f"({layers_s / compare_s:.2f}x; target at most 2x) | {prof['words']} |"
+    )
+    (RESULTS.with_name(RESULTS.stem + "-layers.md")).write_text(line + "\n")
+    print(line)

@@ -30,7 +30,7 @@ from logprob_parity.results.records import DiagnosticsResult, DtypeDiagnosis
 from logprob_parity.results.run import Run
 from logprob_parity.results.store import Store
 
-PARTS = ("noise", "reference", "downstream", "ablation")
+PARTS = ("noise", "reference", "downstream", "ablation", "layers")
 FILLER_PROMPTS = 6  # other prompts batched beside the user's, for batch-composition noise
 TRAINER_CHUNK = 64  # tokens a forward through HF's KV cache, as a trainer scoring in chunks
 INCREMENTAL_WHOLE = 512  # texts up to this long are scored one token a forward from their start
@@ -91,6 +91,7 @@ def diagnose(
     parts: tuple[str, ...] = ("noise", "reference", "downstream"),
     gen_tokens: int = 16,
     slow_knobs: bool = False,
+    layer_text: int = 0,
     *,
     store: Store | None = None,
     on_event: EventFn | None = None,
@@ -138,7 +139,10 @@ def diagnose(
         other = "eager" if own != "eager" else "sdpa"
         other_r = p.load("hf", d, replace(p.spec.settings, attn_implementation=other))
         ref_r = p.load("hf", REFERENCE_DTYPE, device="cpu")
+        # the layers' reference: the model's own definition, every soft-cap applied (eager attention)
+        eager_ref_r = p.load("hf", REFERENCE_DTYPE, replace(p.spec.settings, attn_implementation="eager"), device="cpu")
         needed = [hf_r, v_r] + ([other_r] if "noise" in parts else []) + ([ref_r] if "reference" in parts else [])
+        needed += [eager_ref_r] if "layers" in parts and eager_ref_r not in needed else []
         emit("load", d, f"{len(needed)} engines for diagnostics (a cold one: {start_words('vllm', p.device)})")
         base_hf = [s.hf.logprob for s in run.sequences]
         base_v = [s.vllm.logprob for s in run.sequences]
@@ -164,6 +168,8 @@ def diagnose(
                 with turn(what="the float64 reference"):
                     ref = _lp(ref_w.score(seqs, 1))
                 out["reference"] = _reference(base_v, base_hf, ref)
+            if "layers" in parts:
+                out["layers"] = _layers(lease, hf, vl, eager_ref_r, seqs, filler, layer_text, mml, d, emit, turn)
             if "ablation" in parts:  # an MoE model: the setting-by-setting table gains routing replay
                 with turn(what="routing replay"):
                     row = _replay_row(run, hf, vl, seqs, base_v, emit)
@@ -257,6 +263,38 @@ def _noise(
     with turn(what="the noise floor"):
         noise[f"hf_attn_{other}"] = gap(base_hf, _lp(hf_other.score(seqs, 1)))
     return noise
+
+
+def _layers(
+    lease: Any,
+    hf: Any,
+    vl: Any,
+    ref_r: Any,
+    seqs: list[list[int]],
+    filler: list[list[int]],
+    k: int,
+    mml: int,
+    d: str,
+    emit: Any,
+    turn: Any,
+) -> dict[str, Any]:
+    """The layer part on one text (the k-th): both engines' layers against HF's noise and float64,
+    with the routing flips on the same grid for an MoE model (logprob_parity.analysis.layers)."""
+    from logprob_parity.analysis.layers import REFERENCE_WORDS, layer_part
+    from logprob_parity.engines.routing import compare_routes
+
+    if not 0 <= k < len(seqs):
+        raise UserError(f"the layer part's text is number {k + 1}, and there are {len(seqs)} texts")
+    ids = seqs[k]
+    emit("layers", d, f"every layer of text {k + 1} ({len(ids)} tokens) on both engines, HF's own noise, and {REFERENCE_WORDS}")
+    with turn(what="the layer capture"):
+        routing = None
+        v_routes, h_routes = vl.routes([ids]), hf.routes([ids])
+        if not isinstance(v_routes, str) and not isinstance(h_routes, str):
+            routing = compare_routes(np.asarray(v_routes[0]), np.asarray(h_routes[0]))
+        others = [f for f in filler if len(f) < mml]
+        got = layer_part({"vllm": vl, "hf": hf, "ref": lease.host(ref_r)}, ids, others, d, routing)
+    return {"text": k, **got}
 
 
 def _gap_bands(run: Any, floor: dict[str, Any]) -> dict[str, Any]:
@@ -499,8 +537,9 @@ def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, An
     """The result as flat tables (rows of dicts) in words, for the CLI, the dashboard and the report.
     Each column holds one kind of value: gaps in `mean`/`largest` columns, shares in [0, 1] in
     columns named 'share ...', ratios in their own table ('ratios')."""
-    noise, ratios, ref, down = [], [], [], []
+    noise, ratios, ref, down, layers = [], [], [], [], []
     for d, out in result.dtypes.items():
+        layers.extend(layer_rows(d, out.layers))
         if out.noise is not None:
             noise.append({"dtype": d, "what": GAP_SOURCE, MEAN: out.gap["mean"], MAX: out.gap["max"]})
             noise.extend(
@@ -547,7 +586,36 @@ def diagnostics_tables(result: DiagnosticsResult) -> dict[str, list[dict[str, An
                     "share correct, vLLM": m["vllm_accuracy"],
                 }
             )
-    return {"noise": noise, "ratios": ratios, "reference": ref, "downstream": down, "ablation": list(result.ablation)}
+    return {
+        "noise": noise,
+        "ratios": ratios,
+        "reference": ref,
+        "downstream": down,
+        "layers": layers,
+        "ablation": list(result.ablation),
+    }
+
+
+def layer_rows(dtype: str, prof: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The layer part as a table: one row per (layer, block), medians over the text's tokens."""
+    from logprob_parity.analysis.layers import block_words
+
+    if not prof or "per_layer" not in prof:
+        return []
+    return [
+        {
+            "dtype": dtype,
+            "layer": r["layer"],
+            "block": block_words(r["block"], r["layer"], prof["moe_layers"]),
+            "median relative error, vLLM vs HF": r["vllm_vs_hf_median"],
+            "HF's own floor": r["floor"],
+            "tokens beyond the floor": f"{r['tokens_beyond']} of {prof['n_tokens']}",
+            "median relative error, vLLM vs float64": r["vllm_vs_ref_median"],
+            "median relative error, HF vs float64": r["hf_vs_ref_median"],
+            "parts": r["parts"],
+        }
+        for r in prof["per_layer"]
+    ]
 
 
 ABLATION_WORDS = {

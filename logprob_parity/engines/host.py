@@ -48,6 +48,9 @@ BACKEND_OPS = (
     "release_rows",
     "bare_prefill",
     "bare_forward",
+    "layers",
+    "perturb",  # a planted fault (tests): one block's weights of one layer scaled, until "restore"
+    "restore",
 )
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
@@ -523,6 +526,9 @@ class HostClient:
 
     def replay_score(self, sequences: list[list[int]], routes: list[Any], timeout: float = 3600.0) -> Any:
         return self._request(HostRequest("replay_score", (sequences, routes)), "scoring with the experts replayed", timeout)
+
+    def layers(self, ids: list[int], folder: str, variation: str = "alone", others: Any = None, timeout: float = 3600.0) -> Any:
+        return self._request(HostRequest("layers", (ids, folder, variation, others)), "capturing every layer", timeout)
 
     def share_rows(self, token: str, timeout: float = 600.0) -> dict[str, Any]:
         return self._request(HostRequest("share_rows", (token,)), "sharing full logprobs", timeout)

@@ -15,6 +15,10 @@ def diagnostics_text(result: DiagnosticsResult) -> str:
     lines = [f"diagnostics {result.diagnostics_id}  model {result.model}  device {result.device}"]
     for v in diagnosis_verdicts(result).values():
         lines += ["", f"[{v.title.upper()}] {v.headline}"] + [f"  - {r}" for r in v.reasons]
+    for d, out in result.dtypes.items():
+        if out.layers:
+            words = out.layers.get("words") or f"the layer part did not run: {out.layers.get('why')}"
+            lines += ["", f"Where in the network ({d}, text {out.layers.get('text', 0) + 1}): {words}"]
     for name, rows in diagnostics_tables(result).items():
         rows = ablation_table(rows) if name == "ablation" else rows
         if rows:

@@ -85,12 +85,18 @@ def diagnostics_section(diag: dict) -> str:
         "ratios": "The gap against each engine's own noise",
         "reference": "High-precision reference (HF in float64 on the CPU)",
         "downstream": "Downstream: generated text and multiple-choice answers",
+        "layers": "Where in the network: each layer's blocks, vLLM against HF, HF's own floor and float64",
         "ablation": "Setting by setting: the gap with one engine setting changed",
     }
     parts = [f"<h2>Diagnostics</h2><p>diagnostics {_e(diag.diagnostics_id)}</p>"]
     for key, title in titles.items():
         if tables[key]:
             parts.append(f"<h3>{_e(title)}</h3>{_table(tables[key])}")
+        if key == "layers":  # the layer part's answer in words, above or instead of its table
+            for d, out in diag.dtypes.items():
+                if out.layers:
+                    said = out.layers.get("words") or f"the layer part did not run: {out.layers.get('why')}"
+                    parts.append(f"<p><b>{_e(d)}</b>: {_e(said)}</p>")
     knobs = knob_lines(list(diag.ablation))
     if knobs:
         parts.append("<p>Setting by setting:</p><ul>" + "".join(f"<li>{_e(k)}</li>" for k in knobs) + "</ul>")

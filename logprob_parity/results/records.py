@@ -127,6 +127,8 @@ class DtypeDiagnosis:
     reference: dict[str, Any] | None = None
     greedy: dict[str, Any] | None = None
     mcq: dict[str, Any] | None = None
+    # where in the network the engines part (logprob_parity.analysis.layers): per layer and block
+    layers: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Only the parts that ran, as earlier versions wrote them (the noise ratios whenever the

@@ -30,6 +30,7 @@ from logprob_parity.engines.pool import POOL
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.settings import EngineSettings
 from logprob_parity.inputs.spec import DTYPES
+from logprob_parity.present.layers_view import block_choices, heat_frame, heat_map, line_chart, line_frame
 from logprob_parity.present.palette import dtype_color_encoding
 
 PART_WORDS = {
@@ -37,6 +38,7 @@ PART_WORDS = {
     "reference": "float64 reference: which engine is closer to the exact answer",
     "downstream": "downstream: generated text and multiple-choice answers",
     "ablation": "setting by setting: which engine setting moves the gap (slow: one engine per setting)",
+    "layers": "where in the network: the layer and block where vLLM and HF part (the first text)",
 }
 SHARE_COLUMNS = ("share of tokens where vLLM is closer", "share correct, HF", "share correct, vLLM", "share of the gap removed")
 
@@ -161,6 +163,35 @@ if result:
         st.markdown("**High-precision reference** (HF in float64 on the CPU): which engine is closer to the exact answer")
         ref = pd.DataFrame(tables["reference"])
         st.dataframe(ref, hide_index=True, width="stretch", column_config=columns(ref))
+    layered = {d: out.layers for d, out in result.dtypes.items() if out.layers}
+    if layered:
+        st.markdown(
+            "**Where in the network**: every layer's attention output, MLP output and residual stream, captured on both "
+            "engines for the same tokens. Each cell is how far vLLM's vector is from HF's (relative error); a black outline marks a "
+            "token that moved more than HF moves it against itself (its floor: the text batched beside others, and fed "
+            "through its cache in chunks); a red outline marks a token whose router picked other experts at that layer."
+        )
+    for d, prof in layered.items():
+        if "why" in prof:
+            st.warning(f"{d}: the layer part did not run: {prof['why']}", icon=":material/warning:")
+            continue
+        st.markdown(f"**{d}**: {prof['words']}")
+        names = block_choices(prof)
+        block = (
+            st.segmented_control(
+                "Block", list(names), default="resid", format_func=names.get, key=f"layers-block-{d}", selection_mode="single"
+            )
+            or "resid"
+        )
+        pieces = None  # the run's token texts label the cells, where the run is still stored
+        with contextlib.suppress(UserError, IndexError):
+            pieces = list(load_run(result.run_ids[d]).sequences[prof.get("text", 0)].pieces)
+        heat = heat_frame(prof, block, pieces)
+        st.altair_chart(heat_map(heat, f"{d}: vLLM against HF, {names[block]}, layer by token"), width="stretch")
+        st.altair_chart(line_chart(line_frame(prof, block), f"{d}: median over the text's tokens, by layer"), width="stretch")
+        with st.expander(f"Layer by layer in numbers, {d}", icon=":material/table:"):
+            lt = pd.DataFrame([r for r in tables["layers"] if r["dtype"] == d])
+            st.dataframe(lt, hide_index=True, width="stretch", column_config=columns(lt))
     if tables["downstream"]:
         st.markdown(
             "**Downstream**: do the engines generate the same text, and pick the same multiple-choice answers "

@@ -32,6 +32,8 @@ class HFBackend(Backend):
             torch.backends.cuda.enable_cudnn_sdp(bool(settings.hf_cudnn_attention))
         # every registered HF setting that is set, under its own name (logprob_parity.inputs.settings)
         kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), **settings.passthrough("hf")}
+        if dtype == "float64":  # the MoE experts' default kernel (grouped_mm) has no float64: the loop over experts has
+            kwargs.setdefault("experts_implementation", "eager")
         self.attn_why = None
         if "attn_implementation" not in kwargs and soft_caps_attention(model_path, settings.trust_remote_code):
             kwargs["attn_implementation"] = "eager"
@@ -144,6 +146,66 @@ class HFBackend(Backend):
                 return routing.NOT_MOE
             out.append(got)
         return out
+
+    @torch.inference_mode()
+    def layers(
+        self, ids: list[int], folder: str, variation: str = "alone", others: list[list[int]] | None = None
+    ) -> dict[str, Any]:
+        """Every decoder layer's residual stream and attention and MLP outputs for one text, written to
+        `folder` (logprob_parity.engines.layers). variation: "alone" (one forward), "batched" (beside
+        `others`, left-padded: the floor's micro-batch and padding variations at once) or "chunked"
+        (through the KV cache a chunk at a time, as the null comparison feeds it)."""
+        from logprob_parity.engines import layers as lay
+
+        n_layers = lay.install_hooks(self.model)
+        ids = [int(t) for t in ids]
+        dev = self.device
+        if variation == "batched" and others:
+            batch = [ids] + [list(o) for o in others]
+            width = max(map(len, batch))
+            x = torch.zeros((len(batch), width), dtype=torch.long, device=dev)
+            mask = torch.zeros_like(x)
+            for b, seq in enumerate(batch):
+                x[b, width - len(seq) :] = torch.tensor(seq, device=dev)
+                mask[b, width - len(seq) :] = 1
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            lo, nb = width - len(ids), len(batch)
+            lay.begin(folder, lambda t: t.reshape(nb, width, t.shape[-1])[0, lo:])
+            try:
+                self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False)
+            finally:
+                counts = lay.end()
+        elif variation in ("alone", "batched", "chunked"):
+            x = torch.tensor([ids], dtype=torch.long, device=dev)
+            lay.begin(folder, lambda t: t.reshape(-1, t.shape[-1]))
+            try:
+                if variation == "chunked" and len(ids) > 1:
+                    step, past = null_chunk(len(ids) + 1), None
+                    for lo in range(0, len(ids), step):
+                        hi = min(lo + step, len(ids))
+                        pos = torch.arange(lo, hi, device=dev)[None]
+                        past = self.model(
+                            input_ids=x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=True
+                        ).past_key_values
+                else:
+                    self.model(input_ids=x, use_cache=False)
+            finally:
+                counts = lay.end()
+        else:
+            raise ValueError(f"unknown layer capture variation {variation!r}")
+        moe = [i for i, layer in enumerate(lay.decoder_layers(self.model)) if _is_moe_layer(layer)]
+        return {"layers": n_layers, "pieces": counts, "variation": variation, "n_tokens": len(ids), "moe_layers": moe}
+
+    def perturb(self, layer: int, block: str, factor: float) -> int:
+        """Scale one block's weights of one layer (a planted fault for tests; `restore` undoes it)."""
+        from logprob_parity.engines import layers as lay
+
+        return lay.perturb_module(self.model, layer, block, factor)
+
+    def restore(self) -> int:
+        from logprob_parity.engines import layers as lay
+
+        return lay.restore_module(self.model)
 
     @torch.inference_mode()
     def replay_score(self, sequences: list[list[int]], routes: list[np.ndarray]) -> list[np.ndarray]:
@@ -572,12 +634,26 @@ class HFNullBackend(HFBackend):
             out.extend(self._from_rows([list(ids)], [torch.cat(rows)], top_k, None))
         return out
 
+    def layers(
+        self, ids: list[int], folder: str, variation: str = "alone", others: list[list[int]] | None = None
+    ) -> dict[str, Any]:
+        """In vLLM's place, the same ids fed through the KV cache in chunks, as `score` feeds them."""
+        return super().layers(ids, folder, "chunked" if variation == "alone" else variation, others)
+
     def info(self) -> dict[str, Any]:
         return {
             **super().info(),
             "backend": "hf_null",
             "null": f"HF itself, each text fed through its KV cache {NULL_CHUNK} tokens a forward (at most half the text)",
         }
+
+
+def _is_moe_layer(layer: Any) -> bool:
+    """A decoder layer whose MLP is a mixture of experts (it holds experts and a router)."""
+    from logprob_parity.engines import layers as lay
+
+    block = lay.block_module_of(layer)
+    return block is not None and hasattr(block, "experts")
 
 
 NULL_CHUNK = 64  # the floor's chunk (analysis.floors.CHUNK)

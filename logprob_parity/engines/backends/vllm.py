@@ -110,6 +110,41 @@ class VLLMBackend(Backend):
             return f"vLLM {vllm.__version__} offers no router capture here ({exc})"
         return f"{got} (vLLM {vllm.__version__})" if isinstance(got, str) else got
 
+    def layers(
+        self, ids: list[int], folder: str, variation: str = "alone", others: list[list[int]] | None = None
+    ) -> dict[str, Any] | str:
+        """Every decoder layer's residual stream (vLLM's hidden_states and residual summed) and attention
+        and MLP outputs for one text prefilled alone, written to `folder` by hooks on this in-process
+        engine (logprob_parity.engines.layers); a sentence where they cannot run."""
+        from logprob_parity.engines import layers as lay
+
+        if variation != "alone":
+            return f"vLLM's side of the layer capture is one text alone (asked: {variation})"
+        if not self.llm.llm_engine.vllm_config.model_config.enforce_eager:
+            return "the layer capture needs an eager vLLM engine (enforce_eager): a compiled or graph-replaying forward runs no hooks"
+        n_layers = int(self.llm.collective_rpc(lay.vllm_install)[0])
+        if not n_layers:
+            return f"vLLM {vllm.__version__}'s {self.model_path} has no decoder layers the capture recognises"
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self.llm.reset_prefix_cache()  # a cached block is not computed again, so its layers would not run
+        self.llm.collective_rpc(lay.vllm_begin, args=(folder,))
+        try:
+            self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
+        finally:
+            counts = self.llm.collective_rpc(lay.vllm_end)[0]
+        return {"layers": n_layers, "pieces": counts, "variation": "alone", "n_tokens": len(ids), "eager": True}
+
+    def perturb(self, layer: int, block: str, factor: float) -> int:
+        """Scale one block's weights of one layer inside the engine (a planted fault for tests)."""
+        from logprob_parity.engines import layers as lay
+
+        return int(self.llm.collective_rpc(lay.vllm_perturb, args=(layer, block, factor))[0])
+
+    def restore(self) -> int:
+        from logprob_parity.engines import layers as lay
+
+        return int(self.llm.collective_rpc(lay.vllm_restore)[0])
+
     def bare_prefill(self, sequences: list[list[int]], top_k: int, flat: bool = True) -> float:
         """Seconds one plain `LLM.generate(prompt_logprobs=top_k)` of these ids takes on this engine,
         results unread: the yardstick the benchmarks hold our scoring against (same engine, same

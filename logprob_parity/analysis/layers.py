@@ -1,0 +1,276 @@
+"""Where in the network vLLM and HF part: every decoder layer's residual stream and its attention and
+MLP outputs on the same ids, each engine against HF's own noise and against HF in float64.
+
+Why: a run says how far the engines are at each token and which setting moves the gap; the next
+question an engineer asks is where it is born. They answer it today with hand-written hooks
+(vllm-project/speculators#686, MaxText's layer_metrics). This part captures both engines with the
+same hooks (logprob_parity.engines.layers) and judges each layer the way the rest of the tool judges
+a token: against the spread of HF's own noise, not its mean.
+
+The figures, per layer, block and token, all relative errors ‖a − b‖ / ‖b‖ of one token's vector:
+- `vllm_vs_hf`: vLLM against HF (b = HF);
+- `vllm_vs_ref`, `hf_vs_ref`: each engine against HF in float64 with eager attention (the model's own
+  definition, every soft-cap applied), on the CPU;
+- `hf_noise`: HF against itself, the larger of two of the noise floor's variations at each token
+  (the envelope): the text beside other texts, left-padded (micro-batch and padding side at once),
+  and the text fed through HF's KV cache in chunks.
+
+The floor of a (layer, block) is the envelope's 99.5th percentile over the text's tokens (its largest
+value below 400 tokens, as for the noise tail of logprob_parity.analysis.floors), and never below the
+dtype's unit roundoff (a relative error below it is rounding of a single value). A token is beyond it
+when vLLM against HF exceeds the floor; a (layer, block) *parts* when its median token is beyond: more
+than half the tokens, where the noise puts at most 0.5%.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from logprob_parity.analysis.verdict import closer_to_reference
+from logprob_parity.engines import layers as lay
+from logprob_parity.results.bands import TAIL_MIN_POSITIONS, TAIL_Q
+
+BLOCKS = lay.BLOCKS
+BLOCK_WORDS = {"attn": "attention", "mlp": "MLP", "resid": "residual stream"}
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+HF_VARIATIONS = ("batched", "chunked")
+JUMP = 2.0  # the residual's error "jumps" at a layer when it is at least this many times the layer before's
+SIDES = ("vllm", "hf", "ref") + HF_VARIATIONS
+REFERENCE_WORDS = "HF in float64 with eager attention on the CPU"
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """‖a − b‖ / ‖b‖ per row, in float64; 0 where both rows are 0, inf where only b's is."""
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    num = np.linalg.norm(a64 - b64, axis=1)
+    den = np.linalg.norm(b64, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num > 0, np.inf, 0.0))
+    return out
+
+
+def floor_of(noise: np.ndarray, dtype: str) -> float:
+    """The (layer, block)'s floor: the envelope's TAIL_Q quantile (its largest value below
+    TAIL_MIN_POSITIONS tokens), at least the dtype's unit roundoff."""
+    finite = noise[np.isfinite(noise)]
+    tail = 0.0
+    if finite.size:
+        tail = float(finite.max()) if finite.size < TAIL_MIN_POSITIONS else float(np.quantile(finite, TAIL_Q, method="higher"))
+    return max(tail, UNIT_ROUNDOFF.get(dtype, 0.0))
+
+
+def capture(hosts: dict[str, Any], ids: list[int], others: list[list[int]], folder: str) -> dict[str, Any]:
+    """Each side's capture into its own sub-folder: hosts has "vllm", "hf" and "ref" (the float64
+    reference); HF's two noise variations run on the "hf" host. Returns each side's record, or a
+    sentence where vLLM's side could not run."""
+    got: dict[str, Any] = {}
+    got["vllm"] = hosts["vllm"].layers(ids, f"{folder}/vllm")
+    if isinstance(got["vllm"], str):
+        return got
+    got["hf"] = hosts["hf"].layers(ids, f"{folder}/hf")
+    got["batched"] = hosts["hf"].layers(ids, f"{folder}/batched", "batched", others)
+    got["chunked"] = hosts["hf"].layers(ids, f"{folder}/chunked", "chunked")
+    got["ref"] = hosts["ref"].layers(ids, f"{folder}/ref")
+    return got
+
+
+def profile(folder: str, records: dict[str, Any], dtype: str, routing: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The layer profile from the sides' folders (capture), reading one (layer, block) at a time."""
+    n_layers = {s: int(records[s]["layers"]) for s in SIDES}
+    if len(set(n_layers.values())) != 1:
+        raise ValueError(f"the engines' layers do not line up: {n_layers}")
+    n_layers_all = n_layers["hf"]
+    t = int(records["hf"]["n_tokens"])
+    per_token: dict[str, list[list[float]]] = {b: [] for b in BLOCKS}
+    rows: list[dict[str, Any]] = []
+    beyond_at: list[list[bool]] = []  # in (layer, block) order
+    resid_err = np.zeros((n_layers_all, t))
+    for layer in range(n_layers_all):
+        for block in BLOCKS:
+            x = {s: lay.read(f"{folder}/{s}", block, layer, t) for s in SIDES}
+            vh = relative_error(x["vllm"], x["hf"])
+            noise = np.maximum(*(relative_error(x[v], x["hf"]) for v in HF_VARIATIONS))
+            v_ref, h_ref = relative_error(x["vllm"], x["ref"]), relative_error(x["hf"], x["ref"])
+            floor = floor_of(noise, dtype)
+            beyond = vh > floor
+            if block == "resid":
+                resid_err[layer] = vh
+            per_token[block].append([float(v) for v in vh])
+            beyond_at.append([bool(b) for b in beyond])
+            rows.append(
+                {
+                    "layer": layer,
+                    "block": block,
+                    "vllm_vs_hf_median": float(np.median(vh)),
+                    "vllm_vs_hf_max": float(vh.max()),
+                    "vllm_vs_ref_median": float(np.median(v_ref)),
+                    "hf_vs_ref_median": float(np.median(h_ref)),
+                    "hf_noise_median": float(np.median(noise)),
+                    "floor": floor,
+                    "tokens_beyond": int(beyond.sum()),
+                    "parts": bool(np.median(vh) > floor),
+                }
+            )
+    out: dict[str, Any] = {
+        "n_tokens": t,
+        "layers": n_layers_all,
+        "blocks": list(BLOCKS),
+        "moe_layers": list(records["hf"].get("moe_layers") or []),
+        "dtype": dtype,
+        "unit_roundoff": UNIT_ROUNDOFF.get(dtype),
+        "variations": list(HF_VARIATIONS),
+        "reference": REFERENCE_WORDS,
+        "vllm_record": {k: v for k, v in records["vllm"].items() if k != "pieces"},
+        "per_layer": rows,
+        "vllm_vs_hf": per_token,
+        "first_beyond": _first_beyond(beyond_at, t),
+    }
+    out["parted"] = _parted(rows, beyond_at, resid_err)
+    out["routing"] = _routing_grid(routing, out["moe_layers"], resid_err, rows) if routing else None
+    out["words"] = layer_words(out)
+    return out
+
+
+def _first_beyond(beyond_at: list[list[bool]], t: int) -> list[int | None]:
+    """Per token, the index into per_layer of the first (layer, block) where it is beyond the floor."""
+    first: list[int | None] = [None] * t
+    for k, row in enumerate(beyond_at):
+        for i, b in enumerate(row):
+            if b and first[i] is None:
+                first[i] = k
+    return first
+
+
+def _parted(rows: list[dict[str, Any]], beyond_at: list[list[bool]], resid_err: np.ndarray) -> dict[str, Any] | None:
+    """The first (layer, block) that parts, which tokens are beyond there, how much the residual's
+    median error grows from there to the last layer, and which engine leaves float64 there."""
+    k = next((i for i, r in enumerate(rows) if r["parts"]), None)
+    if k is None:
+        return None
+    r = rows[k]
+    tokens = [i for i, b in enumerate(beyond_at[k]) if b]
+    last = float(np.median(resid_err[-1]))
+    start = r["vllm_vs_hf_median"]
+    return {
+        "index": k,
+        "layer": r["layer"],
+        "block": r["block"],
+        "tokens": tokens,
+        "growth": (last / start) if start > 0 else None,
+        "leaves_reference": closer_to_reference(r["vllm_vs_ref_median"], r["hf_vs_ref_median"]),
+    }
+
+
+def _routing_grid(
+    routing: dict[str, Any], moe_layers: list[int], resid_err: np.ndarray, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The routing flips on the layer grid ([token, decoder layer] each), and how often the residual's
+    error jumps (JUMP times the layer before's, or past the floor at layer 0) at a flipped (token,
+    layer) against at the others: do the hidden states part *at* the flips?"""
+    flips = [[int(f[0]), moe_layers[int(f[1])] if int(f[1]) < len(moe_layers) else int(f[1])] for f in routing.get("flips", [])]
+    floors = {r["layer"]: r["floor"] for r in rows if r["block"] == "resid"}
+    n_layers, t = resid_err.shape
+    jump = np.zeros((n_layers, t), dtype=bool)
+    jump[0] = resid_err[0] > floors[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        jump[1:] = (resid_err[1:] >= JUMP * resid_err[:-1]) & (
+            resid_err[1:] > np.array([floors[i] for i in range(1, n_layers)])[:, None]
+        )
+    flipped = np.zeros_like(jump)
+    for tok, layer in flips:
+        if tok < t and layer < n_layers:
+            flipped[layer, tok] = True
+    moe = np.zeros(n_layers, dtype=bool)
+    moe[[m for m in moe_layers if m < n_layers]] = True
+    others = ~flipped & moe[:, None]
+    return {
+        "flips": flips,
+        "jump_at_flips": float(jump[flipped].mean()) if flipped.any() else None,
+        "jump_elsewhere": float(jump[others].mean()) if others.any() else None,
+        "flipped_pairs": int(flipped.sum()),
+    }
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _tokens_words(tokens: list[int], t: int) -> str:
+    if len(tokens) == t:
+        return "every token"
+    if tokens and tokens == list(range(tokens[0], t)):
+        return f"every token from the {_ordinal(tokens[0] + 1)}"
+    return f"{len(tokens)} of {t} tokens"
+
+
+def block_words(block: str, layer: int, moe_layers: list[int]) -> str:
+    return "MoE block" if block == "mlp" and layer in moe_layers else BLOCK_WORDS[block]
+
+
+def layer_words(p: dict[str, Any]) -> str:
+    """The profile in one paragraph, for the verdict's audience."""
+    rows, parted = p["per_layer"], p["parted"]
+    if parted is None:
+        worst = max(rows, key=lambda r: r["vllm_vs_hf_median"] / r["floor"] if r["floor"] > 0 else 0.0)
+        return (
+            f"vLLM and HF stay within HF's own noise at every layer: at each of the {p['layers']} layers and "
+            f"every block, fewer than half the tokens move more than HF moves them itself (closest to parting: "
+            f"layer {worst['layer']}'s {block_words(worst['block'], worst['layer'], p['moe_layers'])}, median relative "
+            f"error {worst['vllm_vs_hf_median']:.2g} against HF's floor {worst['floor']:.2g})."
+        )
+    r = rows[parted["index"]]
+    where = f"layer {parted['layer']}'s {block_words(parted['block'], parted['layer'], p['moe_layers'])}"
+    words = (
+        f"vLLM and HF first part in {where} ({_tokens_words(parted['tokens'], p['n_tokens'])}; median relative "
+        f"error {r['vllm_vs_hf_median']:.2g}, where HF moves itself by at most {r['floor']:.2g})"
+    )
+    growth = parted["growth"]
+    last = p["layers"] - 1
+    if growth is not None and (parted["layer"], parted["block"]) != (last, "resid"):
+        words += (
+            f"; the gap grows {growth:.3g}x by the last layer's residual stream"
+            if growth >= 1
+            else (f"; by the last layer's residual stream it is {1 / growth:.3g}x smaller")
+        )
+    side = parted["leaves_reference"]
+    v_ref, h_ref = r["vllm_vs_ref_median"], r["hf_vs_ref_median"]
+    words += {
+        "HF": f"; vLLM is the one that leaves float64 there ({v_ref:.2g} from it, HF {h_ref:.2g})",
+        "vLLM": f"; HF is the one that leaves float64 there ({h_ref:.2g} from it, vLLM {v_ref:.2g})",
+        "neither": (
+            f"; both engines are as far from float64 there (vLLM {v_ref:.2g}, HF {h_ref:.2g}): each rounds "
+            f"{p['dtype']} its own way, and neither is wrong"
+        ),
+    }.get(side or "", "")
+    words += "."
+    rt = p.get("routing")
+    if rt and rt.get("jump_at_flips") is not None:
+        other = rt.get("jump_elsewhere")
+        words += (
+            f" At {rt['jump_at_flips']:.0%} of the {rt['flipped_pairs']} (token, layer) pairs routed to other experts "
+            f"the residual's error jumps at that layer"
+            + (f", against {other:.0%} of the pairs routed alike." if other is not None else ".")
+        )
+    elif rt is not None:
+        words += " Every token was routed to the same experts on both sides."
+    return words
+
+
+def layer_part(
+    hosts: dict[str, Any], ids: list[int], others: list[list[int]], dtype: str, routing: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Capture every side into a temporary folder, profile it, remove the folder. A dict with "why"
+    (and no profile) where vLLM's side could not be captured."""
+    folder = tempfile.mkdtemp(prefix="lpp-layers-")
+    try:
+        records = capture(hosts, ids, others, folder)
+        if isinstance(records["vllm"], str):
+            return {"why": records["vllm"]}
+        return profile(folder, records, dtype, routing)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
