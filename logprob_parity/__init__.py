@@ -240,12 +240,14 @@ def check(
 
 
 def diff(a: Any, b: Any, *, home: str | None = None) -> Any:
-    """Two runs of the same model and token ids side by side: a RunDiff (`.headline`, `.changes`, `.to_pandas()`)."""
+    """Two runs of the same model and token ids side by side: a RunDiff (`.headline`, `.changes`, `.to_pandas()`).
+    Where each run has a diagnosis with a layer part, `.layers` sets their profiles side by side."""
     from logprob_parity.analysis.diff import diff_runs
+    from logprob_parity.results.store import Store
 
     a = load(a, home=home) if isinstance(a, str) else a
     b = load(b, home=home) if isinstance(b, str) else b
-    return diff_runs(a, b)
+    return diff_runs(a, b, store=Store(home) if home else Store())
 
 
 def load(any_id: str, *, home: str | None = None) -> Any:

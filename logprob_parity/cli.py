@@ -344,7 +344,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from logprob_parity.results.store import Store
 
     store = Store()
-    d = diff_runs(store.load(args.a), store.load(args.b))
+    d = diff_runs(store.load(args.a), store.load(args.b), store=store)
     print(diff_text(d))
     if args.json:
         from logprob_parity.paths import write_text_atomic
@@ -360,6 +360,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     spec = _spec_from_args(args)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip()) if args.parts != "all" else PARTS
+    if args.parquet and "layers" not in parts:  # said before any engine starts
+        raise UserError("--parquet writes the layer part's table: add layers to --parts")
     with progress(args, "diagnose", (3 + 4 * len(parts)) * len(spec.dtypes)) as rep:
         result = diagnose(
             spec,
@@ -373,6 +375,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1, allow_nan=False))
         print(f"wrote {args.json}")
+    if args.parquet:
+        frame = result.layers_frame()
+        frame.to_parquet(args.parquet, index=False)
+        print(f"wrote {args.parquet} ({len(frame):,} rows: dtype, layer, block, token)")
     return 0
 
 
@@ -813,6 +819,9 @@ def build_parser(registry: tuple[Setting, ...] = SETTINGS) -> argparse.ArgumentP
         help="noise,reference,downstream,ablation,layers or 'all' (layers: where in the network the engines part)",
     )
     g.add_argument("--layer-text", type=COUNT, default=1, help="which text (1 = the first) the layers part captures")
+    g.add_argument(
+        "--parquet", default=None, metavar="OUT", help="the layer part's table: a row per dtype, layer, block and token"
+    )
     g.add_argument("--gen-tokens", type=COUNT, default=16, help="greedy tokens to generate for the downstream check")
     g.add_argument("--slow-knobs", action="store_true", help="also ablate knobs that are slow here (torch.compile on CPU)")
     g.set_defaults(func=cmd_diagnose)

@@ -503,7 +503,8 @@ def test_the_default_compare_paints_no_token_within_hfs_own_spread_red_and_says_
 def test_diagnostics_shows_where_in_the_network_as_words_a_heat_map_and_lines(server, home):
     """Issue 44: a tiny Qwen3-MoE diagnosed with the layer part in bfloat16, opened from its link: the words
     say where vLLM and HF first part, the heat map draws a cell per (layer, token) with the routing flips
-    marked, the block choice redraws it, and the numbers sit in a table a click away."""
+    marked, the block choice redraws it, and the numbers sit in a table a click away. On Compare, a
+    token's hover says where in the network it first left HF's noise."""
     from families import build_family, family
     from playwright.sync_api import expect
 
@@ -533,3 +534,16 @@ def test_diagnostics_shows_where_in_the_network_as_words_a_heat_map_and_lines(se
         page.get_by_text("Layer by layer in numbers, bfloat16").first.click()
         expect(page.get_by_text("median relative error, vLLM vs HF").first).to_be_attached()
         page.screenshot(path=str(out / "layers-table.png"), full_page=True)
+    # Compare's token hover says where in the network that token first left HF's noise
+    t = next(i for i, k in enumerate(prof["first_beyond"]) if k is not None)
+    row = prof["per_layer"][prof["first_beyond"][t]]
+    with stored_page(f"{server}/?runs={diag.run_ids['bfloat16']}", "layers") as (page, out):
+        token = page.locator(f'.lpp-row .lpp-tok[data-index="{t}"]').first
+        token.wait_for(timeout=120_000)
+        settled(page)
+        token.scroll_into_view_if_needed()
+        token.hover()
+        tip = token.locator(".lpp-tip")
+        tip.wait_for(state="visible")
+        assert f"where in the network: first beyond HF's noise at layer {row['layer']}'s" in tip.inner_text()
+        page.screenshot(path=str(out / "compare-hover-layers.png"))

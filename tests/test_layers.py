@@ -262,3 +262,16 @@ def test_the_report_the_terminal_and_the_table_carry_the_layer_part_in_words(tmp
     assert "Where in the network (bfloat16, text 1): vLLM and HF first part in layer 2's attention" in diagnostics_text(diag)
     html = diagnostics_section(diag)
     assert "first part in layer 2&#x27;s attention" in html and "<script>" not in html
+    frame = diag.layers_frame()  # what `diagnose --parquet` writes: a row per dtype, layer, block and token
+    assert len(frame) == N_LAYERS * len(L.BLOCKS) * T
+    at = frame[(frame.layer == 2) & (frame.block == "attn")]
+    assert at["beyond"].all() and (at["relative_error"] > at["floor"]).all()
+
+
+def test_two_profiles_side_by_side_say_where_each_first_parts_and_where_the_error_moved_most(tmp_path):
+    a = L.profile(str(tmp_path / "a"), _planted(tmp_path / "a", fault=None), "float32")
+    b = L.profile(str(tmp_path / "b"), _planted(tmp_path / "b", fault=(1, "mlp", 0)), "float32")
+    d = L.layer_diff(a, b)
+    assert d["words"].startswith("A first parts nowhere, B layer 1's MoE block; the median error moved most at layer ")
+    assert [r["parts_b"] for r in d["rows"]].index(True) == 4 and not any(r["parts_a"] for r in d["rows"])
+    assert "other texts or models" in L.layer_diff(a, {**b, "n_tokens": T + 1})["why"]

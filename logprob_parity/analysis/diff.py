@@ -38,6 +38,8 @@ class RunDiff:
     movers: tuple[dict[str, Any], ...]  # the tokens whose gap moved most, largest first
     # an MoE model: each run's routing keys {"routing_flip_frac": {"a", "b"}, ...}; None for a dense one
     routing: dict[str, dict[str, Any]] | None = None
+    # both runs' layer parts side by side, where each run has a diagnosis with one (analysis.layers.layer_diff)
+    layers: dict[str, Any] | None = None
 
     def to_pandas(self) -> Any:
         """The tokens whose gap moved most, one a row."""
@@ -60,6 +62,7 @@ class RunDiff:
             "headline": self.headline,
             "movers": list(self.movers),
             **({"routing": self.routing} if self.routing else {}),
+            **({"layers": self.layers} if self.layers else {}),
         }
 
 
@@ -116,8 +119,10 @@ def _words(changes: list[tuple[str, Any, Any]]) -> str:
     return first + (f" (and {len(changes) - 3} more)" if len(changes) > 3 else "")
 
 
-def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
-    """Run b against run a, token by token. Refuses runs of other models or token ids (UserError)."""
+def diff_runs(a: Any, b: Any, top: int = 20, store: Any = None) -> RunDiff:
+    """Run b against run a, token by token. Refuses runs of other models or token ids (UserError).
+    store: where to look for each run's newest diagnosis; where both hold a layer part, the diff sets
+    their layer profiles side by side (`layers`)."""
     why = same_comparison(a, b)
     if why:
         raise UserError(f"runs {a.run_id} and {b.run_id} cannot be set side by side: {why}")
@@ -188,7 +193,22 @@ def diff_runs(a: Any, b: Any, top: int = 20) -> RunDiff:
         headline,
         tuple(movers),
         _routing(a, b),
+        _layers(store, a, b) if store is not None else None,
     )
+
+
+def layers_of(store: Any, run: Any) -> dict[str, Any] | None:
+    """The layer part of the newest diagnosis built on this run, for its dtype; None where there is none."""
+    diag = store.diagnostics_for_run(run.run_id)
+    out = diag.dtypes.get(run.dtype) if diag is not None else None
+    return out.layers if out is not None and out.layers else None
+
+
+def _layers(store: Any, a: Any, b: Any) -> dict[str, Any] | None:
+    from logprob_parity.analysis.layers import layer_diff
+
+    la, lb = layers_of(store, a), layers_of(store, b)
+    return layer_diff(la, lb) if la and lb else None
 
 
 ROUTING_KEYS = ("routing_flip_frac", "routing_tokens_flipped", "routing_layers_flipped_mean")
@@ -226,6 +246,7 @@ def diff_text(d: RunDiff) -> str:
             if d.routing
             else []
         ),
+        *([f"where in the network: {d.layers.get('words') or d.layers.get('why')}"] if d.layers else []),
         "",
         "tokens whose gap moved most:",
     ]

@@ -274,3 +274,44 @@ def layer_part(
         return profile(folder, records, dtype, routing)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def layer_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two profiles of the same text side by side (e.g. before and after a kernel change): per (layer,
+    block) the median relative error, vLLM against HF, in each and B / A, where each first parts, and
+    the (layer, block) whose median moved most. A sentence in "why" where they cannot be set side by side."""
+    if "per_layer" not in a or "per_layer" not in b:
+        return {"why": "a layer part did not run in " + ("A" if "per_layer" not in a else "B")}
+    if (a["layers"], a["n_tokens"], a.get("text", 0)) != (b["layers"], b["n_tokens"], b.get("text", 0)):
+        return {
+            "why": f"the layer parts captured other texts or models (A: {a['layers']} layers, {a['n_tokens']} tokens, "
+            f"text {a.get('text', 0) + 1}; B: {b['layers']} layers, {b['n_tokens']} tokens, text {b.get('text', 0) + 1})"
+        }
+    rows = []
+    for ra, rb in zip(a["per_layer"], b["per_layer"]):
+        ma, mb = ra["vllm_vs_hf_median"], rb["vllm_vs_hf_median"]
+        rows.append(
+            {
+                "layer": ra["layer"],
+                "block": ra["block"],
+                "median_a": ma,
+                "median_b": mb,
+                "ratio": (mb / ma) if ma > 0 else None,
+                "parts_a": ra["parts"],
+                "parts_b": rb["parts"],
+            }
+        )
+
+    def first(p: dict[str, Any]) -> str:
+        k = p.get("parted")
+        return "nowhere" if k is None else f"layer {k['layer']}'s {block_words(k['block'], k['layer'], p['moe_layers'])}"
+
+    moved = [r for r in rows if r["ratio"] is not None and r["ratio"] > 0]
+    words = f"A first parts {first(a)}, B {first(b)}"
+    if moved:
+        top = max(moved, key=lambda r: abs(np.log(r["ratio"])))
+        words += (
+            f"; the median error moved most at layer {top['layer']}'s {block_words(top['block'], top['layer'], a['moe_layers'])}"
+            f" ({top['median_a']:.2g} → {top['median_b']:.2g}, {top['ratio']:.3g}x)"
+        )
+    return {"rows": rows, "words": words + "."}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -181,13 +182,14 @@ def _topk_lines(side: str, seq: SequenceResult, t: int, n: int = 5) -> str:
     return "   ".join(parts)
 
 
-def tooltip(seq: SequenceResult, t: int) -> str:
-    """Plain text; escaped by the caller."""
+def tooltip(seq: SequenceResult, t: int, layers: dict[str, Any] | None = None) -> str:
+    """Plain text; escaped by the caller. layers: a layer part on this very text (a diagnosis's), whose
+    line says where in the network this token first left HF's noise."""
     m = seq.metrics
     shown = seq.pieces[t]
     what = repr(shown) if shown != "" else "part of a character that a later token completes"
     head = f"#{t}  {what}  id {seq.token_ids[t]}"
-    routes = _routing_lines(seq, t)
+    routes = _routing_lines(seq, t) + _layer_lines(layers, t)
     if not m.scored[t]:
         return "\n".join([head + "\nnot scored (no prediction for the first position)", *routes])
     hf, vl = seq.hf, seq.vllm
@@ -202,6 +204,23 @@ def tooltip(seq: SequenceResult, t: int) -> str:
         *routes,
     ]
     return "\n".join(lines)
+
+
+def _layer_lines(prof: dict[str, Any] | None, t: int) -> list[str]:
+    """Where in the network token t first left HF's own noise (logprob_parity.analysis.layers), from a
+    diagnosis's layer part on this text; nothing without one."""
+    if not prof or "first_beyond" not in prof or t >= len(prof["first_beyond"]):
+        return []
+    from logprob_parity.analysis.layers import block_words
+
+    k = prof["first_beyond"][t]
+    if k is None:
+        return ["where in the network: within HF's own noise at every layer (Diagnostics)"]
+    r = prof["per_layer"][k]
+    return [
+        f"where in the network: first beyond HF's noise at layer {r['layer']}'s "
+        f"{block_words(r['block'], r['layer'], prof['moe_layers'])} (Diagnostics)"
+    ]
 
 
 def _routing_lines(seq: SequenceResult, t: int) -> list[str]:
@@ -232,9 +251,16 @@ def _piece_html(seq: SequenceResult, t: int) -> tuple[str, bool]:
 
 
 def sequence_row_html(
-    label: str, seq: SequenceResult, scale: Scale | MeaningScale, threshold: float | None, start: int = 0, stop: int | None = None
+    label: str,
+    seq: SequenceResult,
+    scale: Scale | MeaningScale,
+    threshold: float | None,
+    start: int = 0,
+    stop: int | None = None,
+    layers: dict[str, Any] | None = None,
 ) -> str:
-    """One row of tokens [start, stop) coloured by `scale` (a long text is shown a window at a time)."""
+    """One row of tokens [start, stop) coloured by `scale` (a long text is shown a window at a time);
+    `layers`: this text's layer part, named in each token's hover."""
     vals = metric_values(seq, scale.key)
     stop = len(seq.token_ids) if stop is None else min(stop, len(seq.token_ids))
     spans = []
@@ -254,7 +280,7 @@ def sequence_row_html(
             classes.append("lpp-special")
         if piece == "":
             classes.append("lpp-partial")
-        tip = html.escape(tooltip(seq, t), quote=True)
+        tip = html.escape(tooltip(seq, t, layers), quote=True)
         data = f' data-index="{t}" data-value="{v!r}"' if math.isfinite(v) else f' data-index="{t}"'
         spans.append(f'<span class="{" ".join(classes)}" style="{style}"{data}>{piece}<span class="lpp-tip">{tip}</span></span>')
     swatch = f'<span class="lpp-swatch" style="background:{dtype_colour(label)}"></span>'
@@ -331,25 +357,34 @@ def token_view_html(
     floors: dict[str, float] | None = None,
     window: tuple[int, int] | None = None,
     floor_words: dict[str, str] | None = None,
+    layers: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     """One row per dtype for one sequence, with the CSS inline (st.html and reports alike).
 
     |Δ logp| is coloured by meaning (HF's noise tail, vLLM's tolerance) unless `raw`; `floors` are where
     each dtype's tokens leave HF's measured noise (its tail: verdict.hf_noise_of, the verdict's own),
     `floor_words` that tail in words; a dtype without one says it is not measured, and one rounding
-    step stands in. `window` shows positions [start, stop) only, so a long text stays fast."""
+    step stands in. `window` shows positions [start, stop) only, so a long text stays fast. `layers`: a
+    diagnosis's layer part per dtype; on the text it captured, each token's hover says where in the
+    network it first left HF's noise."""
     start, stop = window if window else (0, None)
     live = [r for r in runs if seq_index < len(r.sequences)]
+    here = {d: prof for d, prof in (layers or {}).items() if prof.get("text", 0) == seq_index and "first_beyond" in prof}
     if metric == "abs_delta" and not raw:
         scales = {r.dtype: meaning_scale(r.dtype, (floors or {}).get(r.dtype), (floor_words or {}).get(r.dtype)) for r in live}
         legend = meaning_legend_html(scales, threshold)
-        rows = [sequence_row_html(r.dtype, r.sequences[seq_index], scales[r.dtype], threshold, start, stop) for r in live]
+        rows = [
+            sequence_row_html(r.dtype, r.sequences[seq_index], scales[r.dtype], threshold, start, stop, here.get(r.dtype))
+            for r in live
+        ]
     else:
         scale = SCALES[metric]
         if scale_hi is not None:
             scale = scale.with_hi(scale_hi)
         legend = legend_html(scale, threshold)
-        rows = [sequence_row_html(r.dtype, r.sequences[seq_index], scale, threshold, start, stop) for r in live]
+        rows = [
+            sequence_row_html(r.dtype, r.sequences[seq_index], scale, threshold, start, stop, here.get(r.dtype)) for r in live
+        ]
     return f'<style>{CSS}</style><div class="lpp-tv">{legend}{"".join(rows)}</div>'
 
 

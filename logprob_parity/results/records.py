@@ -159,6 +159,35 @@ class DiagnosticsResult:
     created: str = ""
     created_ts: float = 0.0
 
+    def layers_frame(self) -> Any:
+        """The layer parts as one table, a row per (dtype, layer, block, token): vLLM's relative error
+        against HF there, the (layer, block)'s floor, and whether the token is beyond it; what
+        `diagnose --parquet` writes. Empty where no layer part ran."""
+        import pandas as pd
+
+        rows = []
+        for d, out in self.dtypes.items():
+            prof = out.layers or {}
+            floors = {(r["layer"], r["block"]): r["floor"] for r in prof.get("per_layer", [])}
+            for block, per_layer in (prof.get("vllm_vs_hf") or {}).items():
+                for layer, errs in enumerate(per_layer):
+                    f = floors[(layer, block)]
+                    rows += [
+                        {
+                            "dtype": d,
+                            "text": prof.get("text", 0),
+                            "layer": layer,
+                            "block": block,
+                            "token": t,
+                            "relative_error": e,
+                            "floor": f,
+                            "beyond": e > f,
+                        }
+                        for t, e in enumerate(errs)
+                    ]
+        cols = ["dtype", "text", "layer", "block", "token", "relative_error", "floor", "beyond"]
+        return pd.DataFrame(rows, columns=cols)
+
     def to_dict(self) -> dict[str, Any]:
         d = {
             "diagnostics_id": self.diagnostics_id,

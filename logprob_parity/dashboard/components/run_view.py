@@ -333,6 +333,7 @@ def show_runs(runs: list[Run], page: str = "compare", seq_fixed: int | None = No
             floors=floors["tail"] if floors else None,
             floor_words=floors["tail_words"] if floors else None,
             window=window,
+            layers={d: o.layers for d, o in diag.dtypes.items() if o.layers} if diag else None,
         )
     )
 

@@ -4,9 +4,10 @@ import pandas as pd
 import streamlit as st
 
 from logprob_parity.analysis.diff import FACTOR, diff_runs, ratio_words
+from logprob_parity.analysis.layers import BLOCK_WORDS
 from logprob_parity.dashboard.components.alerts import show_error
 from logprob_parity.dashboard.components.run_view import card_number, sci_columns
-from logprob_parity.dashboard.state import load_run
+from logprob_parity.dashboard.state import get_store, load_run
 from logprob_parity.errors import UserError
 
 st.title("What changed between two runs")
@@ -24,7 +25,7 @@ if len(ids) != 2:
     st.stop()
 try:
     a, b = load_run(ids[0]), load_run(ids[1])
-    d = diff_runs(a, b)
+    d = diff_runs(a, b, store=get_store())
 except UserError as exc:
     show_error(str(exc))
     st.stop()
@@ -49,6 +50,15 @@ if d.changes:
     )
 else:
     st.caption("Nothing recorded differs (the same versions, device and settings): the change is run-to-run noise.")
+if d.layers:
+    st.markdown(f"**Where in the network**: {d.layers.get('words') or d.layers.get('why')}")
+    if d.layers.get("rows"):
+        lay = (
+            pd.DataFrame(d.layers["rows"])
+            .assign(block=lambda f: f["block"].map(BLOCK_WORDS))
+            .rename(columns={"median_a": "median error in A", "median_b": "median error in B", "ratio": "B / A"})
+        )
+        st.dataframe(lay, hide_index=True, width="stretch", column_config=sci_columns(lay, skip=("layer", "block", "B / A")))
 st.markdown("**The tokens whose gap moved most**")
 if d.movers:
     movers = pd.DataFrame([{**m, "ratio": ratio_words(m)} for m in d.movers])
