@@ -275,3 +275,31 @@ def test_two_profiles_side_by_side_say_where_each_first_parts_and_where_the_erro
     assert d["words"].startswith("A first parts nowhere, B layer 1's MoE block; the median error moved most at layer ")
     assert [r["parts_b"] for r in d["rows"]].index(True) == 4 and not any(r["parts_a"] for r in d["rows"])
     assert "other texts or models" in L.layer_diff(a, {**b, "n_tokens": T + 1})["why"]
+
+
+def test_the_capture_hooks_come_off_after_a_capture_and_a_planted_fault_comes_off_bit_for_bit(tiny_bos, tmp_path):
+    """In one process, HF's own model: after a capture no hook is left on any module (a hook left on a
+    model that hf_compile compiles would break its graph), and removing a planted fault gives back the
+    same logits to the last bit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logprob_parity.engines import layers as lay
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_bos, dtype=torch.float32).eval()
+    x = torch.tensor([[0, 5, 9, 22, 31]])
+    with torch.inference_mode():
+        before = model(input_ids=x).logits
+        assert lay.install_hooks(model) == 2
+        lay.begin(str(tmp_path), lambda t: t.reshape(-1, t.shape[-1]))
+        model(input_ids=x)
+        counts = lay.end(model)
+        assert counts == {"attn": 2, "mlp": 2, "resid": 2}
+        assert not any(m._forward_hooks for m in model.modules())
+        assert lay.read(str(tmp_path), "resid", 1, 5).shape == (5, 64)
+        lay.perturb_module(model, 1, "mlp", 1.5)
+        moved = model(input_ids=x).logits
+        lay.restore_module(model)
+        after = model(input_ids=x).logits
+    assert not torch.equal(moved, before) and torch.equal(after, before)
+    assert not any(m._forward_hooks for m in model.modules())

@@ -86,16 +86,24 @@ def _save(block: str, layer: int, tensor: Any) -> None:
 
 
 def install_hooks(model: Any) -> int:
-    """Forward hooks on every decoder layer and its two blocks (once per model); the layer count."""
+    """Forward hooks on every decoder layer and its two blocks, until `remove_hooks`; the layer count.
+    They stay only for one capture: a hook left on a model that `hf_compile` compiles would break its
+    graph at every layer of every later forward."""
     layers = decoder_layers(model)
-    if getattr(model, "_lpp_layer_hooks", False):
-        return len(layers)
+    remove_hooks(model)
+    handles = []
     for i, layer in enumerate(layers):
-        _child(layer, ATTN_NAMES).register_forward_hook(lambda m, a, out, i=i: _save("attn", i, _first(out)))
-        _child(layer, MLP_NAMES).register_forward_hook(lambda m, a, out, i=i: _save("mlp", i, _first(out)))
-        layer.register_forward_hook(lambda m, a, out, i=i: _save("resid", i, _stream(out)))
-    model._lpp_layer_hooks = True
+        handles.append(_child(layer, ATTN_NAMES).register_forward_hook(lambda m, a, out, i=i: _save("attn", i, _first(out))))
+        handles.append(_child(layer, MLP_NAMES).register_forward_hook(lambda m, a, out, i=i: _save("mlp", i, _first(out))))
+        handles.append(layer.register_forward_hook(lambda m, a, out, i=i: _save("resid", i, _stream(out))))
+    model._lpp_layer_hooks = handles
     return len(layers)
+
+
+def remove_hooks(model: Any) -> None:
+    for h in getattr(model, "_lpp_layer_hooks", None) or []:
+        h.remove()
+    model._lpp_layer_hooks = []
 
 
 def begin(folder: str, select: Callable[[Any], Any] | None = None) -> None:
@@ -105,8 +113,10 @@ def begin(folder: str, select: Callable[[Any], Any] | None = None) -> None:
     _STATE.update(folder=folder, pieces={}, select=select)
 
 
-def end() -> dict[str, int]:
-    """Stop writing; how many pieces each block wrote, summed over layers."""
+def end(model: Any = None) -> dict[str, int]:
+    """Stop writing and take the hooks off `model`; how many pieces each block wrote, summed over layers."""
+    if model is not None:
+        remove_hooks(model)
     pieces = _STATE["pieces"]
     _STATE.update(folder=None, pieces={}, select=None)
     counts: dict[str, int] = {}
@@ -143,7 +153,7 @@ def vllm_begin(worker: Any, folder: str) -> None:
 
 
 def vllm_end(worker: Any) -> dict[str, int]:
-    return end()
+    return end(worker.model_runner.model)
 
 
 def block_module_of(layer: Any) -> Any:

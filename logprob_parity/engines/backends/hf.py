@@ -157,6 +157,8 @@ class HFBackend(Backend):
         (through the KV cache a chunk at a time, as the null comparison feeds it)."""
         from logprob_parity.engines import layers as lay
 
+        if variation not in ("alone", "batched", "chunked"):
+            raise ValueError(f"unknown layer capture variation {variation!r}")
         n_layers = lay.install_hooks(self.model)
         ids = [int(t) for t in ids]
         dev = self.device
@@ -174,8 +176,8 @@ class HFBackend(Backend):
             try:
                 self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False)
             finally:
-                counts = lay.end()
-        elif variation in ("alone", "batched", "chunked"):
+                counts = lay.end(self.model)
+        else:
             x = torch.tensor([ids], dtype=torch.long, device=dev)
             lay.begin(folder, lambda t: t.reshape(-1, t.shape[-1]))
             try:
@@ -190,9 +192,7 @@ class HFBackend(Backend):
                 else:
                     self.model(input_ids=x, use_cache=False)
             finally:
-                counts = lay.end()
-        else:
-            raise ValueError(f"unknown layer capture variation {variation!r}")
+                counts = lay.end(self.model)
         moe = [i for i, layer in enumerate(lay.decoder_layers(self.model)) if _is_moe_layer(layer)]
         return {"layers": n_layers, "pieces": counts, "variation": variation, "n_tokens": len(ids), "moe_layers": moe}
 
