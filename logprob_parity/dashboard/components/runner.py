@@ -41,6 +41,7 @@ STAGE_WORDS = {
     "reference": "Computing the float64 reference",
     "downstream": "Checking generated text and multiple-choice answers",
     "ablation": "Trying one setting at a time",
+    "layers": "Capturing every layer on both engines",
 }
 
 
