@@ -293,7 +293,8 @@ def _layers(
         if not isinstance(v_routes, str) and not isinstance(h_routes, str):
             routing = compare_routes(np.asarray(v_routes[0]), np.asarray(h_routes[0]))
         others = [f for f in filler if len(f) < mml]
-        got = layer_part({"vllm": vl, "hf": hf, "ref": lease.host(ref_r)}, ids, others, d, routing)
+        say = partial(emit, "layers", d)
+        got = layer_part({"vllm": vl, "hf": hf, "ref": lease.host(ref_r)}, ids, others, d, routing, say)
     return {"text": k, **got}
 
 

@@ -63,18 +63,26 @@ def floor_of(noise: np.ndarray, dtype: str) -> float:
     return max(tail, UNIT_ROUNDOFF.get(dtype, 0.0))
 
 
-def capture(hosts: dict[str, Any], ids: list[int], others: list[list[int]], folder: str) -> dict[str, Any]:
+CAPTURES = (
+    ("vllm", "vllm", "alone", "vLLM, the text alone"),
+    ("hf", "hf", "alone", "HF, the text alone"),
+    ("batched", "hf", "batched", "HF, the text beside other texts (left-padded)"),
+    ("chunked", "hf", "chunked", "HF, the text through its KV cache in chunks"),
+    ("ref", "ref", "alone", REFERENCE_WORDS),
+)
+
+
+def capture(hosts: dict[str, Any], ids: list[int], others: list[list[int]], folder: str, say: Any = None) -> dict[str, Any]:
     """Each side's capture into its own sub-folder: hosts has "vllm", "hf" and "ref" (the float64
     reference); HF's two noise variations run on the "hf" host. Returns each side's record, or a
-    sentence where vLLM's side could not run."""
+    sentence where vLLM's side could not run. say(words): each step as it starts ("capture 2 of 5: ...")."""
     got: dict[str, Any] = {}
-    got["vllm"] = hosts["vllm"].layers(ids, f"{folder}/vllm")
-    if isinstance(got["vllm"], str):
-        return got
-    got["hf"] = hosts["hf"].layers(ids, f"{folder}/hf")
-    got["batched"] = hosts["hf"].layers(ids, f"{folder}/batched", "batched", others)
-    got["chunked"] = hosts["hf"].layers(ids, f"{folder}/chunked", "chunked")
-    got["ref"] = hosts["ref"].layers(ids, f"{folder}/ref")
+    for k, (side, host, variation, words) in enumerate(CAPTURES, 1):
+        if say is not None:
+            say(f"capture {k} of {len(CAPTURES)}: {words}")
+        got[side] = hosts[host].layers(ids, f"{folder}/{side}", variation, others if variation == "batched" else None)
+        if side == "vllm" and isinstance(got[side], str):
+            return got
     return got
 
 
@@ -262,13 +270,18 @@ def layer_words(p: dict[str, Any]) -> str:
 
 
 def layer_part(
-    hosts: dict[str, Any], ids: list[int], others: list[list[int]], dtype: str, routing: dict[str, Any] | None
+    hosts: dict[str, Any],
+    ids: list[int],
+    others: list[list[int]],
+    dtype: str,
+    routing: dict[str, Any] | None,
+    say: Any = None,
 ) -> dict[str, Any]:
     """Capture every side into a temporary folder, profile it, remove the folder. A dict with "why"
     (and no profile) where vLLM's side could not be captured."""
     folder = tempfile.mkdtemp(prefix="lpp-layers-")
     try:
-        records = capture(hosts, ids, others, folder)
+        records = capture(hosts, ids, others, folder, say)
         if isinstance(records["vllm"], str):
             return {"why": records["vllm"]}
         return profile(folder, records, dtype, routing)
