@@ -84,6 +84,9 @@ def test_the_null_profile_parts_nowhere_and_says_so(tmp_path):
     p = L.profile(str(tmp_path), _planted(tmp_path, fault=None), "float32")
     assert p["parted"] is None and all(not r["parts"] for r in p["per_layer"])
     assert p["words"].startswith("vLLM and HF stay within HF's own noise at every layer")
+    # an MoE model routed alike on both sides says so, also where nothing parts
+    same = L.profile(str(tmp_path), _planted(tmp_path, fault=None), "float32", {"flips": [], "layers": 2})
+    assert same["words"].endswith("Every token was routed to the same experts on both sides.")
 
 
 def test_routing_flips_land_on_their_decoder_layers_and_the_jumps_there_are_counted(tmp_path):

@@ -229,7 +229,7 @@ def layer_words(p: dict[str, Any]) -> str:
             f"vLLM and HF stay within HF's own noise at every layer: at each of the {p['layers']} layers and "
             f"every block, fewer than half the tokens move more than HF moves them itself (closest to parting: "
             f"layer {worst['layer']}'s {block_words(worst['block'], worst['layer'], p['moe_layers'])}, median relative "
-            f"error {worst['vllm_vs_hf_median']:.2g} against HF's floor {worst['floor']:.2g})."
+            f"error {worst['vllm_vs_hf_median']:.2g} against HF's floor {worst['floor']:.2g})." + _routing_words(p.get("routing"))
         )
     r = rows[parted["index"]]
     where = f"layer {parted['layer']}'s {block_words(parted['block'], parted['layer'], p['moe_layers'])}"
@@ -255,18 +255,21 @@ def layer_words(p: dict[str, Any]) -> str:
             f"{p['dtype']} its own way, and neither is wrong"
         ),
     }.get(side or "", "")
-    words += "."
-    rt = p.get("routing")
-    if rt and rt.get("jump_at_flips") is not None:
-        other = rt.get("jump_elsewhere")
-        words += (
-            f" At {rt['jump_at_flips']:.0%} of the {rt['flipped_pairs']} (token, layer) pairs routed to other experts "
-            f"the residual's error jumps at that layer"
-            + (f", against {other:.0%} of the pairs routed alike." if other is not None else ".")
-        )
-    elif rt is not None:
-        words += " Every token was routed to the same experts on both sides."
-    return words
+    return words + "." + _routing_words(p.get("routing"))
+
+
+def _routing_words(rt: dict[str, Any] | None) -> str:
+    """An MoE model's routing on the layer grid, in a sentence (nothing for a dense model)."""
+    if rt is None:
+        return ""
+    if rt.get("jump_at_flips") is None:
+        return " Every token was routed to the same experts on both sides."
+    other = rt.get("jump_elsewhere")
+    return (
+        f" At {rt['jump_at_flips']:.0%} of the {rt['flipped_pairs']} (token, layer) pairs routed to other experts "
+        f"the residual's error jumps at that layer"
+        + (f", against {other:.0%} of the pairs routed alike." if other is not None else ".")
+    )
 
 
 def layer_part(
