@@ -30,16 +30,15 @@ from typing import Any
 
 import numpy as np
 
+from logprob_parity.analysis.floors import tail_value
 from logprob_parity.analysis.verdict import closer_to_reference
 from logprob_parity.engines import layers as lay
-from logprob_parity.results.bands import TAIL_MIN_POSITIONS, TAIL_Q
 
 BLOCKS = lay.BLOCKS
 BLOCK_WORDS = {"attn": "attention", "mlp": "MLP", "resid": "residual stream"}
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 HF_VARIATIONS = ("batched", "chunked")
 JUMP = 2.0  # the residual's error "jumps" at a layer when it is at least this many times the layer before's
-SIDES = ("vllm", "hf", "ref") + HF_VARIATIONS
 REFERENCE_WORDS = "HF in float64 with eager attention on the CPU"
 
 
@@ -54,13 +53,10 @@ def relative_error(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def floor_of(noise: np.ndarray, dtype: str) -> float:
-    """The (layer, block)'s floor: the envelope's TAIL_Q quantile (its largest value below
-    TAIL_MIN_POSITIONS tokens), at least the dtype's unit roundoff."""
+    """The (layer, block)'s floor: the envelope's noise tail (floors.tail_value: its TAIL_Q quantile, its
+    largest value below TAIL_MIN_POSITIONS tokens), at least the dtype's unit roundoff."""
     finite = noise[np.isfinite(noise)]
-    tail = 0.0
-    if finite.size:
-        tail = float(finite.max()) if finite.size < TAIL_MIN_POSITIONS else float(np.quantile(finite, TAIL_Q, method="higher"))
-    return max(tail, UNIT_ROUNDOFF.get(dtype, 0.0))
+    return max(tail_value(finite) if finite.size else 0.0, UNIT_ROUNDOFF.get(dtype, 0.0))
 
 
 CAPTURES = (
@@ -70,6 +66,7 @@ CAPTURES = (
     ("chunked", "hf", "chunked", "HF, the text through its KV cache in chunks"),
     ("ref", "ref", "alone", REFERENCE_WORDS),
 )
+SIDES = tuple(side for side, *_ in CAPTURES)  # each capture's folder and record
 
 
 def capture(hosts: dict[str, Any], ids: list[int], others: list[list[int]], folder: str, say: Any = None) -> dict[str, Any]:

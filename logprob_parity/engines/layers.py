@@ -137,10 +137,6 @@ def read(folder: str, block: str, layer: int, n_tokens: int) -> np.ndarray:
     return np.asarray(rows[:n_tokens], dtype=np.float32)
 
 
-def layer_count(folder: str) -> int:
-    return len({p.name.split(".")[1] for p in Path(folder).glob("resid.*.npy")})
-
-
 # --- vLLM: run in the engine core's worker through LLM.collective_rpc (in-process) ---
 
 
