@@ -31,7 +31,8 @@ def heat_frame(p: dict[str, Any], block: str, pieces: list[str] | None = None) -
                 {
                     "layer": layer,
                     "token": i,
-                    "piece": pieces[i] if pieces and i < len(pieces) else str(i),
+                    # a token that holds only part of a character adds no text: say so, as the token view does
+                    "piece": (pieces[i] or "(part of a character)") if pieces and i < len(pieces) else str(i),
                     "relative_error": float(e) if e > 0 else zero_at,
                     "floor": floors[layer],
                     "beyond": bool(e > floors[layer]),
