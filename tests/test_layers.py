@@ -1,6 +1,6 @@
 """Where in the network the engines part (logprob_parity.analysis.layers).
 
-Fast tests: the profile's arithmetic and words on planted folders (no engine). Engine tests: the real
+Fast tests: the sinks' comparisons and the profile's arithmetic and words on planted stacks (no engine). Engine tests: the real
 HF and vLLM engines of the tiny Llama and Gemma 2 on real ids, with a fault planted in one engine's
 weights through the same in-engine access the capture uses, HF forced to SDPA on Gemma 2 (which drops
 its attention soft-cap), and the null (HF against itself in vLLM's place); the tiny DeepSeek-V2 the matrix leaves out. The family matrix's test
@@ -9,6 +9,7 @@ its attention soft-cap), and the null (HF against itself in vLLM's place); the t
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -19,55 +20,120 @@ from logprob_parity.analysis import layers as L
 T, H, N_LAYERS = 12, 16, 3
 
 
-def _write(folder, arrays):
-    """arrays: {(block, layer): [T, H]} written as one piece each, as a hook writes them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for (block, layer), a in arrays.items():
-        np.save(folder / f"{block}.{layer:04d}.0000.npy", np.asarray(a, np.float32))
+def _feed(sink, stack, pieces=2):
+    """Send a side's [layers, blocks, T, H] stack through `sink` as hooks do: layer by layer, block by
+    block, the text in `pieces` forwards (a chunked prefill)."""
+    import torch
+
+    bounds = np.linspace(0, T, pieces + 1).astype(int)
+    for lo, hi in itertools.pairwise(bounds):
+        for layer in range(N_LAYERS):
+            for b, block in enumerate(L.BLOCKS):
+                sink.put(block, layer, torch.as_tensor(stack[layer, b, lo:hi]))
 
 
-def _planted(tmp_path, fault=None, scale=1e-2, noise=1e-6, seed=0):
-    """HF's rows random; its two noise variations and the float64 reference within `noise` of them;
-    vLLM within a quarter of that, and off by `scale` from `fault` = (layer, block, first
-    token) on, carried into every later block as a real fault would be."""
+def _planted(fault=None, scale=1e-2, noise=1e-6, seed=0):
+    """HF's rows random; its three noise variations and the float64 reference within `noise` of them;
+    vLLM within a quarter of that, and off by `scale` from `fault` = (layer, block, first token) on,
+    carried into every later block as a real fault would be. Compared through the same sinks the HF
+    host's layer_errors uses; the result is what it returns."""
+    import torch
+
+    from logprob_parity.engines import layers as lay
+
     rng = np.random.default_rng(seed)
-    base = {(b, layer): rng.normal(size=(T, H)) for layer in range(N_LAYERS) for b in L.BLOCKS}
+    base = rng.normal(size=(N_LAYERS, len(L.BLOCKS), T, H))
     order = [(layer, b) for layer in range(N_LAYERS) for b in L.BLOCKS]
-    sides = {}
-    for side in ("hf", "batched", "chunked", "ref", "vllm"):
-        arrays = {}
-        for k, (layer, b) in enumerate(order):
-            # vLLM's own rounding a quarter of HF's variations': within HF's floor where no fault is
-            a = base[(b, layer)] * (1 + (noise / 4 if side == "vllm" else noise) * rng.normal(size=(T, H)))
-            if side == "ref":
-                a = base[(b, layer)].copy()
-            if side == "vllm" and fault is not None and k >= order.index((fault[0], fault[1])):
-                a = a.copy()
-                a[fault[2] :] += scale * np.linalg.norm(a[fault[2] :], axis=1, keepdims=True) * rng.normal(size=(T - fault[2], H))
-            arrays[(b, layer)] = a
-        _write(tmp_path / side, arrays)
-        sides[side] = {"layers": N_LAYERS, "n_tokens": T, "moe_layers": [1, 2]}
-    return sides
+    stacks = {}
+    for side in ("vllm", "hf", "batched", "packed", "chunked", "ref"):
+        # vLLM's own rounding a quarter of HF's variations': within HF's floor where no fault is
+        a = base * (1 + (noise / 4 if side == "vllm" else noise) * rng.normal(size=base.shape))
+        if side == "ref":
+            a = base.copy()
+        if side == "vllm" and fault is not None:
+            for k, (layer, b) in enumerate(order):
+                if k >= order.index((fault[0], fault[1])):
+                    x = a[layer, L.BLOCKS.index(b), fault[2] :]
+                    x += scale * np.linalg.norm(x, axis=1, keepdims=True) * rng.normal(size=x.shape)
+        stacks[side] = a.astype(np.float32) if side != "ref" else a
+    v = torch.as_tensor(stacks["vllm"])
+    hf = lay.Sink(N_LAYERS, T, keep=True, against=(("vllm_vs_hf", v, True),))
+    _feed(hf, stacks["hf"])
+    sinks = [hf]
+    for variation in ("batched", "packed", "chunked"):
+        sinks.append(lay.Sink(N_LAYERS, T, against=((variation, hf.stack, False),)))
+        _feed(sinks[-1], stacks[variation], pieces=3)
+    sinks.append(lay.Sink(N_LAYERS, T, against=(("vllm_vs_ref", v, True), ("hf_vs_ref", hf.stack, True))))
+    _feed(sinks[-1], stacks["ref"])
+    assert not any(s.missing() for s in sinks)
+    errors = {k: e for s in sinks for k, e in s.arrays().items()}
+    return {"layers": N_LAYERS, "n_tokens": T, "moe_layers": [1, 2], "errors": errors, "vllm": {"eager": True}, "skipped": {}}
 
 
 def test_relative_error_is_zero_for_equal_rows_and_infinite_where_only_the_reference_row_is_zero():
-    a = np.array([[1.0, 2.0], [0.0, 0.0], [3.0, 4.0], [1.0, 0.0]])
-    b = np.array([[1.0, 2.0], [0.0, 0.0], [0.0, 5.0], [0.0, 0.0]])
-    got = L.relative_error(a, b)
-    assert got[0] == 0 and got[1] == 0 and got[3] == np.inf
-    assert got[2] == pytest.approx(np.linalg.norm([3.0, -1.0]) / 5.0)
+    import torch
+
+    from logprob_parity.engines import layers as lay
+
+    a = torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 4.0], [1.0, 0.0]])
+    b = torch.tensor([[1.0, 2.0], [0.0, 0.0], [0.0, 5.0], [0.0, 0.0]], dtype=torch.float64)
+    got = lay.relative_error(a, b)
+    assert got.dtype == torch.float64
+    assert got[0] == 0 and got[1] == 0 and got[3] == float("inf")
+    assert float(got[2]) == pytest.approx(np.linalg.norm([3.0, -1.0]) / 5.0)
 
 
-def test_the_floor_is_the_noise_tail_and_never_below_the_dtype_rounding():
-    assert L.floor_of(np.zeros(10), "bfloat16") == 2.0**-8
+def test_a_sink_fed_in_pieces_compares_each_row_with_the_same_token_of_the_kept_stack():
+    """A text prefilled in several forwards arrives in pieces: each lands at its own tokens, the missing
+    ones are named, and a stack kept in one process opens in another's place bit for bit."""
+    import torch
+
+    from logprob_parity.engines import layers as lay
+
+    rng = np.random.default_rng(1)
+    kept = lay.Sink(2, 5, keep=True)
+    rows = torch.as_tensor(rng.normal(size=(2, 3, 5, 4)), dtype=torch.float32)
+    for lo, hi in ((0, 2), (2, 5)):
+        for layer in range(2):
+            for b, block in enumerate(L.BLOCKS):
+                kept.put(block, layer, rows[layer, b, lo:hi])
+    assert torch.equal(kept.stack, rows) and not kept.missing() and kept.pieces == 12
+    token = lay.keep(kept.stack)
+    try:
+        opened = lay.open_stack(lay.share(token))
+        assert torch.equal(opened, rows)
+    finally:
+        assert lay.release(token)
+    moved = rows.clone()
+    moved[1, 2, 3] *= 1.5
+    cmp = lay.Sink(2, 5, against=(("x", rows, False),))
+    for layer in range(2):
+        for b, block in enumerate(L.BLOCKS):
+            cmp.put(block, layer, moved[layer, b, :4])  # the last token never arrives
+    assert cmp.missing() == [f"layer {n}'s {b}" for n in range(2) for b in L.BLOCKS]
+    err = cmp.arrays()["x"]
+    assert err.shape == (2, 3, 5) and err[1, 2, 3] == pytest.approx(0.5) and np.count_nonzero(err) == 1
+
+
+def test_the_floor_is_the_noise_tail_and_never_below_what_rounding_each_side_once_can_put_between_them():
+    u = 2.0**-8
+    assert L.floor_of(np.zeros(10), "bfloat16") == 2 * u / (1 - u)
+    # one vector rounded to bfloat16 down and up (one ulp apart wherever they differ: the most two
+    # results correctly rounded from nearby values differ by) is within it
+    import torch
+
+    x = torch.randn(4096, dtype=torch.float64)
+    lo = x.to(torch.bfloat16).double()
+    hi = torch.where(lo < x, torch.nextafter(lo.bfloat16(), torch.tensor(float("inf"), dtype=torch.bfloat16)).double(), lo)
+    one = torch.linalg.vector_norm(lo - hi) / torch.linalg.vector_norm(hi)
+    assert 0 < float(one) <= L.rounding_bound("bfloat16")
     assert L.floor_of(np.array([1e-3, 2e-3, 5e-3]), "float32") == 5e-3  # under 400 tokens: the largest
     many = np.linspace(0, 1, 1000)
     assert L.floor_of(many, "float32") == float(np.quantile(many, 0.995, method="higher"))
 
 
-def test_the_profile_names_the_layer_block_and_tokens_where_a_planted_fault_starts(tmp_path):
-    sides = _planted(tmp_path, fault=(1, "mlp", 3))
-    p = L.profile(str(tmp_path), sides, "float32")
+def test_the_profile_names_the_layer_block_and_tokens_where_a_planted_fault_starts():
+    p = L.profile(_planted(fault=(1, "mlp", 3)), "float32")
     assert (p["parted"]["layer"], p["parted"]["block"]) == (1, "mlp")
     assert p["parted"]["tokens"] == list(range(3, T))
     assert p["parted"]["leaves_reference"] == "HF"  # HF is the closer: vLLM is the one that leaves float64
@@ -80,37 +146,45 @@ def test_the_profile_names_the_layer_block_and_tokens_where_a_planted_fault_star
     assert json.loads(json.dumps(p)) == p  # stored as it is: JSON, no numpy scalars
 
 
-def test_the_null_profile_parts_nowhere_and_says_so(tmp_path):
-    p = L.profile(str(tmp_path), _planted(tmp_path, fault=None), "float32")
+def test_the_null_profile_parts_nowhere_and_says_so():
+    p = L.profile(_planted(fault=None), "float32")
     assert p["parted"] is None and all(not r["parts"] for r in p["per_layer"])
     assert p["words"].startswith("vLLM and HF stay within HF's own noise at every layer")
     # an MoE model routed alike on both sides says so, also where nothing parts
-    same = L.profile(str(tmp_path), _planted(tmp_path, fault=None), "float32", {"flips": [], "layers": 2})
+    same = L.profile(_planted(fault=None), "float32", {"flips": [], "layers": 2})
     assert same["words"].endswith("Every token was routed to the same experts on both sides.")
 
 
-def test_routing_flips_land_on_their_decoder_layers_and_the_jumps_there_are_counted(tmp_path):
-    sides = _planted(tmp_path, fault=(2, "mlp", 0), scale=0.5)
+def test_routing_flips_land_on_their_decoder_layers_and_the_jumps_there_are_counted():
+    got = _planted(fault=(2, "mlp", 0), scale=0.5)
     # two flips at the MoE layers' second entry (decoder layer 2), where the residual's error jumps
     routing = {"flips": [[4, 1, [0, 1], [0, 2]], [5, 1, [0, 1], [0, 3]]], "layers": 2}
-    p = L.profile(str(tmp_path), sides, "float32", routing)
+    p = L.profile(got, "float32", routing)
     assert p["routing"]["flips"] == [[4, 2], [5, 2]]
     assert p["routing"]["jump_at_flips"] == 1.0 and p["routing"]["flipped_pairs"] == 2
     assert p["routing"]["jump_elsewhere"] < 1.0
     assert "At 100% of the 2 (token, layer) pairs routed to other experts the residual's error jumps" in p["words"]
 
 
-def test_layers_that_do_not_line_up_are_refused(tmp_path):
-    sides = _planted(tmp_path)
-    sides["vllm"] = {**sides["vllm"], "layers": N_LAYERS + 1}
+def test_a_variation_the_model_cannot_run_is_left_out_of_the_envelope_and_named():
+    got = _planted()
+    without = {**got, "errors": {k: e for k, e in got["errors"].items() if k != "packed"}, "skipped": {"packed": "no mask"}}
+    p = L.profile(without, "float32")
+    assert p["variations"] == ["batched", "chunked"] and p["variations_skipped"] == {"packed": "no mask"}
+    assert L.profile(got, "float32")["variations"] == ["batched", "packed", "chunked"]
+    with pytest.raises(ValueError, match="lacks vllm_vs_ref"):
+        L.profile({**got, "errors": {k: e for k, e in got["errors"].items() if k != "vllm_vs_ref"}}, "float32")
+
+
+def test_layers_that_do_not_line_up_are_refused():
     with pytest.raises(ValueError, match="do not line up"):
-        L.profile(str(tmp_path), sides, "float32")
+        L.profile({**_planted(), "layers": N_LAYERS + 1}, "float32")
 
 
-def test_the_heat_map_frame_marks_beyond_and_flipped_cells(tmp_path):
+def test_the_heat_map_frame_marks_beyond_and_flipped_cells():
     from logprob_parity.present.layers_view import heat_frame, line_frame
 
-    p = L.profile(str(tmp_path), _planted(tmp_path, fault=(1, "attn", 0)), "float32", {"flips": [[2, 0, [1], [2]]]})
+    p = L.profile(_planted(fault=(1, "attn", 0)), "float32", {"flips": [[2, 0, [1], [2]]]})
     df = heat_frame(p, "resid", pieces=[f"t{i}" for i in range(T)])
     assert len(df) == N_LAYERS * T and df["beyond"][df["layer"] >= 1].all()
     assert not df["beyond"][df["layer"] == 0].any()
@@ -130,7 +204,7 @@ TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the 
 
 
 def _hosts(path, dtype="float32", hf_settings=None, null=False, mml=128):
-    """Requests for vLLM (or HF itself in its place), HF, and HF float64 eager on the CPU."""
+    """Requests for vLLM (or HF itself in its place) and HF (which runs the float64 reference itself)."""
     from logprob_parity.engines.records import LoadRequest
     from logprob_parity.inputs.spec import EngineSettings
 
@@ -138,7 +212,6 @@ def _hosts(path, dtype="float32", hf_settings=None, null=False, mml=128):
     return {
         "vllm": LoadRequest("hf_null" if null else "vllm", str(path), dtype, "cpu", EngineSettings(), mml),
         "hf": LoadRequest("hf", str(path), dtype, "cpu", hf_s, mml),
-        "ref": LoadRequest("hf", str(path), "float64", "cpu", EngineSettings(attn_implementation="eager"), mml),
     }
 
 
@@ -171,7 +244,7 @@ def test_a_fault_planted_in_vllms_layer_1_mlp_is_named_there_and_vllm_leaves_flo
     assert (p["parted"]["layer"], p["parted"]["block"]) == (1, "mlp"), p["words"]
     assert p["parted"]["tokens"] == list(range(p["n_tokens"])) and p["parted"]["leaves_reference"] == "HF"
     assert "vLLM is the one that leaves float64 there" in p["words"]
-    assert p["vllm_record"]["eager"] is True
+    assert p["vllm_record"]["eager"] is True and p["variations"] == ["batched", "packed", "chunked"]
     # restored: the same engines now stay within HF's noise at that block
     again = _profile(tiny_bos)
     assert not any(r["parts"] for r in again["per_layer"] if (r["layer"], r["block"]) == (1, "mlp")), again["words"]
@@ -249,13 +322,13 @@ def test_the_tiny_deepseek_v2_gap_is_born_in_layer_0_attention_from_the_4th_toke
     assert first["vllm_vs_hf_median"] > 1e3 * first["floor"]
 
 
-def test_the_report_the_terminal_and_the_table_carry_the_layer_part_in_words(tmp_path):
+def test_the_report_the_terminal_and_the_table_carry_the_layer_part_in_words():
     from logprob_parity.analysis.diagnostics import diagnostics_tables
     from logprob_parity.present.diagnostics_view import diagnostics_text
     from logprob_parity.present.report import diagnostics_section
     from logprob_parity.results.records import DiagnosticsResult, DtypeDiagnosis
 
-    p = L.profile(str(tmp_path), _planted(tmp_path, fault=(2, "attn", 0)), "bfloat16")
+    p = L.profile(_planted(fault=(2, "attn", 0)), "bfloat16")
     p["words"] += " <script>alert(1)</script>"  # the report escapes what it is given
     d = DtypeDiagnosis(run_id="r", gap={"mean": 0.0, "max": 0.0}, verdict={}, layers={"text": 0, **p})
     diag = DiagnosticsResult("d", "m", "cpu", {}, ("t",), ("layers",), {"bfloat16": "r"}, {"bfloat16": d})
@@ -263,6 +336,7 @@ def test_the_report_the_terminal_and_the_table_carry_the_layer_part_in_words(tmp
     rows = diagnostics_tables(diag)["layers"]
     assert len(rows) == N_LAYERS * len(L.BLOCKS) and [r["parts"] for r in rows].index(True) == 2 * 3
     assert "Where in the network (bfloat16, text 1): vLLM and HF first part in layer 2's attention" in diagnostics_text(diag)
+    assert "where rounding to bfloat16 alone can put them 0.0078 apart" in p["words"]  # bfloat16: no HF noise above rounding
     html = diagnostics_section(diag)
     assert "first part in layer 2&#x27;s attention" in html and "<script>" not in html
     frame = diag.layers_frame()  # what `diagnose --parquet` writes: a row per dtype, layer, block and token
@@ -271,16 +345,16 @@ def test_the_report_the_terminal_and_the_table_carry_the_layer_part_in_words(tmp
     assert at["beyond"].all() and (at["relative_error"] > at["floor"]).all()
 
 
-def test_two_profiles_side_by_side_say_where_each_first_parts_and_where_the_error_moved_most(tmp_path):
-    a = L.profile(str(tmp_path / "a"), _planted(tmp_path / "a", fault=None), "float32")
-    b = L.profile(str(tmp_path / "b"), _planted(tmp_path / "b", fault=(1, "mlp", 0)), "float32")
+def test_two_profiles_side_by_side_say_where_each_first_parts_and_where_the_error_moved_most():
+    a = L.profile(_planted(fault=None), "float32")
+    b = L.profile(_planted(fault=(1, "mlp", 0)), "float32")
     d = L.layer_diff(a, b)
     assert d["words"].startswith("A first parts nowhere, B layer 1's MoE block; the median error moved most at layer ")
     assert [r["parts_b"] for r in d["rows"]].index(True) == 4 and not any(r["parts_a"] for r in d["rows"])
     assert "other texts or models" in L.layer_diff(a, {**b, "n_tokens": T + 1})["why"]
 
 
-def test_the_capture_hooks_come_off_after_a_capture_and_a_planted_fault_comes_off_bit_for_bit(tiny_bos, tmp_path):
+def test_the_capture_hooks_come_off_after_a_capture_and_a_planted_fault_comes_off_bit_for_bit(tiny_bos):
     """In one process, HF's own model: after a capture no hook is left on any module (a hook left on a
     model that hf_compile compiles would break its graph), and removing a planted fault gives back the
     same logits to the last bit."""
@@ -293,16 +367,43 @@ def test_the_capture_hooks_come_off_after_a_capture_and_a_planted_fault_comes_of
     x = torch.tensor([[0, 5, 9, 22, 31]])
     with torch.inference_mode():
         before = model(input_ids=x).logits
-        assert lay.install_hooks(model) == 2
-        lay.begin(str(tmp_path), lambda t: t.reshape(-1, t.shape[-1]))
-        model(input_ids=x)
-        counts = lay.end(model)
-        assert counts == {"attn": 2, "mlp": 2, "resid": 2}
+        with lay.capturing(model, lay.Sink(2, 5, keep=True), lambda t: t.reshape(-1, t.shape[-1]), stop=True) as sink:
+            model(input_ids=x)  # the last layer's hook ends it: no final norm, no LM head
+        assert sink.pieces == 6 and tuple(sink.stack.shape) == (2, 3, 5, 64) and not sink.missing()
         assert not any(m._forward_hooks for m in model.modules())
-        assert lay.read(str(tmp_path), "resid", 1, 5).shape == (5, 64)
         lay.perturb_module(model, 1, "mlp", 1.5)
         moved = model(input_ids=x).logits
         lay.restore_module(model)
         after = model(input_ids=x).logits
     assert not torch.equal(moved, before) and torch.equal(after, before)
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_the_float64_reference_one_layer_at_a_time_is_the_model_loaded_in_float64_and_gives_the_weights_back(tiny_bos):
+    """The reference the layer part uses (HF's own float32 model, each layer cast up for its forward,
+    eager attention) equals the checkpoint loaded in float64 with eager attention, at every layer and
+    block; a planted fault stays out of it; every weight and the attention setting are as before after."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logprob_parity.engines import layers as lay
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_bos, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_bos, dtype=torch.float64, attn_implementation="eager").eval()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.tensor([[0, 5, 9, 22, 31, 7, 3]])
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    with torch.inference_mode():
+        with lay.capturing(ref, lay.Sink(2, 7, keep=True, dtype=torch.float64), flat, stop=True) as want:
+            ref(input_ids=x)
+        lay.perturb_module(model, 0, "attn", 0.5)
+        with (
+            lay.float64_layers(model),
+            lay.capturing(model, lay.Sink(2, 7, against=(("ref", want.stack, True),)), flat, stop=True) as got,
+        ):
+            model(inputs_embeds=lay.float64_embeddings(model, x))
+        lay.restore_module(model)
+    assert got.dtypes == {torch.float64} and not got.missing()
+    assert float(np.max(got.arrays()["ref"])) < 1e-14
+    assert model.config._attn_implementation == "sdpa"
+    assert all(torch.equal(v, weights[k]) and v.dtype == weights[k].dtype for k, v in model.state_dict().items())

@@ -139,10 +139,7 @@ def diagnose(
         other = "eager" if own != "eager" else "sdpa"
         other_r = p.load("hf", d, replace(p.spec.settings, attn_implementation=other))
         ref_r = p.load("hf", REFERENCE_DTYPE, device="cpu")
-        # the layers' reference: the model's own definition, every soft-cap applied (eager attention)
-        eager_ref_r = p.load("hf", REFERENCE_DTYPE, replace(p.spec.settings, attn_implementation="eager"), device="cpu")
         needed = [hf_r, v_r] + ([other_r] if "noise" in parts else []) + ([ref_r] if "reference" in parts else [])
-        needed += [eager_ref_r] if "layers" in parts and eager_ref_r not in needed else []
         emit("load", d, f"{len(needed)} engines for diagnostics (a cold one: {start_words('vllm', p.device)})")
         base_hf = [s.hf.logprob for s in run.sequences]
         base_v = [s.vllm.logprob for s in run.sequences]
@@ -169,7 +166,7 @@ def diagnose(
                     ref = _lp(ref_w.score(seqs, 1))
                 out["reference"] = _reference(base_v, base_hf, ref)
             if "layers" in parts:
-                out["layers"] = _layers(lease, hf, vl, eager_ref_r, seqs, filler, layer_text, mml, d, emit, turn)
+                out["layers"] = _layers(hf, vl, seqs, filler, layer_text, mml, d, emit, turn)
             if "ablation" in parts:  # an MoE model: the setting-by-setting table gains routing replay
                 with turn(what="routing replay"):
                     row = _replay_row(run, hf, vl, seqs, base_v, emit)
@@ -266,10 +263,8 @@ def _noise(
 
 
 def _layers(
-    lease: Any,
     hf: Any,
     vl: Any,
-    ref_r: Any,
     seqs: list[list[int]],
     filler: list[list[int]],
     k: int,
@@ -294,7 +289,7 @@ def _layers(
             routing = compare_routes(np.asarray(v_routes[0]), np.asarray(h_routes[0]))
         others = [f for f in filler if len(f) < mml]
         say = partial(emit, "layers", d)
-        got = layer_part({"vllm": vl, "hf": hf, "ref": lease.host(ref_r)}, ids, others, d, routing, say)
+        got = layer_part({"vllm": vl, "hf": hf}, ids, others, d, routing, say)
     return {"text": k, **got}
 
 

@@ -183,11 +183,11 @@ def diagnostics_estimate(
 ) -> tuple[float, str, float]:
     """(seconds, words, of them the engine starts) of a diagnosis before it starts: every engine it starts (the comparison's not
     running, HF's other attention kernel a dtype for the noise part, HF in float64 for the reference,
-    one vLLM engine a setting and dtype for the setting-by-setting part, HF in float64 eager for the layers), and the checks' own work at
+    one vLLM engine a setting and dtype for the setting-by-setting part; the layers start none: their
+    float64 reference runs in the HF engine, one layer at a time), and the checks' own work at
     the rate this server's last diagnosis measured (none yet: the words say so)."""
     starts = cold + (n_dtypes if "noise" in parts else 0) + (1 if "reference" in parts else 0)
     starts += ablation_engines if "ablation" in parts else 0
-    starts += 1 if "layers" in parts else 0  # HF in float64 with eager attention, the layers' reference
     start, swords = _starts(starts, device)
     key = ("diagnostics", kind_of(device))
     units = max(1, len(parts)) * max(1, n_dtypes)

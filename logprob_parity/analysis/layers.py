@@ -10,22 +10,25 @@ a token: against the spread of HF's own noise, not its mean.
 The figures, per layer, block and token, all relative errors ‖a − b‖ / ‖b‖ of one token's vector:
 - `vllm_vs_hf`: vLLM against HF (b = HF);
 - `vllm_vs_ref`, `hf_vs_ref`: each engine against HF in float64 with eager attention (the model's own
-  definition, every soft-cap applied), on the CPU;
-- `hf_noise`: HF against itself, the larger of two of the noise floor's variations at each token
-  (the envelope): the text beside other texts, left-padded (micro-batch and padding side at once),
-  and the text fed through HF's KV cache in chunks.
+  definition, every soft-cap applied, on the weights both engines load), run one layer at a time on
+  HF's device (logprob_parity.engines.layers.float64_layers);
+- `hf_noise`: HF against itself, the largest of three of the noise floor's variations at each token
+  (the envelope): the text beside other texts, left-padded (micro-batch and padding side at once);
+  the text packed after them in one row with restarting position ids (where the model's HF code reads
+  them); and the text fed through HF's KV cache in chunks.
 
 The floor of a (layer, block) is the envelope's 99.5th percentile over the text's tokens (its largest
 value below 400 tokens, as for the noise tail of logprob_parity.analysis.floors), and never below the
-dtype's unit roundoff (a relative error below it is rounding of a single value). A token is beyond it
+rounding bound of the dtype, 2u / (1 − u) with u its unit roundoff: the largest relative error two
+copies of one vector can have when each of its values was rounded once, to nearest, on each side. Below
+it, the two engines are no more apart than rounding the same result each its own way puts them (in
+bfloat16, 0.0078: a floor of u alone, 0.0039, let vLLM "part" from HF at 1.03 u, a coin flip). A token is beyond it
 when vLLM against HF exceeds the floor; a (layer, block) *parts* when its median token is beyond: more
 than half the tokens, where the noise puts at most 0.5%.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -37,75 +40,67 @@ from logprob_parity.engines import layers as lay
 BLOCKS = lay.BLOCKS
 BLOCK_WORDS = {"attn": "attention", "mlp": "MLP", "resid": "residual stream"}
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-HF_VARIATIONS = ("batched", "chunked")
+
+
+def rounding_bound(dtype: str) -> float:
+    """2u / (1 − u): ‖a − b‖ ≤ ‖a − x‖ + ‖x − b‖ ≤ 2u‖x‖ and ‖b‖ ≥ (1 − u)‖x‖ when a and b are x with
+    each value rounded to nearest (relative error at most u each)."""
+    u = UNIT_ROUNDOFF.get(dtype, 0.0)
+    return 2 * u / (1 - u)
+
+
+HF_VARIATIONS = ("batched", "packed", "chunked")  # the one floor's variations the layer part runs (each where it can)
 JUMP = 2.0  # the residual's error "jumps" at a layer when it is at least this many times the layer before's
-REFERENCE_WORDS = "HF in float64 with eager attention on the CPU"
-
-
-def relative_error(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """‖a − b‖ / ‖b‖ per row, in float64; 0 where both rows are 0, inf where only b's is."""
-    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    num = np.linalg.norm(a64 - b64, axis=1)
-    den = np.linalg.norm(b64, axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num > 0, np.inf, 0.0))
-    return out
+REFERENCE_WORDS = "HF in float64 with eager attention, one layer at a time"
+ERRORS = (
+    "vllm_vs_hf",
+    "vllm_vs_ref",
+    "hf_vs_ref",
+)  # the HF host's comparisons (HFBackend.layer_errors), with HF_VARIATIONS  # the HF host's comparisons (HFBackend.layer_errors)
 
 
 def floor_of(noise: np.ndarray, dtype: str) -> float:
     """The (layer, block)'s floor: the envelope's noise tail (floors.tail_value: its TAIL_Q quantile, its
-    largest value below TAIL_MIN_POSITIONS tokens), at least the dtype's unit roundoff."""
+    largest value below TAIL_MIN_POSITIONS tokens), at least the dtype's rounding bound."""
     finite = noise[np.isfinite(noise)]
-    return max(tail_value(finite) if finite.size else 0.0, UNIT_ROUNDOFF.get(dtype, 0.0))
+    return max(tail_value(finite) if finite.size else 0.0, rounding_bound(dtype))
 
 
-CAPTURES = (
-    ("vllm", "vllm", "alone", "vLLM, the text alone"),
-    ("hf", "hf", "alone", "HF, the text alone"),
-    ("batched", "hf", "batched", "HF, the text beside other texts (left-padded)"),
-    ("chunked", "hf", "chunked", "HF, the text through its KV cache in chunks"),
-    ("ref", "ref", "alone", REFERENCE_WORDS),
+STEPS = (
+    "vLLM's layers, the text alone, kept on its device",
+    "HF's layers (alone, beside other texts, packed after them, in chunks, and in float64 one layer at a time), "
+    "each compared as it runs",
 )
-SIDES = tuple(side for side, *_ in CAPTURES)  # each capture's folder and record
 
 
-def capture(hosts: dict[str, Any], ids: list[int], others: list[list[int]], folder: str, say: Any = None) -> dict[str, Any]:
-    """Each side's capture into its own sub-folder: hosts has "vllm", "hf" and "ref" (the float64
-    reference); HF's two noise variations run on the "hf" host. Returns each side's record, or a
-    sentence where vLLM's side could not run. say(words): each step as it starts ("capture 2 of 5: ...")."""
-    got: dict[str, Any] = {}
-    for k, (side, host, variation, words) in enumerate(CAPTURES, 1):
-        if say is not None:
-            say(f"capture {k} of {len(CAPTURES)}: {words}")
-        got[side] = hosts[host].layers(ids, f"{folder}/{side}", variation, others if variation == "batched" else None)
-        if side == "vllm" and isinstance(got[side], str):
-            return got
-    return got
-
-
-def profile(folder: str, records: dict[str, Any], dtype: str, routing: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The layer profile from the sides' folders (capture), reading one (layer, block) at a time."""
-    n_layers = {s: int(records[s]["layers"]) for s in SIDES}
-    if len(set(n_layers.values())) != 1:
-        raise ValueError(f"the engines' layers do not line up: {n_layers}")
-    n_layers_all = n_layers["hf"]
-    t = int(records["hf"]["n_tokens"])
+def profile(got: dict[str, Any], dtype: str, routing: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The layer profile from the HF host's comparisons (`HFBackend.layer_errors`: "errors" holds each of
+    ERRORS as [layers, blocks, tokens] relative errors; "vllm": the other engine's record)."""
+    errors = {k: np.asarray(e, np.float64) for k, e in got["errors"].items()}
+    variations = [v for v in HF_VARIATIONS if v in errors]
+    lacking = [k for k in ERRORS if k not in errors] + ([] if variations else ["any of HF's own variations"])
+    if lacking:
+        raise ValueError(f"the layer part lacks {', '.join(lacking)}")
+    n_layers_all = int(got["layers"])
+    t = int(got["n_tokens"])
+    shapes = {k: e.shape for k, e in errors.items() if e.shape != (n_layers_all, len(BLOCKS), t)}
+    if shapes:
+        raise ValueError(f"the engines' layers do not line up: {shapes} against {(n_layers_all, len(BLOCKS), t)}")
     per_token: dict[str, list[list[float]]] = {b: [] for b in BLOCKS}
     rows: list[dict[str, Any]] = []
     beyond_at: list[list[bool]] = []  # in (layer, block) order
     resid_err = np.zeros((n_layers_all, t))
     for layer in range(n_layers_all):
-        for block in BLOCKS:
-            x = {s: lay.read(f"{folder}/{s}", block, layer, t) for s in SIDES}
-            vh = relative_error(x["vllm"], x["hf"])
-            noise = np.maximum(*(relative_error(x[v], x["hf"]) for v in HF_VARIATIONS))
-            v_ref, h_ref = relative_error(x["vllm"], x["ref"]), relative_error(x["hf"], x["ref"])
+        for b, block in enumerate(BLOCKS):
+            vh = errors["vllm_vs_hf"][layer, b]
+            noise = np.max([errors[v][layer, b] for v in variations], axis=0)
+            v_ref, h_ref = errors["vllm_vs_ref"][layer, b], errors["hf_vs_ref"][layer, b]
             floor = floor_of(noise, dtype)
             beyond = vh > floor
             if block == "resid":
                 resid_err[layer] = vh
             per_token[block].append([float(v) for v in vh])
-            beyond_at.append([bool(b) for b in beyond])
+            beyond_at.append([bool(x) for x in beyond])
             rows.append(
                 {
                     "layer": layer,
@@ -124,15 +119,18 @@ def profile(folder: str, records: dict[str, Any], dtype: str, routing: dict[str,
         "n_tokens": t,
         "layers": n_layers_all,
         "blocks": list(BLOCKS),
-        "moe_layers": list(records["hf"].get("moe_layers") or []),
+        "moe_layers": list(got.get("moe_layers") or []),
         "dtype": dtype,
         "unit_roundoff": UNIT_ROUNDOFF.get(dtype),
-        "variations": list(HF_VARIATIONS),
+        "rounding_bound": rounding_bound(dtype),
+        "variations": variations,
+        "variations_skipped": dict(got.get("skipped") or {}),
         "reference": REFERENCE_WORDS,
-        "vllm_record": {k: v for k, v in records["vllm"].items() if k != "pieces"},
+        "vllm_record": {k: v for k, v in (got.get("vllm") or {}).items() if k not in ("pieces", "stack", "token")},
         "per_layer": rows,
         "vllm_vs_hf": per_token,
         "first_beyond": _first_beyond(beyond_at, t),
+        "hf_seconds": dict(got.get("seconds") or {}),  # each of HF's captures, compared as it ran
     }
     out["parted"] = _parted(rows, beyond_at, resid_err)
     out["routing"] = _routing_grid(routing, out["moe_layers"], resid_err, rows) if routing else None
@@ -232,7 +230,7 @@ def layer_words(p: dict[str, Any]) -> str:
     where = f"layer {parted['layer']}'s {block_words(parted['block'], parted['layer'], p['moe_layers'])}"
     words = (
         f"vLLM and HF first part in {where} ({_tokens_words(parted['tokens'], p['n_tokens'])}; median relative "
-        f"error {r['vllm_vs_hf_median']:.2g}, where HF moves itself by at most {r['floor']:.2g})"
+        f"error {r['vllm_vs_hf_median']:.2g}, {_floor_words(r['floor'], p)})"
     )
     growth = parted["growth"]
     last = p["layers"] - 1
@@ -253,6 +251,13 @@ def layer_words(p: dict[str, Any]) -> str:
         ),
     }.get(side or "", "")
     return words + "." + _routing_words(p.get("routing"))
+
+
+def _floor_words(floor: float, p: dict[str, Any]) -> str:
+    """What the floor a (layer, block) was judged against is: HF's own noise, or rounding alone."""
+    if floor <= rounding_bound(p["dtype"]):
+        return f"where rounding to {p['dtype']} alone can put them {floor:.2g} apart"
+    return f"where HF moves itself by at most {floor:.2g}"
 
 
 def _routing_words(rt: dict[str, Any] | None) -> str:
@@ -277,16 +282,24 @@ def layer_part(
     routing: dict[str, Any] | None,
     say: Any = None,
 ) -> dict[str, Any]:
-    """Capture every side into a temporary folder, profile it, remove the folder. A dict with "why"
-    (and no profile) where vLLM's side could not be captured."""
-    folder = tempfile.mkdtemp(prefix="lpp-layers-")
+    """vLLM's capture kept on its device, HF's compared against it where HF's vectors are, then the
+    profile; vLLM's stack freed after. hosts: "vllm" (or HF in its place) and "hf". A dict with "why"
+    (and no profile) where vLLM's side could not be captured. say(words): each step as it starts."""
+
+    def step(k: int) -> None:
+        if say is not None:
+            say(f"step {k} of {len(STEPS)}: {STEPS[k - 1]}")
+
+    step(1)
+    v = hosts["vllm"].layers(ids)
+    if isinstance(v, str):
+        return {"why": v}
     try:
-        records = capture(hosts, ids, others, folder, say)
-        if isinstance(records["vllm"], str):
-            return {"why": records["vllm"]}
-        return profile(folder, records, dtype, routing)
+        step(2)
+        got = hosts["hf"].layer_errors(ids, v, others)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        hosts["vllm"].release_layers(v["token"])
+    return profile({**got, "vllm": v}, dtype, routing)
 
 
 def layer_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -48,7 +48,9 @@ BACKEND_OPS = (
     "release_rows",
     "bare_prefill",
     "bare_forward",
-    "layers",
+    "layers",  # the layer part (logprob_parity.engines.layers): a capture kept and shared,
+    "layer_errors",  # compared where HF's vectors are,
+    "release_layers",  # and freed
     "perturb",  # a planted fault (tests): one block's weights of one layer scaled, until "restore"
     "restore",
 )
@@ -527,8 +529,14 @@ class HostClient:
     def replay_score(self, sequences: list[list[int]], routes: list[Any], timeout: float = 3600.0) -> Any:
         return self._request(HostRequest("replay_score", (sequences, routes)), "scoring with the experts replayed", timeout)
 
-    def layers(self, ids: list[int], folder: str, variation: str = "alone", others: Any = None, timeout: float = 3600.0) -> Any:
-        return self._request(HostRequest("layers", (ids, folder, variation, others)), "capturing every layer", timeout)
+    def layers(self, ids: list[int], variation: str = "alone", others: Any = None, timeout: float = 3600.0) -> Any:
+        return self._request(HostRequest("layers", (ids, variation, others)), "capturing every layer", timeout)
+
+    def layer_errors(self, ids: list[int], other: dict[str, Any], others: Any = None, timeout: float = 3600.0) -> Any:
+        return self._request(HostRequest("layer_errors", (ids, other, others)), "comparing every layer", timeout)
+
+    def release_layers(self, token: str, timeout: float = 600.0) -> Any:
+        return self._request(HostRequest("release_layers", (token,)), "freeing the layer capture", timeout)
 
     def share_rows(self, token: str, timeout: float = 600.0) -> dict[str, Any]:
         return self._request(HostRequest("share_rows", (token,)), "sharing full logprobs", timeout)

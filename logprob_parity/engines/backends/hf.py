@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from functools import partial
 from typing import Any
 
@@ -147,21 +148,19 @@ class HFBackend(Backend):
             out.append(got)
         return out
 
-    @torch.inference_mode()
-    def layers(
-        self, ids: list[int], folder: str, variation: str = "alone", others: list[list[int]] | None = None
-    ) -> dict[str, Any]:
-        """Every decoder layer's residual stream and attention and MLP outputs for one text, written to
-        `folder` (logprob_parity.engines.layers). variation: "alone" (one forward), "batched" (beside
-        `others`, left-padded: the floor's micro-batch and padding variations at once) or "chunked"
-        (through the KV cache a chunk at a time, as the null comparison feeds it)."""
+    def _capture(self, ids: list[int], variation: str, others: list[list[int]] | None, sink: Any) -> None:
+        """One forward (or several) of one text with every decoder layer's blocks sent to `sink`
+        (logprob_parity.engines.layers). variation: "alone" (one forward), "batched" (beside `others`,
+        left-padded: the floor's micro-batch and padding variations at once), "packed" (after `others`
+        in one row, position ids restarting at each text: the floor's padding-free variation),
+        "chunked" (through the KV cache a chunk at a time, as the null comparison feeds it) or "float64"
+        (the reference: the model's own weights in float64, one layer at a time, eager attention)."""
         from logprob_parity.engines import layers as lay
 
-        if variation not in ("alone", "batched", "chunked"):
+        if variation not in ("alone", "batched", "packed", "chunked", "float64"):
             raise ValueError(f"unknown layer capture variation {variation!r}")
-        n_layers = lay.install_hooks(self.model)
-        ids = [int(t) for t in ids]
-        dev = self.device
+        dev, model = self.device, self.model
+        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
         if variation == "batched" and others:
             batch = [ids] + [list(o) for o in others]
             width = max(map(len, batch))
@@ -172,29 +171,113 @@ class HFBackend(Backend):
                 mask[b, width - len(seq) :] = 1
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             lo, nb = width - len(ids), len(batch)
-            lay.begin(folder, lambda t: t.reshape(nb, width, t.shape[-1])[0, lo:])
-            try:
-                self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False)
-            finally:
-                counts = lay.end(self.model)
+            with lay.capturing(model, sink, lambda t: t.reshape(nb, width, t.shape[-1])[0, lo:], stop=True):
+                model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False)
+            return
+        if variation == "packed" and others:
+            texts = [list(o) for o in others] + [ids]
+            x = torch.tensor([[t for seq in texts for t in seq]], dtype=torch.long, device=dev)
+            pos = torch.cat([torch.arange(len(seq), device=dev) for seq in texts])[None]
+            with lay.capturing(model, sink, lambda t: t.reshape(-1, t.shape[-1])[-len(ids) :], stop=True):
+                model(input_ids=x, position_ids=pos, use_cache=False)
+            return
+        x = torch.tensor([ids], dtype=torch.long, device=dev)
+        if variation == "chunked" and len(ids) > 1:
+            with lay.capturing(model, sink, flat):
+                step, past = null_chunk(len(ids) + 1), None
+                for lo in range(0, len(ids), step):
+                    hi = min(lo + step, len(ids))
+                    pos = torch.arange(lo, hi, device=dev)[None]
+                    past = model(input_ids=x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=True).past_key_values
+        elif variation == "float64":
+            with lay.float64_layers(model), lay.capturing(model, sink, flat, stop=True):
+                model(inputs_embeds=lay.float64_embeddings(model, x), use_cache=False)
         else:
-            x = torch.tensor([ids], dtype=torch.long, device=dev)
-            lay.begin(folder, lambda t: t.reshape(-1, t.shape[-1]))
-            try:
-                if variation == "chunked" and len(ids) > 1:
-                    step, past = null_chunk(len(ids) + 1), None
-                    for lo in range(0, len(ids), step):
-                        hi = min(lo + step, len(ids))
-                        pos = torch.arange(lo, hi, device=dev)[None]
-                        past = self.model(
-                            input_ids=x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=True
-                        ).past_key_values
-                else:
-                    self.model(input_ids=x, use_cache=False)
-            finally:
-                counts = lay.end(self.model)
-        moe = [i for i, layer in enumerate(lay.decoder_layers(self.model)) if _is_moe_layer(layer)]
-        return {"layers": n_layers, "pieces": counts, "variation": variation, "n_tokens": len(ids), "moe_layers": moe}
+            with lay.capturing(model, sink, flat, stop=True):
+                model(input_ids=x, use_cache=False)
+
+    def _moe_layers(self) -> list[int]:
+        from logprob_parity.engines import layers as lay
+
+        return [i for i, layer in enumerate(lay.decoder_layers(self.model)) if _is_moe_layer(layer)]
+
+    @torch.inference_mode()
+    def layers(self, ids: list[int], variation: str = "alone", others: list[list[int]] | None = None) -> dict[str, Any]:
+        """Every decoder layer's residual stream and attention and MLP outputs for one text, kept as a
+        stack and shared (a handle in "stack"; `release_layers` frees it): HF in vLLM's place, the null."""
+        from logprob_parity.engines import layers as lay
+
+        ids = [int(t) for t in ids]
+        sink = lay.Sink(len(lay.decoder_layers(self.model)), len(ids), keep=True)
+        self._capture(ids, variation, others, sink)
+        token = lay.keep(sink.stack)
+        return {
+            "layers": sink.n_layers,
+            "pieces": sink.pieces,
+            "variation": variation,
+            "n_tokens": len(ids),
+            "moe_layers": self._moe_layers(),
+            "token": token,
+            "stack": lay.share(token),
+        }
+
+    def release_layers(self, token: str) -> bool:
+        from logprob_parity.engines import layers as lay
+
+        return lay.release(token)
+
+    @torch.inference_mode()
+    def layer_errors(self, ids: list[int], other: dict[str, Any], others: list[list[int]] | None = None) -> dict[str, Any]:
+        """The layer part's figures for one text, computed here where HF's vectors are: against the
+        other engine's kept stack (`other`: its `layers` record, its "stack" handle opened, not copied),
+        HF's own stack of the text alone, and, compared as they run and dropped, HF beside other texts,
+        HF packed after them (where the model reads packed position ids; "skipped" says why not), HF in
+        chunks and the float64 reference. Each comparison's relative errors per (layer, block,
+        token), [layers, blocks, tokens] float64 in "errors" (logprob_parity.analysis.layers names them)."""
+        from logprob_parity.engines import layers as lay
+
+        ids = [int(t) for t in ids]
+        n, t = len(lay.decoder_layers(self.model)), len(ids)
+        if int(other["layers"]) != n:
+            raise ValueError(f"the engines' layers do not line up: the other engine has {other['layers']}, HF {n}")
+        v = lay.open_stack(other["stack"])
+        plan = (
+            ("alone", True, lambda h: (("vllm_vs_hf", v, True),)),
+            ("batched", False, lambda h: (("batched", h, False),)),
+            ("packed", False, lambda h: (("packed", h, False),)),
+            ("chunked", False, lambda h: (("chunked", h, False),)),
+            ("float64", False, lambda h: (("vllm_vs_ref", v, True), ("hf_vs_ref", h, True))),
+        )
+        skipped = {"packed": packing_unsupported(self.model) or ("" if others else "no other texts to pack beside it")}
+        errors: dict[str, Any] = {}
+        seconds: dict[str, float] = {}
+        h = None
+        for variation, keep, against in plan:
+            if skipped.get(variation):
+                continue
+            sink = lay.Sink(n, t, keep=keep, against=against(h))
+            start = time.perf_counter()
+            self._capture(ids, variation, others, sink)
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds[variation] = time.perf_counter() - start
+            if sink.missing():
+                raise RuntimeError(f"HF's {variation} layer capture left out {', '.join(sink.missing()[:3])}")
+            if variation == "float64" and sink.dtypes != {torch.float64}:
+                raise RuntimeError(
+                    f"HF's {type(self.model).__name__} casts the stream to {sorted(map(str, sink.dtypes))} inside its "
+                    "forward: its float64 reference cannot run one layer at a time"
+                )
+            h = sink.stack if keep else h
+            errors.update(sink.arrays())
+        return {
+            "layers": n,
+            "n_tokens": t,
+            "moe_layers": self._moe_layers(),
+            "errors": errors,
+            "seconds": seconds,
+            "skipped": {k: why for k, why in skipped.items() if why},
+        }
 
     def perturb(self, layer: int, block: str, factor: float) -> int:
         """Scale one block's weights of one layer (a planted fault for tests; `restore` undoes it)."""
@@ -634,11 +717,9 @@ class HFNullBackend(HFBackend):
             out.extend(self._from_rows([list(ids)], [torch.cat(rows)], top_k, None))
         return out
 
-    def layers(
-        self, ids: list[int], folder: str, variation: str = "alone", others: list[list[int]] | None = None
-    ) -> dict[str, Any]:
+    def layers(self, ids: list[int], variation: str = "alone", others: list[list[int]] | None = None) -> dict[str, Any]:
         """In vLLM's place, the same ids fed through the KV cache in chunks, as `score` feeds them."""
-        return super().layers(ids, folder, "chunked" if variation == "alone" else variation, others)
+        return super().layers(ids, "chunked" if variation == "alone" else variation, others)
 
     def info(self) -> dict[str, Any]:
         return {

@@ -110,12 +110,11 @@ class VLLMBackend(Backend):
             return f"vLLM {vllm.__version__} offers no router capture here ({exc})"
         return f"{got} (vLLM {vllm.__version__})" if isinstance(got, str) else got
 
-    def layers(
-        self, ids: list[int], folder: str, variation: str = "alone", others: list[list[int]] | None = None
-    ) -> dict[str, Any] | str:
+    def layers(self, ids: list[int], variation: str = "alone", others: list[list[int]] | None = None) -> dict[str, Any] | str:
         """Every decoder layer's residual stream (vLLM's hidden_states and residual summed) and attention
-        and MLP outputs for one text prefilled alone, written to `folder` by hooks on this in-process
-        engine (logprob_parity.engines.layers); a sentence where they cannot run."""
+        and MLP outputs for one text prefilled alone, kept on the engine's device by hooks on this
+        in-process engine (logprob_parity.engines.layers) and shared with the HF host: a handle in
+        "stack" (CUDA IPC on a GPU), freed by `release_layers`. A sentence where they cannot run."""
         from logprob_parity.engines import layers as lay
 
         if variation != "alone":
@@ -127,12 +126,29 @@ class VLLMBackend(Backend):
             return f"vLLM {vllm.__version__}'s {self.model_path} has no decoder layers the capture recognises"
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.llm.reset_prefix_cache()  # a cached block is not computed again, so its layers would not run
-        self.llm.collective_rpc(lay.vllm_begin, args=(folder,))
+        self.llm.collective_rpc(lay.vllm_begin, args=(n_layers, len(ids)))
         try:
             self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
         finally:
-            counts = self.llm.collective_rpc(lay.vllm_end)[0]
-        return {"layers": n_layers, "pieces": counts, "variation": "alone", "n_tokens": len(ids), "eager": True}
+            got = self.llm.collective_rpc(lay.vllm_end)[0]
+        if got["missing"]:
+            if got["token"] is not None:
+                lay.release(got["token"])
+            return f"vLLM {vllm.__version__} ran no hooked forward for {', '.join(got['missing'][:3])} of the text"
+        return {
+            "layers": n_layers,
+            "pieces": got["pieces"],
+            "variation": "alone",
+            "n_tokens": len(ids),
+            "eager": True,
+            "token": got["token"],
+            "stack": lay.share(got["token"]),
+        }
+
+    def release_layers(self, token: str) -> bool:
+        from logprob_parity.engines import layers as lay
+
+        return lay.release(token)
 
     def perturb(self, layer: int, block: str, factor: float) -> int:
         """Scale one block's weights of one layer inside the engine (a planted fault for tests)."""
