@@ -194,7 +194,7 @@ def test_the_heat_map_frame_marks_beyond_and_flipped_cells():
         "vLLM against float64",
         "HF against float64",
         "vLLM against HF",
-        "HF against itself (its floor)",
+        "the floor (HF against itself, at least rounding)",
     }
 
 

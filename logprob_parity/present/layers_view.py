@@ -53,7 +53,7 @@ def line_frame(p: dict[str, Any], block: str = "resid") -> pd.DataFrame:
             ("vLLM against float64", r["vllm_vs_ref_median"]),
             ("HF against float64", r["hf_vs_ref_median"]),
             ("vLLM against HF", r["vllm_vs_hf_median"]),
-            ("HF against itself (its floor)", r["floor"]),
+            ("the floor (HF against itself, at least rounding)", r["floor"]),
         ):
             recs.append({"layer": r["layer"], "series": series, "median_relative_error": max(float(value), FLOOR)})
     return pd.DataFrame.from_records(recs)

@@ -168,8 +168,9 @@ if result:
         st.markdown(
             "**Where in the network**: every layer's attention output, MLP output and residual stream, captured on both "
             "engines for the same tokens. Each cell is how far vLLM's vector is from HF's (relative error); a black outline marks a "
-            "token that moved more than HF moves it against itself (its floor: the text batched beside others, and fed "
-            "through its cache in chunks); a red outline marks a token whose router picked other experts at that layer."
+            "token that moved more than HF moves it against itself (its floor: the text batched beside others, packed after "
+            "them, and fed through its cache in chunks) and more than rounding to the dtype alone can move it; a red outline "
+            "marks a token whose router picked other experts at that layer."
         )
     for d, prof in layered.items():
         if "why" in prof:
