@@ -122,6 +122,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs two or more NVIDIA GPUs"))
 
 
+@pytest.fixture()
+def vllm_in_this_process():
+    """For a test that builds a vLLM engine in the test process itself (an independent check through
+    vLLM's own API). vLLM's CPU platform writes LD_PRELOAD, NUMEXPR_MAX_THREADS, LOCAL_WORLD_SIZE and
+    more into os.environ as it configures an engine; left there, every later host of the session would
+    inherit them, so the zygote would refuse to fork it (a cold start, imports and all: about 110 hosts
+    and 10 minutes of a CI run) and a fresh one would start with tcmalloc preloaded. Put back after."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_bos() -> Path:
     """Tiny Llama whose tokenizer adds <s> itself."""

@@ -290,6 +290,20 @@ def test_the_zygote_forks_no_host_whose_environment_differs_in_what_imports_read
         zygote.stop()
 
 
+def test_what_ray_and_streamlit_write_at_run_time_leaves_a_fork_allowed_and_what_vllm_configures_does_not():
+    """ray.init and Streamlit's start write variables that are read when used, never at import: a test
+    process (or dashboard) that ran them still gets forked hosts. vLLM's CPU platform writes LD_PRELOAD
+    when it configures an engine: that one refuses (a fresh host would start with it preloaded)."""
+    from logprob_parity.engines.zygote import refusal
+
+    base = {"PATH": "/usr/bin", "HOME": "/root"}
+    ran = {"PYTHONBREAKPOINT": "ray.util.rpdb._driver_set_trace", "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    assert refusal({**base, **ran, "MAPBOX_API_KEY": ""}, base, base) is None
+    assert (
+        refusal({**base, **ran, "LD_PRELOAD": "libtcmalloc_minimal.so.4"}, base, base) == "its environment differs in LD_PRELOAD"
+    )
+
+
 def test_two_tests_asking_for_one_engine_key_in_a_session_start_it_once(pytester, tiny_bos):
     """Two tests of one pytest session lease the same engine key through the process pool: the first
     starts it, the second finds it warm in the same process; the start log holds one load of it."""

@@ -60,7 +60,7 @@ def test_statistics_without_the_exact_kl_leave_its_keys_empty():
 
 
 @pytest.mark.engine
-def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, monkeypatch):
+def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, monkeypatch, vllm_in_this_process):
     import torch
     from transformers import AutoModelForCausalLM
 

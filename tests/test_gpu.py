@@ -346,7 +346,9 @@ def test_compare_verdict_equals_the_diagnostics_level_and_the_floor_is_above_zer
     assert own.level == full.level and own.level != "unmeasured"
 
 
-def test_a_qwen3_moe_shape_compares_and_both_vllm_capture_paths_give_the_same_experts(tmp_path, store, monkeypatch):
+def test_a_qwen3_moe_shape_compares_and_both_vllm_capture_paths_give_the_same_experts(
+    tmp_path, store, monkeypatch, vllm_in_this_process
+):
     """Issue 30 on the card: a Qwen3-MoE shape (4 layers, 128 experts, top-8, random weights, built
     here) compares in bfloat16 with its routing keys, and vLLM's own `enable_return_routed_experts`
     gives, at every prompt token and layer, the expert set our router capture read."""

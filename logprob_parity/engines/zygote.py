@@ -35,17 +35,24 @@ ZYGOTE_KEY_ENV = "LPP_ENGINE_ZYGOTE_KEY"
 FORKED_ENV = "LPP_HOST_FORKED"  # set in a forked host: the start log and the parent watch read it
 EXIT_FILE = "exit"  # written by the zygote, in the host's folder, when it reaps the host: its exit status
 # Variables that may differ between the zygote and a host forked from it. The project's own (LPP_...)
-# are read when used, but for those in READ_AT_IMPORT; MPLBACKEND and RAY_CLIENT_MODE are read by
-# matplotlib and Ray, which the zygote does not import (a forked host imports them with its own);
-# torch's inductor sets _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR in the process that compiles, just
-# before it reads it.
+# are read when used, but for those in READ_AT_IMPORT; MPLBACKEND is read by matplotlib, which the
+# zygote does not import (a forked host imports it with its own); torch's inductor sets
+# _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR in the process that compiles, just before it reads it.
+# The rest are written at run time by what the asking process ran, and read when used, never at
+# import: Ray's connect (`ray.init`) writes PYTHONBREAKPOINT (read by each `breakpoint()`),
+# RAY_AUTH_MODE and RAY_USAGE_STATS_ENABLED (read by the next `ray.init`) and RAY_CLIENT_MODE;
+# Streamlit's start writes MAPBOX_API_KEY (read by PyDeck's charts).
 FORK_SAFE = frozenset(
     {
         "PYTEST_CURRENT_TEST",
         "LOGPROB_PARITY_HOME",
         "MPLBACKEND",
-        "RAY_CLIENT_MODE",
         "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+        "RAY_CLIENT_MODE",
+        "PYTHONBREAKPOINT",
+        "RAY_AUTH_MODE",
+        "RAY_USAGE_STATS_ENABLED",
+        "MAPBOX_API_KEY",
     }
 )
 READ_AT_IMPORT = frozenset({"LPP_FULL_KL_MAX_BYTES", "LPP_FULL_KL"})  # logprob_parity.engines.fullvocab
