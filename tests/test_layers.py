@@ -379,10 +379,13 @@ def test_the_capture_hooks_come_off_after_a_capture_and_a_planted_fault_comes_of
     assert not any(m._forward_hooks for m in model.modules())
 
 
-def test_the_float64_reference_one_layer_at_a_time_is_the_model_loaded_in_float64_and_gives_the_weights_back(tiny_bos):
+def test_the_float64_reference_one_layer_at_a_time_is_the_model_loaded_in_float64_and_leaves_the_engine_as_it_was(tiny_bos):
     """The reference the layer part uses (HF's own float32 model, each layer cast up for its forward,
     eager attention) equals the checkpoint loaded in float64 with eager attention, at every layer and
-    block; a planted fault stays out of it; every weight and the attention setting are as before after."""
+    block; a planted fault stays out of it; after it, every weight is the same tensor at the same address
+    and the attention setting is as before, so the engine repeats its own results bit for bit, down to
+    one token a forward through its KV cache (MKL's small matmuls sum in an order that follows the
+    address: weights cast back into new memory moved them by 3e-5)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -390,10 +393,20 @@ def test_the_float64_reference_one_layer_at_a_time_is_the_model_loaded_in_float6
 
     model = AutoModelForCausalLM.from_pretrained(tiny_bos, dtype=torch.float32, attn_implementation="sdpa").eval()
     ref = AutoModelForCausalLM.from_pretrained(tiny_bos, dtype=torch.float64, attn_implementation="eager").eval()
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = {k: (v.clone(), v.data_ptr()) for k, v in model.state_dict().items()}
     x = torch.tensor([[0, 5, 9, 22, 31, 7, 3]])
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+
+    def one_token_a_forward():
+        past, out = None, []
+        for i in range(x.shape[1]):
+            r = model(input_ids=x[:, i : i + 1], position_ids=torch.tensor([[i]]), past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            out.append(r.logits[0, -1])
+        return torch.stack(out)
+
     with torch.inference_mode():
+        before = one_token_a_forward()
         with lay.capturing(ref, lay.Sink(2, 7, keep=True, dtype=torch.float64), flat, stop=True) as want:
             ref(input_ids=x)
         lay.perturb_module(model, 0, "attn", 0.5)
@@ -403,7 +416,9 @@ def test_the_float64_reference_one_layer_at_a_time_is_the_model_loaded_in_float6
         ):
             model(inputs_embeds=lay.float64_embeddings(model, x))
         lay.restore_module(model)
+        after = one_token_a_forward()
     assert got.dtypes == {torch.float64} and not got.missing()
     assert float(np.max(got.arrays()["ref"])) < 1e-14
     assert model.config._attn_implementation == "sdpa"
-    assert all(torch.equal(v, weights[k]) and v.dtype == weights[k].dtype for k, v in model.state_dict().items())
+    assert all(torch.equal(v, weights[k][0]) and v.data_ptr() == weights[k][1] for k, v in model.state_dict().items())
+    assert torch.equal(after, before)

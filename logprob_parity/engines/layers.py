@@ -25,8 +25,9 @@ capture of logprob_parity.engines.routing does); Python must run at every forwar
 must be eager (the project's default, `enforce_eager`).
 
 The float64 reference (`float64_layers`) is HF's own model run one layer at a time in float64: each
-decoder layer is cast up just before its forward and back just after (bfloat16, float16 and float32
-all survive the round trip bit for bit), with eager attention and eager experts. Exact arithmetic on
+decoder layer gets float64 copies of its weights just before its forward and its own tensors back
+just after (the same memory, so the engine repeats its results bit for bit after), with eager
+attention and eager experts. Exact arithmetic on
 the weights both engines load, without a second copy of the model: 8B in float64 is 64 GB, one layer
 of it 1.7 GB.
 """
@@ -287,9 +288,9 @@ def _set_impl(model: Any, kind: str, value: Any) -> Any:
     return before
 
 
-def _cast(module: Any, to: Any) -> dict[str, Any]:
-    """Cast a module's floating parameters and buffers in place, to one dtype or to each one's own
-    (a dict from `_cast`'s return: what each was); what each was before."""
+def _cast(module: Any, dtype: Any) -> dict[str, Any]:
+    """Give a module's floating parameters and buffers a `dtype` copy in place of their data; their own
+    tensors, by name, for `_uncast` to put back."""
     import itertools
 
     import torch
@@ -297,11 +298,25 @@ def _cast(module: Any, to: Any) -> dict[str, Any]:
     was: dict[str, Any] = {}
     with torch.inference_mode(False), torch.no_grad():
         for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
-            target = to.get(name, t.dtype) if isinstance(to, dict) else to
-            if t.is_floating_point() and t.dtype != target:
-                was[name] = t.dtype
-                t.data = t.data.to(target)
+            if t.is_floating_point() and t.dtype != dtype:
+                was[name] = t.data
+                t.data = t.data.to(dtype)
     return was
+
+
+def _uncast(module: Any, was: dict[str, Any]) -> None:
+    """Put back the very tensors `_cast` set aside: the same values, and the same memory. A copy cast
+    back would hold the same values at another address, and MKL's small matmuls (HF's one token a
+    forward through its KV cache) sum in an order that follows the address: the engine would no longer
+    repeat its own earlier results bit for bit."""
+    import itertools
+
+    import torch
+
+    with torch.inference_mode(False), torch.no_grad():
+        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+            if name in was:
+                t.data = was[name]
 
 
 @contextlib.contextmanager
@@ -320,7 +335,7 @@ def float64_layers(model: Any) -> Iterator[None]:
         was[id(m)] = _cast(m, torch.float64)
 
     def down(m: Any, args: Any, out: Any) -> None:
-        _cast(m, was.pop(id(m), {}))
+        _uncast(m, was.pop(id(m), {}))
 
     handles = [
         h
@@ -336,7 +351,7 @@ def float64_layers(model: Any) -> Iterator[None]:
             h.remove()
         for layer in layers:  # a forward that failed inside a layer left it cast up
             if id(layer) in was:
-                _cast(layer, was.pop(id(layer)))
+                _uncast(layer, was.pop(id(layer)))
         if attn is not None:
             model.set_attn_implementation(attn)
         if experts is not None:
@@ -353,7 +368,7 @@ def float64_embeddings(model: Any, x: Any) -> Any:
     try:
         return emb(x)
     finally:
-        _cast(emb, was)
+        _uncast(emb, was)
 
 
 # --- vLLM: run in the engine core's worker through LLM.collective_rpc (in-process) ---

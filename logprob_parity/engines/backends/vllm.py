@@ -129,8 +129,12 @@ class VLLMBackend(Backend):
         self.llm.collective_rpc(lay.vllm_begin, args=(n_layers, len(ids)))
         try:
             self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
-        finally:
-            got = self.llm.collective_rpc(lay.vllm_end)[0]
+        except BaseException:
+            got = self.llm.collective_rpc(lay.vllm_end)[0]  # hooks off, and the partial stack freed
+            if got["token"] is not None:
+                lay.release(got["token"])
+            raise
+        got = self.llm.collective_rpc(lay.vllm_end)[0]
         if got["missing"]:
             if got["token"] is not None:
                 lay.release(got["token"])
