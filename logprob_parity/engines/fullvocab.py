@@ -349,16 +349,34 @@ def share(token: str) -> dict[str, Any]:
     the shared-memory file torch moved the rows into (a file descriptor would not cross our socket)."""
     if token not in _KEPT:
         return {"error": _KEPT_ERROR.pop(token, "vLLM left no full logprobs for this batch"), "runner": _STATE["runner"]}
-    from torch.multiprocessing.reductions import reduce_tensor
+    return {"handles": [handle_of(t) for t in _KEPT[token]], "runner": _STATE["runner"]}
 
-    handles = []
-    for t in _KEPT[token]:
-        if t.is_cuda:
-            handles.append(("cuda", reduce_tensor(t)))
-        else:
-            manager, name, size = t.untyped_storage()._share_filename_cpu_()
-            handles.append(("cpu", (manager, name, size, t.storage_offset(), tuple(t.shape), tuple(t.stride()))))
-    return {"handles": handles, "runner": _STATE["runner"]}
+
+def handle_of(t: Any) -> tuple[str, Any]:
+    """Plain data for another process to open `t` by (`open_handle`), the memory not copied: torch's
+    CUDA IPC handle on a GPU, the name of the shared-memory file torch moves it into on a CPU."""
+    if t.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return ("cuda", reduce_tensor(t))
+    manager, name, size = t.untyped_storage()._share_filename_cpu_()
+    return ("cpu", (manager, name, size, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+
+
+def open_handle(handle: tuple[str, Any], opened: dict[str, Any] | None = None) -> Any:
+    """The tensor behind `handle_of`'s handle. opened: shared-memory files already opened, by name
+    (views of one storage open it once); torch does the same for CUDA handles itself."""
+    import torch
+
+    kind, data = handle
+    if kind == "cuda":
+        rebuild, args = data
+        return rebuild(*args)
+    manager, name, size, offset, shape, stride = data
+    opened = {} if opened is None else opened
+    if name not in opened:
+        opened[name] = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
+    return torch.empty(0, dtype=torch.float32).set_(opened[name], offset, shape, stride)
 
 
 def release(token: str) -> None:
@@ -377,19 +395,8 @@ def open_rows(source: Any) -> list[Any]:
     """Every sequence's rows from where vLLM left them (`Exchange.hf_source`), in the HF host: a
     memory map per file, or the tensors behind `share`'s handles (opened, not copied)."""
     if isinstance(source, dict):
-        import torch
-
-        out, opened = [], {}
-        for kind, data in source["handles"]:
-            if kind == "cuda":  # torch opens each shared allocation once (views of one share it)
-                rebuild, args = data
-                out.append(rebuild(*args))
-            else:
-                manager, name, size, offset, shape, stride = data
-                if name not in opened:
-                    opened[name] = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
-                out.append(torch.empty(0, dtype=torch.float32).set_(opened[name], offset, shape, stride))
-        return out
+        opened: dict[str, Any] = {}
+        return [open_handle(h, opened) for h in source["handles"]]
     folder = Path(source)
     n = sum(1 for p in folder.glob("*.npy") if p.stem.isdigit())
     return [np.load(path_of(source, i), mmap_mode="r") for i in range(n)]

@@ -235,27 +235,17 @@ def keep(stack: Any) -> str:
 
 
 def share(token: str) -> tuple[str, Any]:
-    """A handle to a kept stack that another process opens (`open_stack`): torch's CUDA IPC handle on a
-    GPU (the memory stays on the card), the name of its shared-memory file on the CPU."""
-    from torch.multiprocessing.reductions import reduce_tensor
+    """A handle to a kept stack that another process opens (`open_stack`), as the exact KL's rows are
+    shared (fullvocab.handle_of): CUDA IPC on a GPU, a shared-memory file on the CPU."""
+    from logprob_parity.engines.fullvocab import handle_of
 
-    t = _KEPT[token]
-    if t.is_cuda:
-        return ("cuda", reduce_tensor(t))
-    manager, name, size = t.untyped_storage()._share_filename_cpu_()
-    return ("cpu", (manager, name, size, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+    return handle_of(_KEPT[token])
 
 
 def open_stack(handle: tuple[str, Any]) -> Any:
-    import torch
+    from logprob_parity.engines.fullvocab import open_handle
 
-    kind, data = handle
-    if kind == "cuda":
-        rebuild, args = data
-        return rebuild(*args)
-    manager, name, size, offset, shape, stride = data
-    storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
-    return torch.empty(0, dtype=torch.float32).set_(storage, offset, shape, stride)
+    return open_handle(handle)
 
 
 def release(token: str) -> bool:
