@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from logprob_parity.analysis import floors
+from logprob_parity.analysis import floors, turns
 from logprob_parity.analysis.cluster import Job, words_left
 from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare, say_loading
 from logprob_parity.analysis.verdict import run_verdicts
@@ -139,12 +139,16 @@ def _compare_locked(p: Prepared, use_cache: bool, keys: dict[str, str]) -> list[
     ctx.emit("tokenize", None, f"{len(spec.texts)} text(s)")
     p.seqs  # noqa: B018 - tokenize now: bad input fails before any engine starts
     plan = {d: engine_requests(p, d) for d in todo}
-    everything = [r for rs in plan.values() for r in rs]
+    # a dtype whose two engines do not fit together runs them in turn; a model vLLM cannot serve alone
+    # is refused here, in words, before any engine starts
+    fits = {d: turns.fit_of(p, *plan[d]) for d in todo}
+    side = [d for d in todo if not fits[d].in_turn]
+    everything = [r for d in side for r in plan[d]]
     # Every engine at once when they all fit (they load side by side); otherwise dtype after dtype.
     if ctx.pool.fits_together(everything):
-        steps = [(todo, everything)]
+        steps = [(side, everything)] if side else []
     else:
-        steps = [([d], plan[d]) for d in todo]
+        steps = [([d], plan[d]) for d in side]
     if ctx.ray is not None:  # the engines run on a Ray cluster's workers; this process stores the parts
         from logprob_parity.analysis.cluster import open_cluster
 
@@ -158,20 +162,27 @@ def _compare_locked(p: Prepared, use_cache: bool, keys: dict[str, str]) -> list[
             for d in dtypes:
                 runs[d] = _score_dtype(p, d, _Here(p, d, plan[d], lease), keys[d], use_cache)
                 ctx.emit("store", d, f"run {runs[d].run_id} saved")
+    for d in todo:
+        if fits[d].in_turn:
+            ctx.emit("plan", d, fits[d].words)
+            runs[d] = _score_dtype(p, d, turns.InTurn(p, d, plan[d], fits[d]), keys[d], use_cache)
+            ctx.emit("store", d, f"run {runs[d].run_id} saved")
     return [runs[d] for d in spec.dtypes]
 
 
 BATCH_TOKENS_ENV = "LPP_BATCH_TOKENS"  # positions a batch scores at most (default: 65,536 on a GPU, 16,384 on a CPU)
 
 
-def plan_batches(lengths: list[int], vocab: int | None, device: str) -> list[tuple[int, int]]:
+def plan_batches(lengths: list[int], vocab: int | None, device: str, row_bytes: int | None = None) -> list[tuple[int, int]]:
     """Consecutive sequences [lo, hi) a batch: at most BATCH_TOKENS_ENV positions, and at most the
     exact KL's rows one batch may keep (logprob_parity.engines.fullvocab.batch_bytes), always at least one
-    sequence. The same lengths on the same machine always give the same plan, which is what lets a
-    killed run find its finished batches again."""
+    sequence; row_bytes: a lower bound of its own (the spool of engines in turn). The same lengths on
+    the same machine always give the same plan, which is what lets a killed run find its finished
+    batches again."""
     cap = int(os.environ.get(BATCH_TOKENS_ENV) or (65536 if device.startswith("cuda") else 16384))
     if vocab:
-        cap = min(cap, max(1, fullvocab.batch_bytes(device) // (4 * vocab)))
+        rows = fullvocab.batch_bytes(device) if row_bytes is None else min(row_bytes, fullvocab.batch_bytes(device))
+        cap = min(cap, max(1, rows // (4 * vocab)))
     out, lo, used = [], 0, 0
     for i, n in enumerate(lengths):
         rows = max(n - 1, 1)
@@ -194,7 +205,7 @@ def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_ca
     mml = p.max_model_len
     rid = run_id_for_ids(spec, p.model, dtype, p.device, p.texts, seqs, mml)
     n_floor = floors.sample_of(seqs, p.device)
-    batches = plan_batches([len(s) for s in seqs], p.model.vocab_size, p.device)
+    batches = plan_batches([len(s) for s in seqs], p.model.vocab_size, p.device, getattr(engines, "row_bytes", None))
     many = len(batches) > 1 or engines.many
     if not use_cache:
         store.drop_partial(rid)
@@ -339,10 +350,31 @@ def _part(
     """One batch scored by both engines, compared: (its table, its part's info, its metrics). The
     same function runs here and on a Ray worker, so both give the same numbers."""
     batch = p.seqs[lo:hi]
-    # the texts' token names and pieces are made while the engines score (no engine waits on them)
-    described = _BESIDE.submit(lambda: [p.tokenized(i) for i in range(lo, hi)])
+    described = describe(p, lo, hi)
     scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, n_batches)
     floor_job = _BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores) if with_floor else None
+    return assemble(p, lo, hi, digest, described, scores, info_b, why_b, via_b, floor_job)
+
+
+def describe(p: Prepared, lo: int, hi: int) -> Any:
+    """The texts' token names and pieces, made while the engines score (no engine waits on them)."""
+    return _BESIDE.submit(lambda: [p.tokenized(i) for i in range(lo, hi)])
+
+
+def assemble(
+    p: Prepared,
+    lo: int,
+    hi: int,
+    digest: str,
+    described: Any,
+    scores: dict[str, list[Any]],
+    info_b: dict[str, Any],
+    why_b: str | None,
+    via_b: set[str],
+    floor_job: Any,
+) -> tuple[Any, dict[str, Any], Any]:
+    """A scored batch's table, its part's info and its metrics: the same whether the engines scored it
+    side by side or in turn (analysis.turns)."""
     try:
         table, part_infos, m = batch_table(described.result(), scores["hf"], scores["vllm"], p.decode_many, lo)
     finally:  # the engines measured their own noise while this process built the table (never left running)
@@ -464,13 +496,20 @@ class _Scored:
 
 
 def _measure_floor(
-    p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], scores: dict[str, list[Any]]
+    p: Prepared,
+    dtype: str,
+    requests: list[Any],
+    lease: Lease,
+    seqs: list[list[int]],
+    scores: dict[str, list[Any]],
+    vllm_own: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], float]:
     """Each engine's own noise on a scored batch's first texts (logprob_parity.analysis.floors), on a device
-    turn of its own: (the floor, seconds)."""
+    turn of its own: (the floor, seconds). vllm_own: vLLM's noise measured in its own turn
+    (floors.vllm_noise), when the engines run in turn and the lease holds HF alone."""
     ctx, spec = p.ctx, p.spec
     vreq, hreq = requests
-    vhost, hhost = lease.host(vreq), lease.host(hreq)
+    vhost, hhost = (vllm_own if vllm_own is not None else lease.host(vreq)), lease.host(hreq)
     t = time.perf_counter()
     with ctx.pool.device_turn(ctx.waiter(dtype), what="the noise floor"):
         ctx.emit(
@@ -481,7 +520,8 @@ def _measure_floor(
         )
         others = floors.other_prompts(p.tokenizer, spec.bos, vreq.max_model_len, p.device)
         floor = lease.call(
-            vreq, lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size, p.device)
+            hreq if vllm_own is not None else vreq,
+            lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size, p.device),
         )
     return floor, time.perf_counter() - t
 
@@ -497,11 +537,7 @@ def _measure_routing(
     (what was measured, each sequence's comparison). A dense model: {"measured": False, "why": ...}."""
     ctx = p.ctx
     vreq, hreq = requests
-    n, used = 0, 0
-    for s in seqs:
-        if n and used + len(s) > ROUTING_TOKENS:
-            break
-        n, used = n + 1, used + len(s)
+    n = routing_texts(seqs)
     vhost, hhost = lease.host(vreq), lease.host(hreq)
     with ctx.pool.device_turn(ctx.waiter(dtype), what="the experts each token was routed to"):
         hf = lease.call(hreq, lambda: hhost.routes(seqs[:n]))
@@ -509,8 +545,26 @@ def _measure_routing(
             return {"measured": False, "why": hf}, []
         ctx.emit("routing", dtype, f"the experts each MoE layer picked for each token, on both sides, on {n} of the texts")
         vl = lease.call(vreq, lambda: vhost.routes(seqs[:n]))
+    return routes_compared(p, hf, vl, seqs)
+
+
+def routing_texts(seqs: list[list[int]]) -> int:
+    """How many of the first texts the routing covers: up to ROUTING_TOKENS positions, at least one."""
+    n, used = 0, 0
+    for s in seqs:
+        if n and used + len(s) > ROUTING_TOKENS:
+            break
+        n, used = n + 1, used + len(s)
+    return n
+
+
+def routes_compared(p: Prepared, hf: Any, vl: Any, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Both sides' routes (or vLLM's reason it has none), compared set by set: (what was measured,
+    each sequence's comparison)."""
     if isinstance(vl, str):
         return {"measured": False, "why": vl}, []
+    n = routing_texts(seqs)
+    used = sum(len(s) for s in seqs[:n])
     per = [compare_routes(a, b) for a, b in zip(vl, hf)]
     return {
         "measured": True,
@@ -577,22 +631,40 @@ def _score_batch(
     vhost, hhost = hosts["vllm"], hosts["hf"]
     if spec.null:
         return _score_null(p, dtype, requests, lease, seqs, vhost, hhost, engines, timing)
-    n_tok = sum(map(len, seqs))
-    where = f" (batch {b + 1} of {n_batches})" if n_batches > 1 else ""
+    where = batch_words(b, n_batches)
     ex = fullvocab.Exchange(sum(len(s) - 1 for s in seqs), p.model.vocab_size, p.device)
     scores: dict[str, list[Any]] = {}
     try:
         with ctx.pool.device_turn(ctx.waiter(dtype), what="scoring"):
-            ctx.emit("score", dtype, f"vllm: {n_tok:,} tokens{where}")
-            t = time.perf_counter()
-            scores["vllm"] = lease.call(vreq, lambda: vhost.score(seqs, spec.top_k, None, None, "right", ex.vllm_target))
-            ex.after_vllm(vhost)
-            timing["vllm_score_s"] = time.perf_counter() - t
-            gather = [s.topk_ids for s in scores["vllm"]]  # HF gathers its own values on vLLM's top-k ids
-            ctx.emit("score", dtype, f"hf: {n_tok:,} tokens{where}")
-            t = time.perf_counter()
-            scores["hf"] = lease.call(hreq, lambda: hhost.score(seqs, spec.top_k, gather, None, "right", ex.hf_source))
-            timing["hf_score_s"] = time.perf_counter() - t
+            scores["vllm"], timing["vllm_score_s"] = vllm_side(p, dtype, vreq, lease, vhost, seqs, ex, where)
+            scores["hf"], timing["hf_score_s"] = hf_side(p, dtype, hreq, lease, hhost, seqs, ex, scores["vllm"], where)
     finally:
         ex.close(vhost)
     return scores, {"engines": engines, "timing": timing}, ex.why, {ex.runner} if ex.runner else set()
+
+
+def batch_words(b: int, n_batches: int) -> str:
+    return f" (batch {b + 1} of {n_batches})" if n_batches > 1 else ""
+
+
+def vllm_side(
+    p: Prepared, dtype: str, vreq: Any, lease: Lease, vhost: Any, seqs: list[list[int]], ex: Any, where: str
+) -> tuple[list[Any], float]:
+    """vLLM scores a batch, its full rows to the exchange `ex`: (its scores, seconds)."""
+    p.ctx.emit("score", dtype, f"vllm: {sum(map(len, seqs)):,} tokens{where}")
+    t = time.perf_counter()
+    got = lease.call(vreq, lambda: vhost.score(seqs, p.spec.top_k, None, None, "right", ex.vllm_target))
+    ex.after_vllm(vhost)
+    return got, time.perf_counter() - t
+
+
+def hf_side(
+    p: Prepared, dtype: str, hreq: Any, lease: Lease, hhost: Any, seqs: list[list[int]], ex: Any, vllm: list[Any], where: str
+) -> tuple[list[Any], float]:
+    """HF scores the batch vLLM scored, gathering its own values on vLLM's top-k ids and taking the
+    exact KL against vLLM's rows in `ex`: (its scores, seconds)."""
+    gather = [s.topk_ids for s in vllm]
+    p.ctx.emit("score", dtype, f"hf: {sum(map(len, seqs)):,} tokens{where}")
+    t = time.perf_counter()
+    got = lease.call(hreq, lambda: hhost.score(seqs, p.spec.top_k, gather, None, "right", ex.hf_source))
+    return got, time.perf_counter() - t

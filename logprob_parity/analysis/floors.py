@@ -377,7 +377,8 @@ def measure(
     device: str = "cuda",
 ) -> dict[str, Any]:
     """The floor on the first sequences of a scored batch (`scores`: each side's values of `seqs`),
-    by the engines' hosts the comparison used: HF's variations, and vLLM's own noise beside them."""
+    by the engines' hosts the comparison used: HF's variations, and vLLM's own noise beside them.
+    vllm: its host, or what `vllm_noise` measured earlier (engines in turn: vLLM has left the device)."""
     n = sample_of(seqs, device)
     sample = [list(s) for s in seqs[:n]]
     main_v = [s.logprob for s in scores["vllm"][:n]]
@@ -392,24 +393,18 @@ def measure(
         base_top1=_top1(scores["hf"][:n]),
     )
     t_hf = time.perf_counter() - t
-    # one text alone was already scored alone: the batched-with-others call is its floor then
-    v_alone = [s.logprob for s in vllm.score(sample, 1, None, 1)] if len(seqs) > 1 else main_v
-    v_batched = [s.logprob for s in vllm.score(sample + near(others), 1)[:n]]
-    t_v = time.perf_counter() - t - t_hf
-    v1, v2 = gap(main_v, v_alone), gap(main_v, v_batched)
-    means = [g["mean"] for g in (v1, v2) if g["mean"] is not None]
-    maxes = [g["max"] for g in (v1, v2) if g["max"] is not None]
+    own = vllm if isinstance(vllm, dict) else vllm_noise(vllm, seqs, main_v, others, device)
     measured = [k for k in VARIATIONS if k in variations]
     added = variations["micro_batch"].get("texts_added", 0)
     return {
         **floor_of(variations),
         "variations": variations,
         "skipped": skipped,
-        "vllm_noise_mean": max(means) if means else None,
-        "vllm_noise_max": max(maxes) if maxes else None,
+        "vllm_noise_mean": own["mean"],
+        "vllm_noise_max": own["max"],
         "noise_tokens": variations["micro_batch"]["n"],
         "noise_texts": n,
-        "seconds": {"hf": round(t_hf, 3), "vllm": round(t_v, 3)},
+        "seconds": {"hf": round(t_hf, 3), "vllm": round(own["seconds"], 3)},
         "noise_what": (
             f"HF against itself on {n} of the texts"
             + (f" and {added} bundled sentences (so the tail rests on enough tokens)" if added else "")
@@ -418,6 +413,29 @@ def measure(
             + "".join(f"; not measured: {k.replace('_', ' ')} ({why})" for k, why in skipped.items())
             + f". vLLM against itself: the same texts each alone, and batched with {len(near(others))} other prompts"
         ),
+    }
+
+
+def vllm_noise(
+    vllm: Any, seqs: list[list[int]], main_v: list[Any], others: list[list[int]], device: str = "cuda"
+) -> dict[str, Any]:
+    """vLLM against itself on the floor's sample of `seqs` (main_v: the comparison's vLLM values of
+    them): each text alone and the texts batched with other prompts. {"mean", "max", "seconds"}, the
+    larger of the two; `measure` takes it in place of the host when vLLM ran in its own turn."""
+    n = sample_of(seqs, device)
+    sample = [list(s) for s in seqs[:n]]
+    main_v = list(main_v[:n])
+    t = time.perf_counter()
+    # one text alone was already scored alone: the batched-with-others call is its floor then
+    v_alone = [s.logprob for s in vllm.score(sample, 1, None, 1)] if len(seqs) > 1 else main_v
+    v_batched = [s.logprob for s in vllm.score(sample + near(others), 1)[:n]]
+    v1, v2 = gap(main_v, v_alone), gap(main_v, v_batched)
+    means = [g["mean"] for g in (v1, v2) if g["mean"] is not None]
+    maxes = [g["max"] for g in (v1, v2) if g["max"] is not None]
+    return {
+        "mean": max(means) if means else None,
+        "max": max(maxes) if maxes else None,
+        "seconds": time.perf_counter() - t,
     }
 
 

@@ -487,8 +487,12 @@ class Exchange:
     this device. `vllm_target` goes to the vLLM host's score; `after_vllm` asks it for what the HF
     host needs (`hf_source`, or `why` there is none); `close` removes or frees the rows."""
 
-    def __init__(self, n_positions: int, vocab: int | None, device: str) -> None:
-        self.kind = transport(device)
+    def __init__(
+        self, n_positions: int, vocab: int | None, device: str, kind: str | None = None, bound: int | None = None
+    ) -> None:
+        """kind: the transport, else this device's (`transport`); engines in turn pass "files", whose
+        rows outlive the vLLM host's turn. bound: the most bytes these rows may take (a spool's)."""
+        self.kind = kind or transport(device)
         self.n_positions = n_positions
         self.folder: str | None = None
         self.token: str | None = None
@@ -498,6 +502,11 @@ class Exchange:
         self.why: str | None = None if vocab else "the model's vocabulary size is unknown"
         if not ENABLED:
             self.why = f"switched off ({ENABLED_ENV}=0)"
+        if not self.why and bound is not None and self.need > bound:
+            self.why = (
+                f"this batch's rows ({self.need / 1e9:.2f} GB of float32) are more than the spool may hold "
+                f"({bound / 1e9:.2f} GB, LPP_SPOOL_BYTES)"
+            )
         if self.why:
             return
         if self.kind == "files":

@@ -156,3 +156,101 @@ def free_bytes(device: str) -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size as people write it: 80GB, 80 GB, 79.6GiB, 512MiB (GB = 10^9 bytes, as a card's
+    label counts; GiB = 2^30). A bare number is bytes. Anything else is refused in words."""
+    import re
+
+    from logprob_parity.errors import UserError
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise UserError(f"device_memory must be a size such as 80GB, 24GiB or 512MB (got {text!r})")
+    got = int(float(m.group(1)) * _UNITS[unit])
+    if got <= 0:
+        raise UserError(f"device_memory must be more than 0 (got {text!r})")
+    return got
+
+
+def cap_of(settings: Any) -> int | None:
+    """The device memory cap these settings set (their device_memory), in bytes; None: no cap."""
+    value = getattr(settings, "device_memory", None)
+    return parse_size(value) if value else None
+
+
+def size_words(n: float) -> str:
+    """A size in GB (10^9 bytes), as the cap is written: 61 GB, 2.4 GB, 0.31 GB."""
+    gb = n / 1e9
+    return f"{gb:.0f} GB" if gb >= 10 else f"{gb:.2g} GB" if gb < 1 else f"{gb:.1f} GB"
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a dtype's two engines fit on their device: side by side, or in turn (each alone while the
+    other sleeps or stops), with the sizes that decided it in words. A model vLLM cannot serve alone
+    never gets a Fit: `plan_fit` refuses it."""
+
+    in_turn: bool
+    words: str
+    limit: int  # the bytes the engines may take: the cap, or the device's memory
+    vllm_bytes: int
+    hf_bytes: int
+
+
+def device_limit(device: str, cap: int | None) -> tuple[int, str]:
+    """(the bytes our engines may take on `device`, what that is in words): the cap when set, else a
+    GPU's total memory; a CPU without a cap has no limit of ours (0)."""
+    if cap:
+        return cap, f"the memory cap is {size_words(cap)}"
+    if device.startswith("cuda"):
+        total = min(gpu_totals(), default=0)
+        return total, f"this card has {size_words(total)}"
+    return 0, ""
+
+
+def plan_fit(model_name: str, vllm: Any, hf: Any) -> Fit:
+    """Side by side or in turn, for one dtype's vLLM and HF LoadRequests, from the model's files;
+    a UserError in words, before anything loads, when vLLM alone (or HF alone) cannot fit."""
+    from logprob_parity.errors import UserError
+
+    cap = cap_of(vllm.settings) or cap_of(hf.settings)
+    need_v = engine_bytes(vllm.backend, vllm.model_path, vllm.dtype, vllm.device, vllm.max_model_len, vllm.settings)
+    need_h = engine_bytes(hf.backend, hf.model_path, hf.dtype, hf.device, hf.max_model_len, hf.settings)
+    limit, where = device_limit(vllm.device, cap)
+    weights = weight_bytes(vllm.model_path, vllm.dtype)
+    head = (
+        f"{model_name} needs {size_words(weights)} for weights in {vllm.dtype}; {where}"
+        if where
+        else f"{model_name} needs {size_words(weights)} for weights in {vllm.dtype}"
+    )
+    if not limit or need_v + need_h <= limit:
+        return Fit(
+            False, f"{head}: vLLM ({size_words(need_v)}) and HF ({size_words(need_h)}) fit side by side", limit, need_v, need_h
+        )
+    if need_v > limit:
+        raise UserError(
+            f"{head}, and vLLM alone needs {size_words(need_v)} with its KV cache and working memory "
+            f"({size_words(need_v - weights)} more than the weights): it cannot be served here, so it cannot be "
+            "compared here. Raise the cap, pick a smaller dtype or model, or a device with more memory."
+        )
+    if need_h > limit:
+        raise UserError(
+            f"{head}, and HF alone needs {size_words(need_h)} with one batch's logits: it cannot score here. "
+            "Lower HF's batch size (hf_batch_size) or the context length, or raise the cap."
+        )
+    return Fit(
+        True,
+        f"{head}, and vLLM's KV cache and working memory need {size_words(need_v - weights)} more: vLLM fits alone "
+        f"({size_words(need_v)}), HF fits alone ({size_words(need_h)}), both need {size_words(need_v + need_h)}, "
+        "so the engines will run in turn",
+        limit,
+        need_v,
+        need_h,
+    )

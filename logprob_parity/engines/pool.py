@@ -257,16 +257,20 @@ class EnginePool:
             over -= 1
         for device in {r.device for r in cold}:
             need = sum(engine_bytes(r) for r in cold if r.device == device)
+            cap = _cap(cold, device)
             loading = sum(h.need_bytes for h in self._hosts.values() if h.info is None and h.device == device)
             room = memory.free_bytes(device) - loading + sum(v.need_bytes for v in victims if v.device == device)
+            # under a cap (settings.device_memory), every engine of ours on the device counts, loaded or not
+            held = sum(h.need_bytes for h in self._hosts.values() if h.device == device and h not in victims)
             candidates = [h for h in idle if h.device == device]
-            while room < need:
+            while room < need or (cap is not None and held + need > cap):
                 if not candidates:
                     return None
                 v = candidates.pop(0)
                 idle.remove(v)
                 victims.append(v)
                 room += v.need_bytes
+                held -= v.need_bytes
         return victims
 
     def _drop_dead_locked(self) -> list[HostClient]:
@@ -317,7 +321,10 @@ class EnginePool:
                 return False
             device = cold[0].device
             reclaimable = sum(h.need_bytes for h in self._idle_locked(device))
-        return sum(engine_bytes(r) for r in cold) <= memory.free_bytes(device) + reclaimable
+            held = sum(h.need_bytes for h in self._hosts.values() if h.device == device) - reclaimable
+        need = sum(engine_bytes(r) for r in cold)
+        cap = _cap(cold, device)
+        return need <= memory.free_bytes(device) + reclaimable and (cap is None or held + need <= cap)
 
     def discard(self, host: HostClient) -> None:
         """Stop a host and forget it; the next request for its key starts a fresh one."""
@@ -368,6 +375,12 @@ class EnginePool:
             self._spares.clear()
             self._cond.notify_all()
         _stop_all(hosts, grace=grace)
+
+
+def _cap(requests: list[LoadRequest], device: str) -> int | None:
+    """The tightest device memory cap (settings.device_memory) these requests set on `device`, in bytes."""
+    caps = [c for r in requests if r.device == device for c in [memory.cap_of(r.settings)] if c]
+    return min(caps) if caps else None
 
 
 def _spare_kind(request: LoadRequest) -> tuple[Any, ...]:

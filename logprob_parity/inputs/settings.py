@@ -42,6 +42,8 @@ class Setting:
     choices: tuple[Any, ...] | None = None
     minimum: float | None = None
     maximum: float | None = None
+    # a str setting's own reading of its value: raises UserError in words when it cannot (a size)
+    parse: Any = None
 
     @property
     def flag(self) -> str:
@@ -68,7 +70,16 @@ class Setting:
             raise UserError(f"engine setting {self.name} must be at least {self.minimum:g} (got {value})")
         if self.maximum is not None and value > self.maximum:
             raise UserError(f"engine setting {self.name} must be at most {self.maximum:g} (got {value})")
+        if self.parse is not None:
+            self.parse(value)
         return value
+
+
+def _size(value: str) -> int:
+    """A device_memory value in bytes (logprob_parity.engines.memory.parse_size)."""
+    from logprob_parity.engines.memory import parse_size
+
+    return parse_size(value)
 
 
 ATTENTION_BACKENDS = ("FLEX_ATTENTION", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "CPU_ATTN")
@@ -257,6 +268,17 @@ SETTINGS: tuple[Setting, ...] = (
         "both",
         "TF32 matmuls for float32 on NVIDIA GPUs (torch.backends.cuda.matmul.allow_tf32) in that engine's process",
         label="TF32 matmuls",
+    ),
+    Setting(
+        "device_memory",
+        str,
+        None,
+        "both",
+        "the most memory the engines may take on the device, e.g. 80GB: where vLLM and HF do not fit together "
+        "under it, they run in turn (docs/guides/big-models.md); on a CPU it caps the RAM they take (default: the device's)",
+        label="Device memory cap",
+        in_run_id=False,
+        parse=_size,
     ),
     Setting(
         "trust_remote_code",

@@ -1,0 +1,241 @@
+"""Engines in turn: vLLM and HF of a model too large for both to fit on the device at once.
+
+Why: a comparison normally holds both engines of a dtype on the device together. A model larger than
+about half the card (Qwen3-30B-A3B in bfloat16 on an 80 GB card) cannot be held twice, though vLLM
+alone can serve it. RL frameworks meet the same wall and take turns (verl and TRL's colocate mode put
+vLLM to sleep while the trainer holds the card); so does this.
+
+How, for one dtype whose engines do not fit together (`fit_of`, from engines.memory.plan_fit):
+- the batches of the run go in groups; a group is as many batches as the spool holds;
+- vLLM scores every batch of a group, and what HF needs to finish each comparison is kept in the
+  spool: vLLM's scores (target logprobs, top-k ids and values) in this process, and vLLM's full
+  log-softmax rows for the exact KL as files on shared memory or disk (fullvocab's files transport,
+  which outlives the vLLM host's turn);
+- then HF takes the device: the pool, bound by the memory cap, stops the idle vLLM host to make room
+  (on a CPU; a GPU's vLLM would sleep instead), and HF scores the same batches against the spool;
+- each batch is stored as a part as it finishes, so a killed run resumes like any other.
+
+The spool's bound is LPP_SPOOL_BYTES (default 16 GB): a group never holds more rows than that, and a
+batch whose rows alone exceed it is scored without the exact KL (the run says so). The record's
+timing says "engines in turn", why, how many turns and the most the spool held.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from logprob_parity.analysis.cluster import Job, words_left
+from logprob_parity.analysis.request import Prepared, say_loading
+from logprob_parity.engines import fullvocab, memory
+
+SPOOL_ENV = "LPP_SPOOL_BYTES"
+SPOOL_DEFAULT = 16 * 10**9
+
+
+def spool_bound() -> int:
+    """The most bytes of vLLM's rows the spool may hold at once (LPP_SPOOL_BYTES, a size such as 16GB)."""
+    value = os.environ.get(SPOOL_ENV)
+    return memory.parse_size(value) if value else SPOOL_DEFAULT
+
+
+def fit_of(p: Prepared, vllm: Any, hf: Any) -> memory.Fit:
+    """How one dtype's engines fit (engines.memory.plan_fit). A CPU without a cap is not sized at all:
+    there the engines always ran side by side, and a model folder is not read twice for nothing."""
+    if not p.device.startswith("cuda") and not (memory.cap_of(vllm.settings) or memory.cap_of(hf.settings)):
+        return memory.Fit(False, "", 0, 0, 0)
+    return memory.plan_fit(p.model.name, vllm, hf)
+
+
+def groups(sizes: list[int], bound: int) -> list[list[int]]:
+    """Consecutive indices whose sizes add up to at most `bound` (each group at least one index):
+    the batches one turn of vLLM scores before HF takes the device."""
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if out and used + n <= bound:
+            out[-1].append(i)
+            used += n
+        else:
+            out.append([i])
+            used = n
+    return out
+
+
+class InTurn:
+    """A dtype's batches scored by vLLM and HF in turn (the `engines` of compare._score_dtype)."""
+
+    many = True  # every batch is a stored part: a killed run resumes, and memory is bounded by a group
+
+    def __init__(self, p: Prepared, dtype: str, requests: list[Any], fit: memory.Fit) -> None:
+        self.p, self.dtype, self.requests, self.fit = p, dtype, requests, fit
+        self.bound = spool_bound()
+        self.row_bytes = self.bound  # no batch is planned larger than the spool
+        self.turns = 0  # times an engine took the device from the other (vLLM's turns and HF's)
+        self._last: int | None = None
+        self.spool_max = 0  # the most bytes of rows the spool held at once
+        self.spooled = 0
+
+    # -- turns ------------------------------------------------------------------------------------
+    def _lease(self, which: int, what: str) -> Any:
+        """The lease of one engine alone; the pool stops the other (idle) to make room under the cap."""
+        ctx = self.p.ctx
+        req = self.requests[which]
+        if which != self._last:
+            self.turns, self._last = self.turns + 1, which
+        ctx.emit("turn", self.dtype, f"engines in turn: {req.backend} takes the device ({what})")
+        lease = ctx.pool.lease([req], on_wait=ctx.waiter(self.dtype))
+        say_loading(ctx, self.dtype, lease, req, self.p.device)
+        return lease
+
+    def parts(self, jobs: list[Job], on_done: Any, dtype: str, total: int, done: int, reused: int) -> None:
+        p, ctx = self.p, self.p.ctx
+        vreq, hreq = self.requests
+        vocab = p.model.vocab_size
+        plan = groups([fullvocab.need_bytes(job.tokens, vocab) for job in jobs], self.bound)
+        computed, t_compute = 0, 0.0
+        for g, idx in enumerate(plan):
+            t_g = time.perf_counter()
+            group = [jobs[i] for i in idx]
+            what = f"group {g + 1} of {len(plan)}: {len(group)} batch(es)"
+            spool: list[dict[str, Any]] = []
+            try:
+                with self._lease(0, what) as lease:
+                    t = time.perf_counter()
+                    vhost = lease.host(vreq)
+                    load_s = time.perf_counter() - t
+                    for job in group:
+                        spool.append(self._vllm_turn(lease, vhost, job, load_s))
+                        load_s = 0.0
+                with self._lease(1, what + ", against the spool") as lease:
+                    t = time.perf_counter()
+                    hhost = lease.host(hreq)
+                    load_s = time.perf_counter() - t
+                    for item in spool:
+                        job = item["job"]
+                        on_done(job, self._hf_turn(lease, hhost, item, load_s), 0)
+                        load_s = 0.0
+                        self._unspool(item)
+                        done += job.tokens
+                        computed += job.tokens
+                        ctx.on_progress(dtype, done, total)
+            finally:
+                for item in spool:
+                    self._unspool(item)
+            t_compute += time.perf_counter() - t_g
+            rate = computed / t_compute if t_compute else 0.0
+            left = (total - done) / rate if rate and done < total else 0.0
+            ctx.on_status(dtype, {"done": done, "total": total, "unit": "tokens", "per_s": rate, "seconds_left": left})
+            ctx.emit(
+                "batch",
+                dtype,
+                f"group {g + 1} of {len(plan)} done in turn: {done:,} of {total:,} tokens, {rate:,.0f} tokens/s"
+                + (f", {words_left(left)}" if left else "")
+                + (f" ({reused} batch(es) were already in the store)" if reused else ""),
+            )
+
+    def _vllm_turn(self, lease: Any, vhost: Any, job: Job, load_s: float) -> dict[str, Any]:
+        """vLLM scores one batch into the spool (and measures its own noise when the batch holds the
+        floor's texts): what HF's turn needs to finish it."""
+        from logprob_parity.analysis import compare, floors
+
+        p = self.p
+        _, b, lo, hi, n_batches, with_floor, _ = job.inputs()
+        batch = p.seqs[lo:hi]
+        ex = fullvocab.Exchange(job.tokens, p.model.vocab_size, p.device, kind="files", bound=self.bound)
+        item: dict[str, Any] = {"job": job, "ex": ex, "vllm_load_s": load_s, "vllm_info": vhost.info}
+        with p.ctx.pool.device_turn(p.ctx.waiter(self.dtype), what="scoring"):
+            item["vllm"], item["vllm_score_s"] = compare.vllm_side(
+                p, self.dtype, self.requests[0], lease, vhost, batch, ex, compare.batch_words(b, n_batches)
+            )
+            if with_floor:
+                others = floors.other_prompts(p.tokenizer, p.spec.bos, self.requests[0].max_model_len, p.device)
+                item["vllm_noise"] = lease.call(
+                    self.requests[0],
+                    lambda: floors.vllm_noise(vhost, batch, [s.logprob for s in item["vllm"]], others, p.device),
+                )
+        if not ex.why:
+            self.spooled += ex.need
+            self.spool_max = max(self.spool_max, self.spooled)
+        return item
+
+    def _hf_turn(self, lease: Any, hhost: Any, item: dict[str, Any], load_s: float) -> tuple[Any, dict[str, Any], Any]:
+        from logprob_parity.analysis import compare
+
+        p = self.p
+        _, b, lo, hi, n_batches, _, digest = item["job"].inputs()
+        batch = p.seqs[lo:hi]
+        ex = item["ex"]
+        described = compare.describe(p, lo, hi)
+        scores = {"vllm": item["vllm"]}
+        with p.ctx.pool.device_turn(p.ctx.waiter(self.dtype), what="scoring"):
+            scores["hf"], hf_s = compare.hf_side(
+                p, self.dtype, self.requests[1], lease, hhost, batch, ex, scores["vllm"], compare.batch_words(b, n_batches)
+            )
+        timing = {
+            "vllm_load_s": item["vllm_load_s"],
+            "hf_load_s": load_s,
+            "vllm_score_s": item["vllm_score_s"],
+            "hf_score_s": hf_s,
+        }
+        info_b = {"engines": {"vllm": item["vllm_info"], "hf": hhost.info}, "timing": timing}
+        floor_job = (
+            compare._BESIDE.submit(compare._measure_floor, p, self.dtype, self.requests, lease, batch, scores, item["vllm_noise"])
+            if "vllm_noise" in item
+            else None
+        )
+        return compare.assemble(
+            p, lo, hi, digest, described, scores, info_b, ex.why, {ex.runner} if ex.runner else set(), floor_job
+        )
+
+    def _unspool(self, item: dict[str, Any]) -> None:
+        ex = item["ex"]
+        if not getattr(ex, "_closed", False):
+            if not ex.why:
+                self.spooled -= ex.need
+            ex.close()
+
+    # -- what runs after the parts: the floor past the first batch, and an MoE model's routes --------
+    def floor(self, first: list[list[int]], main: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        """The floor of a run whose first texts span more than one batch: vLLM's noise in its turn,
+        then HF's variations in HF's."""
+        from logprob_parity.analysis import compare, floors
+
+        p = self.p
+        vreq = self.requests[0]
+        t = time.perf_counter()
+        with self._lease(0, "the noise floor") as lease:
+            vhost = lease.host(vreq)
+            others = floors.other_prompts(p.tokenizer, p.spec.bos, vreq.max_model_len, p.device)
+            with p.ctx.pool.device_turn(p.ctx.waiter(self.dtype), what="the noise floor"):
+                own = lease.call(
+                    vreq, lambda: floors.vllm_noise(vhost, first, [s.logprob for s in main["vllm"]], others, p.device)
+                )
+        with self._lease(1, "the noise floor") as lease:
+            floor, _ = compare._measure_floor(p, self.dtype, self.requests, lease, first, main, own)
+        return floor, time.perf_counter() - t
+
+    def routing(self, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """An MoE model's routes, each engine in its turn: HF first (it holds the device after the last
+        group), then vLLM."""
+        from logprob_parity.analysis import compare
+
+        p = self.p
+        vreq, hreq = self.requests
+        with self._lease(1, "the experts each token was routed to") as lease:
+            hf = lease.call(hreq, lambda: lease.host(hreq).routes(seqs[: compare.routing_texts(seqs)]))
+        if isinstance(hf, str):
+            return {"measured": False, "why": hf}, []
+        with self._lease(0, "the experts each token was routed to") as lease:
+            vl = lease.call(vreq, lambda: lease.host(vreq).routes(seqs[: compare.routing_texts(seqs)]))
+        return compare.routes_compared(p, hf, vl, seqs)
+
+    def timing_words(self) -> dict[str, Any]:
+        return {
+            "engines": "in turn",
+            "engines_why": self.fit.words,
+            "turns": self.turns,
+            "spool_bytes_max": self.spool_max,
+            "spool_bound_bytes": self.bound,
+        }

@@ -1,0 +1,208 @@
+"""Engines in turn: a model whose vLLM and HF engines do not fit on the device together is compared
+with each engine alone in its turn, and gives the run the side-by-side comparison gives.
+
+On the CPU a memory cap (the device_memory setting, `--device-memory`) set between one engine's
+size and both engines' stands for a card too small for both; the real engines run on the tiny
+Llama, and the pool stops the idle engine to make room (a GPU's vLLM sleeps instead: tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import cli_env, kill_after_parts
+
+from logprob_parity.analysis import turns
+from logprob_parity.analysis.compare import compare, engine_requests
+from logprob_parity.analysis.request import Context, prepare
+from logprob_parity.engines import memory
+from logprob_parity.errors import UserError
+from logprob_parity.inputs.settings import EngineSettings
+from logprob_parity.inputs.spec import RunSpec
+from logprob_parity.results.store import Store
+
+TEXTS = (
+    "The capital of France is Paris. It is known for the Eiffel Tower.",
+    "مرحبا بالعالم، هذا نص عربي قصير.",
+    "日本語のテキストも少し。 🙂 emoji too.",
+    "def double(x):\n    return x * 2\n",
+)
+LINES = tuple(f"Prompt number {i}: the quick brown fox jumps over the lazy dog {i % 7} times." for i in range(24))
+
+
+def _sizes(model, texts=TEXTS, dtype="float32") -> tuple[int, int]:
+    """(vLLM's, HF's) bytes on the CPU for this request, as the plan reads them."""
+    p = prepare(RunSpec(texts=texts, model=str(model), dtypes=(dtype,), device="cpu"), Context.of())
+    vreq, hreq = engine_requests(p, dtype)
+    return memory.engine_bytes(**_args(vreq)), memory.engine_bytes(**_args(hreq))
+
+
+def _args(r) -> dict:
+    return {
+        "backend": r.backend,
+        "model_path": r.model_path,
+        "dtype": r.dtype,
+        "device": r.device,
+        "max_model_len": r.max_model_len,
+        "settings": r.settings,
+    }
+
+
+def _cap_between(model, texts=TEXTS) -> str:
+    """A cap that holds either engine alone but not both."""
+    v, h = _sizes(model, texts)
+    assert max(v, h) < v + h
+    return str((max(v, h) + v + h) // 2)
+
+
+def test_a_size_is_read_as_people_write_it_and_nonsense_is_refused_in_words():
+    assert memory.parse_size("80GB") == 80 * 10**9
+    assert memory.parse_size("80 GB") == 80 * 10**9
+    assert memory.parse_size("3.5GiB") == int(3.5 * 2**30)
+    assert memory.parse_size("512MiB") == 512 * 2**20
+    assert memory.parse_size("1000") == 1000
+    for bad in ("eighty", "80 XB", "0GB", "-5GB", ""):
+        with pytest.raises(UserError, match="device_memory must be"):
+            memory.parse_size(bad)
+    with pytest.raises(UserError, match="device_memory must be a size such as 80GB"):
+        EngineSettings(device_memory="lots").validate()
+
+
+def test_the_cap_is_a_flag_of_every_command_that_starts_engines_and_stays_out_of_the_run_id():
+    from logprob_parity.cli import build_parser
+
+    parser = build_parser()
+    for command in ("compare", "diagnose", "rollout", "rescore", "frontier"):
+        args = parser.parse_args(
+            [command, "--device-memory", "80GB"] + (["--rollouts", "x.jsonl"] if command == "rescore" else [])
+        )
+        assert args.device_memory == "80GB", command
+    assert "device_memory" not in EngineSettings(device_memory="80GB").run_id_part()
+
+
+def test_groups_cover_every_batch_once_in_order_and_never_hold_more_than_the_bound():
+    rng = random.Random(7)
+    for _ in range(200):
+        sizes = [rng.randint(1, 50) for _ in range(rng.randint(1, 40))]
+        bound = rng.randint(1, 120)
+        got = turns.groups(sizes, bound)
+        assert [i for g in got for i in g] == list(range(len(sizes)))
+        for g in got:
+            assert len(g) == 1 or sum(sizes[i] for i in g) <= bound  # a batch larger than the bound is alone
+
+
+def test_a_cap_between_one_engine_and_both_plans_the_engines_in_turn_and_says_why_in_sizes(tiny_bos, home):
+    cap = _cap_between(tiny_bos)
+    p = prepare(RunSpec(texts=TEXTS, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=cap)), Context.of())
+    fit = turns.fit_of(p, *engine_requests(p, "float32"))
+    assert fit.in_turn
+    assert "the memory cap is" in fit.words and "so the engines will run in turn" in fit.words
+    assert f"both need {memory.size_words(fit.vllm_bytes + fit.hf_bytes)}" in fit.words
+    roomy = prepare(
+        RunSpec(texts=TEXTS, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory="1000GB")),
+        Context.of(),
+    )
+    assert not turns.fit_of(roomy, *engine_requests(roomy, "float32")).in_turn
+
+
+def test_a_cap_too_small_for_vllm_alone_is_refused_in_words_before_any_engine_starts(tiny_bos, home):
+    v, _ = _sizes(tiny_bos)
+    ctx = Context.of(store=Store(home))
+    before = len(ctx.pool.running())
+    spec = RunSpec(texts=TEXTS, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=str(v // 2)))
+    with pytest.raises(UserError, match=r"vLLM alone needs .* it cannot be served here, so it cannot be compared here"):
+        compare(spec, ctx, use_cache=False)
+    assert len(ctx.pool.running()) == before  # refused before any engine started
+
+
+@pytest.mark.engine
+def test_a_comparison_in_turn_is_the_side_by_side_run_and_its_record_says_so(tiny_bos, home):
+    """The exact KL, the floor and every value equal; the in-turn record says "in turn" and why; at
+    the end only one of the two engines holds the device."""
+    cap = _cap_between(tiny_bos)
+    ctx = Context.of(store=Store(home / "turns"))
+    (side,) = compare(RunSpec(texts=TEXTS, model=str(tiny_bos), device="cpu"), store=Store(home / "side"), use_cache=False)
+    spec = RunSpec(texts=TEXTS, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=cap))
+    (turn,) = compare(spec, ctx, use_cache=False)
+    assert turn.run_id == side.run_id  # the cap changes no number, so not the run either
+    assert turn.meta.timing["engines"] == "in turn" and "so the engines will run in turn" in turn.meta.timing["engines_why"]
+    assert turn.meta.timing["turns"] == 2 and 0 < turn.meta.timing["spool_bytes_max"] <= turn.meta.timing["spool_bound_bytes"]
+    assert "engines" not in side.meta.timing
+    assert turn.summary == side.summary and turn.summary["kl_full_mean"] is not None
+    assert turn.meta.noise["variations"].keys() == side.meta.noise["variations"].keys()
+    for a, b in zip(turn.sequences, side.sequences):
+        assert a.token_ids == b.token_ids
+        for s in ("hf", "vllm"):
+            np.testing.assert_array_equal(getattr(a, s).logprob, getattr(b, s).logprob)
+        np.testing.assert_array_equal(a.metrics.kl_full, b.metrics.kl_full)
+    keys = {r.key() for r in engine_requests(prepare(spec, ctx), "float32")}
+    assert len(keys & set(ctx.pool.engine_keys())) == 1  # HF holds the device now; vLLM was stopped for it
+
+
+@pytest.mark.engine
+def test_a_prompt_set_in_turn_alternates_in_groups_keeps_its_spool_within_the_bound_and_matches(tiny_bos, home, monkeypatch):
+    """A spool that holds two batches' rows: the set goes in groups, the spool never holds more than
+    its bound, and the run is the side-by-side run of the same batches."""
+    monkeypatch.setenv("LPP_BATCH_TOKENS", "160")
+    (side,) = compare(RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"), store=Store(home / "side"), use_cache=False)
+    batches = side.meta.timing["batches"]
+    assert batches >= 4
+    vocab = prepare(RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"), Context.of()).model.vocab_size
+    bound = 2 * 160 * vocab * 4  # two batches' rows of float32, at most
+    monkeypatch.setenv("LPP_SPOOL_BYTES", str(bound))
+    spec = RunSpec(
+        texts=LINES, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=_cap_between(tiny_bos, LINES))
+    )
+    (turn,) = compare(spec, store=Store(home / "turns"), use_cache=False)
+    t = turn.meta.timing
+    assert t["engines"] == "in turn" and t["batches"] == batches
+    assert t["turns"] >= 4  # at least two groups: vLLM, HF, vLLM, HF
+    assert 0 < t["spool_bytes_max"] <= t["spool_bound_bytes"] == bound
+    assert turn.summary == side.summary
+    for a, b in zip(turn.sequences, side.sequences):
+        np.testing.assert_array_equal(a.vllm.logprob, b.vllm.logprob)
+        np.testing.assert_array_equal(a.metrics.kl_full, b.metrics.kl_full)
+
+
+@pytest.mark.engine
+def test_a_killed_set_in_turn_resumes_without_recomputing_its_stored_batches(tiny_bos, home, tmp_path):
+    """Killed after its first group's batches were stored, the same command computes only the rest,
+    still in turn, and gives the side-by-side run."""
+    lines = LINES[:12]
+    prompts = tmp_path / "set.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    vocab = prepare(RunSpec(texts=lines, model=str(tiny_bos), device="cpu"), Context.of()).model.vocab_size
+    env = dict(cli_env(home), LPP_BATCH_TOKENS="160", LPP_SPOOL_BYTES=str(2 * 160 * vocab * 4))
+    cmd = [sys.executable, "-m", "logprob_parity.cli", "compare", "--model", str(tiny_bos), "--prompts", str(prompts)]
+    cmd += ["--dtype", "float32", "--device", "cpu", "--device-memory", _cap_between(tiny_bos, lines)]
+    stored = kill_after_parts(cmd, env, home, 2)
+    again = subprocess.run(
+        cmd + ["--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{stored} of " in again.stderr and "batches came from the store" in again.stderr, again.stderr[-3000:]
+    assert "so the engines will run in turn" in again.stderr
+    data = json.loads((tmp_path / "out.json").read_text())
+    run = Store(home).load(data["run_id"])
+    assert run.meta.timing["batches_from_store"] == stored and run.meta.timing["engines"] == "in turn"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LPP_BATCH_TOKENS", "160")
+        (side,) = compare(RunSpec(texts=lines, model=str(tiny_bos), device="cpu"), store=Store(home / "side"), use_cache=False)
+    assert run.run_id == side.run_id and run.summary == side.summary
+
+
+def test_a_batch_whose_rows_exceed_the_spool_is_scored_without_the_exact_kl_and_says_why():
+    from logprob_parity.engines import fullvocab
+
+    ex = fullvocab.Exchange(100, 1000, "cpu", kind="files", bound=100 * 1000 * 4 - 1)
+    assert ex.why is not None and "more than the spool may hold" in ex.why and ex.vllm_target is None
+    ex.close()
+    ok = fullvocab.Exchange(100, 1000, "cpu", kind="files", bound=100 * 1000 * 4)
+    try:
+        assert ok.why is None and ok.folder is not None
+    finally:
+        ok.close()
