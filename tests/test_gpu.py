@@ -448,3 +448,93 @@ def test_the_8b_shape_layer_profile_in_bfloat16_comes_from_an_eager_vllm_engine(
     )
     (RESULTS.with_name(RESULTS.stem + "-layers.md")).write_text(line + "\n")
     print(line)
+
+
+def _gpu_used() -> int:
+    """Bytes in use on the first GPU, as nvidia-smi sees every process's memory."""
+    import subprocess
+
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
+    )
+    return int(out.stdout.split()[0]) << 20
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engines_in_turn_under_a_cap_sleep_and_wake_and_give_the_side_by_side_run(gpu_model, tmp_path_factory, dtype):
+    """A cap that holds one engine awake beside the other asleep, not both awake: vLLM sleeps (its own
+    sleep mode) while HF scores, HF leaves the card while vLLM scores; every value equals the run with
+    both engines side by side, and the card's memory in use (nvidia-smi, every process) stays under the cap."""
+    import threading
+    import time
+
+    from logprob_parity.analysis import turns
+    from logprob_parity.analysis.compare import engine_requests
+    from logprob_parity.analysis.request import Context, prepare
+    from logprob_parity.engines import memory
+    from logprob_parity.engines.pool import EnginePool
+
+    texts = tuple(SENTENCES[:24])
+    settings = {"attention_backend": "FLEX_ATTENTION"} if dtype == "float32" else {}
+    side_store, turn_store = Store(tmp_path_factory.mktemp("side")), Store(tmp_path_factory.mktemp("turns"))
+    side_pool = EnginePool()
+    try:
+        ctx = Context.of(store=side_store, pool=side_pool)
+        (side,) = compare(
+            RunSpec(texts=texts, model=gpu_model, dtypes=(dtype,), device="cuda", settings=EngineSettings(**settings)),
+            ctx,
+            use_cache=False,
+        )
+    finally:
+        side_pool.shutdown()
+    p = prepare(
+        RunSpec(texts=texts, model=gpu_model, dtypes=(dtype,), device="cuda", settings=EngineSettings(**settings)), Context.of()
+    )
+    v, h = (
+        memory.engine_bytes(r.backend, r.model_path, r.dtype, "cuda", r.max_model_len, r.settings)
+        for r in engine_requests(p, dtype)
+    )
+    asleep = memory.PROCESS_OVERHEAD["cuda"]
+    cap = max(v, h) + asleep + (min(v, h) - asleep) // 2
+    spec = RunSpec(
+        texts=texts, model=gpu_model, dtypes=(dtype,), device="cuda", settings=EngineSettings(**settings, device_memory=str(cap))
+    )
+    base = _gpu_used()
+    peak = [0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], _gpu_used() - base)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    turn_pool = EnginePool()
+    try:
+        ctx = Context.of(store=turn_store, pool=turn_pool)
+        t0 = time.perf_counter()
+        (turn,) = compare(spec, ctx, use_cache=False)
+        wall = time.perf_counter() - t0
+        awake = [k for k, hst in turn_pool._hosts.items() if not hst.asleep]
+        sleeping = [k for k, hst in turn_pool._hosts.items() if hst.asleep]
+    finally:
+        done.set()
+        watcher.join()
+        turn_pool.shutdown()
+    assert turns.fit_of(prepare(spec, Context.of()), *engine_requests(prepare(spec, Context.of()), dtype)).in_turn
+    assert turn.meta.timing["engines"] == "in turn" and len(awake) == 1 and len(sleeping) == 1
+    assert turn.run_id == side.run_id and turn.summary == side.summary
+    import numpy as np
+
+    for a, b in zip(turn.sequences, side.sequences):
+        np.testing.assert_array_equal(a.vllm.logprob, b.vllm.logprob)
+        np.testing.assert_array_equal(a.hf.logprob, b.hf.logprob)
+        np.testing.assert_array_equal(a.metrics.kl_full, b.metrics.kl_full)
+    ROWS.append(
+        f"| engines in turn, cap {cap / 1e9:.2f} GB (vLLM {v / 1e9:.2f}, HF {h / 1e9:.2f}) | {dtype} | peak in use "
+        f"{peak[0] / 1e9:.2f} GB | turns {turn.meta.timing['turns']} | {wall:.1f} s in turn, {side.meta.timing['total_s']:.1f} s side by side |"
+    )
+    RESULTS.write_text("\n".join(ROWS) + "\n")
+    print(ROWS[-1])
+    assert peak[0] <= cap, f"the card held {peak[0] / 1e9:.2f} GB above its start, over the cap of {cap / 1e9:.2f} GB"

@@ -206,3 +206,135 @@ def test_a_batch_whose_rows_exceed_the_spool_is_scored_without_the_exact_kl_and_
         assert ok.why is None and ok.folder is not None
     finally:
         ok.close()
+
+
+def test_under_a_cap_on_a_gpu_the_pool_puts_the_idle_engine_to_sleep_and_wakes_it_for_its_next_turn(tiny_bos, monkeypatch):
+    """Fake engines on a "cuda" device (no model, real processes): each lease of one engine alone puts
+    the other to sleep rather than stopping it, so each turn after the first keeps its process and
+    its load; a sleeping engine is woken before it scores (the fake refuses to score asleep)."""
+    from logprob_parity.engines.pool import EnginePool
+    from logprob_parity.engines.records import LoadRequest
+
+    monkeypatch.setenv("LPP_FAKE_ENGINES", "1")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1 << 50)
+    probe = [LoadRequest(b, str(tiny_bos), "float32", "cuda", EngineSettings(), 256) for b in ("vllm", "hf")]
+    v, h = (memory.engine_bytes(r.backend, r.model_path, r.dtype, "cuda", 256, r.settings) for r in probe)
+    asleep = memory.PROCESS_OVERHEAD["cuda"]  # what an engine asleep still holds: its process's CUDA context
+    cap = EngineSettings(device_memory=str(max(v, h) + asleep + (min(v, h) - asleep) // 2))  # one awake, one asleep
+    vreq, hreq = (LoadRequest(b, str(tiny_bos), "float32", "cuda", cap, 256) for b in ("vllm", "hf"))
+    pool = EnginePool()
+    try:
+        assert not pool.fits_together([vreq, hreq])
+        with pool.lease([vreq]) as lease:
+            vhost = lease.host(vreq)
+            assert len(vhost.score([[1, 5, 9, 4]], 2)) == 1
+        with pool.lease([hreq]) as lease:
+            hhost = lease.host(hreq)
+            assert vhost.alive() and vhost.asleep and not hhost.asleep  # slept, not stopped
+            assert len(hhost.score([[1, 5, 9, 4]], 2)) == 1
+        pid = vhost.pid
+        with pool.lease([vreq]) as lease:
+            assert lease.host(vreq) is vhost and vhost.pid == pid and lease.warm(vreq)
+            assert not vhost.asleep and hhost.asleep and hhost.alive()
+            assert len(vhost.score([[1, 5, 9, 4]], 2)) == 1  # woken before it scores
+        assert sorted(pool.engine_keys()) == sorted([vreq.key(), hreq.key()])  # both warm, one asleep
+    finally:
+        pool.shutdown(grace=2.0)
+
+
+@pytest.mark.engine
+def test_a_rollout_in_turn_samples_and_scores_what_the_side_by_side_rollout_does(tiny_bos, home):
+    """vLLM samples and prefills in its turn, HF rescores in its own: the same seeded tokens, every
+    logprob column and the exact KL equal the rollout with both engines side by side."""
+    from logprob_parity.analysis.rollout import rollout
+    from logprob_parity.results.rollout import Sampling
+
+    sampling = Sampling(samples=2, temperature=0.9, top_p=0.9, max_tokens=12, seed=3)
+    prompts = ("The capital of France is", "Write one line about the sea:")
+    (side,) = rollout(
+        RunSpec(texts=prompts, model=str(tiny_bos), device="cpu"),
+        sampling,
+        Context.of(store=Store(home / "side")),
+        use_cache=False,
+    )
+    cap = _cap_between(tiny_bos, prompts)
+    spec = RunSpec(texts=prompts, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=cap))
+    (turn,) = rollout(spec, sampling, Context.of(store=Store(home / "turns")), use_cache=False)
+    assert turn.meta.env.vllm_engine["engines"] == "in turn" and "in turn" in turn.meta.env.vllm_engine["engines_why"]
+    assert turn.meta.timing["turns"] >= 2 and "turns" not in side.meta.timing
+    assert turn.rollout_id == side.rollout_id and turn.meta.summary == side.meta.summary
+    for a, b in zip(turn.samples, side.samples):
+        assert a.completion_token_ids == b.completion_token_ids
+        for k in b.logprob:
+            np.testing.assert_array_equal(a.logprob[k], b.logprob[k])
+        np.testing.assert_array_equal(a.exact["kl_full"], b.exact["kl_full"])
+
+
+@pytest.mark.engine
+def test_a_rescore_in_turn_gives_the_side_by_side_rescore(tiny_bos, home, tmp_path):
+    from logprob_parity.analysis.rescore import rescore
+
+    rng = np.random.default_rng(1)
+    records = [
+        {
+            "prompt_token_ids": [0, *rng.integers(40, 500, 6).tolist()],
+            "completion_token_ids": rng.integers(40, 500, 10).tolist(),
+            "logprobs": (-rng.random(10) * 3).tolist(),
+        }
+        for _ in range(8)
+    ]
+    path = tmp_path / "logged.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (side,) = rescore(
+        path,
+        path.name,
+        RunSpec(texts=("x",), model=str(tiny_bos), device="cpu"),
+        Context.of(store=Store(home / "side")),
+        use_cache=False,
+    )
+    cap = _cap_between(tiny_bos, ("x" * 40,))
+    spec = RunSpec(texts=("x",), model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=cap))
+    (turn,) = rescore(path, path.name, spec, Context.of(store=Store(home / "turns")), use_cache=False)
+    assert turn.meta.env.vllm_engine["engines"] == "in turn" and turn.meta.timing["turns"] >= 2
+    assert turn.rollout_id == side.rollout_id and turn.meta.summary == side.meta.summary
+    for a, b in zip(turn.samples, side.samples):
+        for k in b.logprob:
+            np.testing.assert_array_equal(a.logprob[k], b.logprob[k])
+        np.testing.assert_array_equal(a.exact["kl_full"], b.exact["kl_full"])
+
+
+def test_the_layer_part_in_turn_is_refused_in_words_before_any_engine_starts(tiny_bos, home):
+    """The layer part compares both engines' vectors at once: it cannot run in turn, and says so."""
+    from logprob_parity.analysis.diagnostics import diagnose
+
+    ctx = Context.of(store=Store(home))
+    before = len(ctx.pool.running())
+    spec = RunSpec(
+        texts=TEXTS[:1], model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=_cap_between(tiny_bos))
+    )
+    with pytest.raises(UserError, match=r"the layer part compares .* both engines must hold the device together.*run in turn"):
+        diagnose(spec, ctx, parts=("layers",))
+    assert len(ctx.pool.running()) == before
+
+
+@pytest.mark.engine
+def test_diagnostics_in_turn_measure_the_noise_and_the_reference_the_side_by_side_run_measures(tiny_bos, home):
+    """Each engine's own variations need only that engine: in turn, every noise row and the float64
+    reference come out as they do side by side."""
+    from logprob_parity.analysis.diagnostics import diagnose
+
+    parts = ("noise", "reference")
+    side = diagnose(
+        RunSpec(texts=TEXTS[:2], model=str(tiny_bos), device="cpu"), Context.of(store=Store(home / "side")), parts=parts
+    )
+    spec = RunSpec(
+        texts=TEXTS[:2],
+        model=str(tiny_bos),
+        device="cpu",
+        settings=EngineSettings(device_memory=_cap_between(tiny_bos, TEXTS[:2])),
+    )
+    turn = diagnose(spec, Context.of(store=Store(home / "turns")), parts=parts)
+    assert Store(home / "turns").load(turn.run_ids["float32"]).meta.timing["engines"] == "in turn"
+    a, b = turn.dtypes["float32"], side.dtypes["float32"]
+    assert a.noise.keys() == b.noise.keys() and a.noise == b.noise
+    assert a.reference == b.reference

@@ -5,27 +5,26 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from logprob_parity.analysis import floors, turns
+from logprob_parity.analysis import batch, floors, turns
 from logprob_parity.analysis.cluster import Job, words_left
 from logprob_parity.analysis.request import Context, EventFn, Prepared, prepare, say_loading
 from logprob_parity.analysis.verdict import run_verdicts
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.pool import Lease
-from logprob_parity.engines.routing import VLLM_CAPTURE, VLLM_OWN, compare_routes, routing_summary
+from logprob_parity.engines.routing import routing_summary
 from logprob_parity.env import device_name, versions
 from logprob_parity.inputs.models import ResolvedModel
 from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.inputs.tokens import TokenizedText
 from logprob_parity.results.bands import metrics_band_stats
 from logprob_parity.results.metrics import concat, summarize
-from logprob_parity.results.positions import METRIC_COLUMNS, batch_table, metrics_of
+from logprob_parity.results.positions import METRIC_COLUMNS, metrics_of
 from logprob_parity.results.records import RunMeta, SequenceInfo
 from logprob_parity.results.run import SCHEMA_VERSION, Run, StoredSequences
 from logprob_parity.results.store import Store
@@ -56,7 +55,7 @@ def _identity(spec: RunSpec, model: ResolvedModel, dtype: str, device: str) -> d
         # the floor's definition is part of what a run holds: another definition, another run
         **({"noise_floor": floors.DEFINITION} if spec.noise_floor else {"noise_floor": False}),
         **({"null": NULL_BACKEND + ":chunked_kv"} if spec.null else {}),  # HF against itself: another run than the comparison
-        "routing": ROUTING_TOKENS,  # an MoE model's routes are compared on this many positions
+        "routing": batch.ROUTING_TOKENS,  # an MoE model's routes are compared on this many positions
     }
 
 
@@ -349,51 +348,11 @@ def _part(
 ) -> tuple[Any, dict[str, Any], Any]:
     """One batch scored by both engines, compared: (its table, its part's info, its metrics). The
     same function runs here and on a Ray worker, so both give the same numbers."""
-    batch = p.seqs[lo:hi]
-    described = describe(p, lo, hi)
-    scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, batch, b, n_batches)
-    floor_job = _BESIDE.submit(_measure_floor, p, dtype, requests, lease, batch, scores) if with_floor else None
-    return assemble(p, lo, hi, digest, described, scores, info_b, why_b, via_b, floor_job)
-
-
-def describe(p: Prepared, lo: int, hi: int) -> Any:
-    """The texts' token names and pieces, made while the engines score (no engine waits on them)."""
-    return _BESIDE.submit(lambda: [p.tokenized(i) for i in range(lo, hi)])
-
-
-def assemble(
-    p: Prepared,
-    lo: int,
-    hi: int,
-    digest: str,
-    described: Any,
-    scores: dict[str, list[Any]],
-    info_b: dict[str, Any],
-    why_b: str | None,
-    via_b: set[str],
-    floor_job: Any,
-) -> tuple[Any, dict[str, Any], Any]:
-    """A scored batch's table, its part's info and its metrics: the same whether the engines scored it
-    side by side or in turn (analysis.turns)."""
-    try:
-        table, part_infos, m = batch_table(described.result(), scores["hf"], scores["vllm"], p.decode_many, lo)
-    finally:  # the engines measured their own noise while this process built the table (never left running)
-        measured = floor_job.result() if floor_job is not None else None
-    floor = None
-    if measured is not None:
-        floor, info_b["timing"]["noise_s"] = measured
-    info = {
-        "lo": lo,
-        "hi": hi,
-        "ids": digest,
-        "sequences": [asdict(x) for x in part_infos],
-        "engines": info_b["engines"],
-        "kl_why": {why_b: 1} if why_b else {},
-        "via": sorted(via_b),
-        "floor": floor,
-        "timing": info_b["timing"],
-    }
-    return table, info, m
+    texts = p.seqs[lo:hi]
+    described = batch.describe(p, lo, hi)
+    scores, info_b, why_b, via_b = _score_batch(p, dtype, requests, lease, texts, b, n_batches)
+    floor_job = batch.BESIDE.submit(batch.measure_floor, p, dtype, requests, lease, texts, scores) if with_floor else None
+    return batch.assemble(p, lo, hi, digest, described, scores, info_b, why_b, via_b, floor_job)
 
 
 class _Here:
@@ -427,7 +386,7 @@ class _Here:
                 )
 
     def floor(self, first: list[list[int]], main: dict[str, Any]) -> tuple[dict[str, Any], float]:
-        return _measure_floor(self.p, self.dtype, self.requests, self.lease, first, main)
+        return batch.measure_floor(self.p, self.dtype, self.requests, self.lease, first, main)
 
     def routing(self, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         return _measure_routing(self.p, self.dtype, self.requests, self.lease, seqs)
@@ -477,7 +436,7 @@ def part_on_worker(p: Prepared, *args: Any) -> tuple[Any, dict[str, Any], None]:
 def floor_on_worker(p: Prepared, dtype: str, first: list[list[int]], main: dict[str, Any]) -> tuple[dict[str, Any], float]:
     requests, lease = _worker_engines(p, dtype)
     with lease:
-        return _measure_floor(p, dtype, requests, lease, first, main)
+        return batch.measure_floor(p, dtype, requests, lease, first, main)
 
 
 def routing_on_worker(p: Prepared, dtype: str, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -495,49 +454,15 @@ class _Scored:
     topk_ids: Any = None
 
 
-def _measure_floor(
-    p: Prepared,
-    dtype: str,
-    requests: list[Any],
-    lease: Lease,
-    seqs: list[list[int]],
-    scores: dict[str, list[Any]],
-    vllm_own: dict[str, Any] | None = None,
-) -> tuple[dict[str, Any], float]:
-    """Each engine's own noise on a scored batch's first texts (logprob_parity.analysis.floors), on a device
-    turn of its own: (the floor, seconds). vllm_own: vLLM's noise measured in its own turn
-    (floors.vllm_noise), when the engines run in turn and the lease holds HF alone."""
-    ctx, spec = p.ctx, p.spec
-    vreq, hreq = requests
-    vhost, hhost = (vllm_own if vllm_own is not None else lease.host(vreq)), lease.host(hreq)
-    t = time.perf_counter()
-    with ctx.pool.device_turn(ctx.waiter(dtype), what="the noise floor"):
-        ctx.emit(
-            "noise",
-            dtype,
-            f"each engine against itself on {floors.sample_of(seqs, p.device)} of the texts "
-            "(HF: micro-batch, padding side, packed, chunked through its KV cache; vLLM: alone and batched)",
-        )
-        others = floors.other_prompts(p.tokenizer, spec.bos, vreq.max_model_len, p.device)
-        floor = lease.call(
-            hreq if vllm_own is not None else vreq,
-            lambda: floors.measure(vhost, hhost, seqs, scores, others, hreq.settings.hf_batch_size, p.device),
-        )
-    return floor, time.perf_counter() - t
-
-
-ROUTING_TOKENS = 8192  # positions of the first texts whose MoE routing is compared, at most
-
-
 def _measure_routing(
     p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """For an MoE model, the experts each layer picked for each token of the first texts (up to
-    ROUTING_TOKENS positions), on both sides, compared as sets (logprob_parity.engines.routing):
+    batch.ROUTING_TOKENS positions), on both sides, compared as sets (logprob_parity.engines.routing):
     (what was measured, each sequence's comparison). A dense model: {"measured": False, "why": ...}."""
     ctx = p.ctx
     vreq, hreq = requests
-    n = routing_texts(seqs)
+    n = batch.routing_texts(seqs)
     vhost, hhost = lease.host(vreq), lease.host(hreq)
     with ctx.pool.device_turn(ctx.waiter(dtype), what="the experts each token was routed to"):
         hf = lease.call(hreq, lambda: hhost.routes(seqs[:n]))
@@ -545,37 +470,7 @@ def _measure_routing(
             return {"measured": False, "why": hf}, []
         ctx.emit("routing", dtype, f"the experts each MoE layer picked for each token, on both sides, on {n} of the texts")
         vl = lease.call(vreq, lambda: vhost.routes(seqs[:n]))
-    return routes_compared(p, hf, vl, seqs)
-
-
-def routing_texts(seqs: list[list[int]]) -> int:
-    """How many of the first texts the routing covers: up to ROUTING_TOKENS positions, at least one."""
-    n, used = 0, 0
-    for s in seqs:
-        if n and used + len(s) > ROUTING_TOKENS:
-            break
-        n, used = n + 1, used + len(s)
-    return n
-
-
-def routes_compared(p: Prepared, hf: Any, vl: Any, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Both sides' routes (or vLLM's reason it has none), compared set by set: (what was measured,
-    each sequence's comparison)."""
-    if isinstance(vl, str):
-        return {"measured": False, "why": vl}, []
-    n = routing_texts(seqs)
-    used = sum(len(s) for s in seqs[:n])
-    per = [compare_routes(a, b) for a, b in zip(vl, hf)]
-    return {
-        "measured": True,
-        "texts": n,
-        "tokens": used,
-        "layers": per[0]["layers"] if per else 0,
-        "top_k": int(hf[0].shape[-1]) if hf else 0,
-        # the vLLM backend starts an MoE model's GPU engine with vLLM's own option (routing.vllm_source)
-        "vllm_from": VLLM_CAPTURE if p.device == "cpu" else VLLM_OWN,
-        "hf_from": "each MoE layer's router logits, top-k",
-    }, per
+    return batch.routes_compared(p, hf, vl, seqs)
 
 
 def _score_null(
@@ -606,11 +501,6 @@ def _score_null(
     return scores, {"engines": engines, "timing": timing}, NULL_WHY, set()
 
 
-# Work done beside the engines: describing a batch's texts while they score it, and measuring the
-# noise floor while this process builds the batch's table.
-_BESIDE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lpp-beside")
-
-
 def _score_batch(
     p: Prepared, dtype: str, requests: list[Any], lease: Lease, seqs: list[list[int]], b: int, n_batches: int
 ) -> tuple[dict[str, list[Any]], dict[str, Any], str | None, set[str]]:
@@ -631,40 +521,13 @@ def _score_batch(
     vhost, hhost = hosts["vllm"], hosts["hf"]
     if spec.null:
         return _score_null(p, dtype, requests, lease, seqs, vhost, hhost, engines, timing)
-    where = batch_words(b, n_batches)
+    where = batch.batch_words(b, n_batches)
     ex = fullvocab.Exchange(sum(len(s) - 1 for s in seqs), p.model.vocab_size, p.device)
     scores: dict[str, list[Any]] = {}
     try:
         with ctx.pool.device_turn(ctx.waiter(dtype), what="scoring"):
-            scores["vllm"], timing["vllm_score_s"] = vllm_side(p, dtype, vreq, lease, vhost, seqs, ex, where)
-            scores["hf"], timing["hf_score_s"] = hf_side(p, dtype, hreq, lease, hhost, seqs, ex, scores["vllm"], where)
+            scores["vllm"], timing["vllm_score_s"] = batch.vllm_side(p, dtype, vreq, lease, vhost, seqs, ex, where)
+            scores["hf"], timing["hf_score_s"] = batch.hf_side(p, dtype, hreq, lease, hhost, seqs, ex, scores["vllm"], where)
     finally:
         ex.close(vhost)
     return scores, {"engines": engines, "timing": timing}, ex.why, {ex.runner} if ex.runner else set()
-
-
-def batch_words(b: int, n_batches: int) -> str:
-    return f" (batch {b + 1} of {n_batches})" if n_batches > 1 else ""
-
-
-def vllm_side(
-    p: Prepared, dtype: str, vreq: Any, lease: Lease, vhost: Any, seqs: list[list[int]], ex: Any, where: str
-) -> tuple[list[Any], float]:
-    """vLLM scores a batch, its full rows to the exchange `ex`: (its scores, seconds)."""
-    p.ctx.emit("score", dtype, f"vllm: {sum(map(len, seqs)):,} tokens{where}")
-    t = time.perf_counter()
-    got = lease.call(vreq, lambda: vhost.score(seqs, p.spec.top_k, None, None, "right", ex.vllm_target))
-    ex.after_vllm(vhost)
-    return got, time.perf_counter() - t
-
-
-def hf_side(
-    p: Prepared, dtype: str, hreq: Any, lease: Lease, hhost: Any, seqs: list[list[int]], ex: Any, vllm: list[Any], where: str
-) -> tuple[list[Any], float]:
-    """HF scores the batch vLLM scored, gathering its own values on vLLM's top-k ids and taking the
-    exact KL against vLLM's rows in `ex`: (its scores, seconds)."""
-    gather = [s.topk_ids for s in vllm]
-    p.ctx.emit("score", dtype, f"hf: {sum(map(len, seqs)):,} tokens{where}")
-    t = time.perf_counter()
-    got = lease.call(hreq, lambda: hhost.score(seqs, p.spec.top_k, gather, None, "right", ex.hf_source))
-    return got, time.perf_counter() - t

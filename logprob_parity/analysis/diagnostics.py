@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from logprob_parity.analysis import turns
 from logprob_parity.analysis.compare import compare, compare_prepared
 from logprob_parity.analysis.floors import VARIATIONS, floor_of, gap, hf_variations, variation_when
 from logprob_parity.analysis.request import Context, EventFn, prepare
@@ -107,6 +108,13 @@ def diagnose(
     if unknown:
         raise UserError(f"unknown diagnostic(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
     p = prepare(spec, ctx)  # refuses a model outside the allowed roots before anything runs
+    fits = {d: turns.fit_of(p, p.load("vllm", d), p.load("hf", d)) for d in p.spec.dtypes}
+    if "layers" in parts and any(f.in_turn for f in fits.values()):
+        raise UserError(
+            "the layer part compares vLLM's and HF's vectors of every layer at once, so both engines must hold the "
+            f"device together; here they cannot: {next(f.words for f in fits.values() if f.in_turn)}. Leave the layer "
+            "part out, or raise the memory cap."
+        )
     base_runs = compare_prepared(p)
     tokenizer, seqs, bos = p.tokenizer, p.seqs, p.spec.bos
     filler = [list(tokenize(tokenizer, t, bos).token_ids) for t in _data_lines("sentences.txt")[:FILLER_PROMPTS]]
@@ -145,7 +153,8 @@ def diagnose(
         base_v = [s.vllm.logprob for s in run.sequences]
         n = len(seqs)
         turn = partial(ctx.pool.device_turn, ctx.waiter(d))
-        with ctx.pool.lease(needed, on_wait=ctx.waiter(d)) as lease:
+        # in turn (a model too large for both engines at once), one engine holds the device at a time
+        with ctx.pool.lease_for(needed, fits[d].in_turn, on_wait=ctx.waiter(d)) as lease:
             hf, vl = lease.host(hf_r), lease.host(v_r)
             if "noise" in parts:
                 noise = _noise(p, run, lease, hf_r, other_r, v_r, seqs, filler, ctx_seqs, base_hf, base_v, emit, turn)

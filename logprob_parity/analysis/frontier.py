@@ -328,7 +328,15 @@ def frontier(
                 f"{', '.join(str(k + 1) for k, _ in group)} of {len(configs)} ({start_words('vllm', p.device)} alone; "
                 "side by side they share the machine)",
             )
-        with ctx.pool.lease(engines, on_wait=ctx.waiter(None if len(group) > 1 else group[0][1].dtype)) as lease:
+        # a configuration whose engines do not fit together under the memory cap (or on the card) runs them in turn
+        in_turn = len(group) == 1 and _capped(p, engines) and not ctx.pool.fits_together(engines)
+        if in_turn:
+            ctx.emit(
+                "plan",
+                group[0][1].dtype,
+                f"configuration {group[0][0] + 1}: its engines do not fit together, so they run in turn",
+            )
+        with ctx.pool.lease_for(engines, in_turn, on_wait=ctx.waiter(None if len(group) > 1 else group[0][1].dtype)) as lease:
             started = {k: _start(lease, _requests(p, c, mml)[0]) for k, c in group}
             for k, c in group:  # nothing is timed until every engine of the group has loaded
                 rows[k] = _measure(p, c, lease, ref_req, hf_gap, seqs, n_tokens, started[k], k, len(configs), speed)
@@ -419,6 +427,14 @@ def _checkpoint(p: Prepared, path: str) -> Any:
 def _engines(p: Prepared, configs: list[Config], ref_req: LoadRequest) -> list[LoadRequest]:
     """Every engine these configurations need, each once, and the float64 reference."""
     return list({r.key(): r for c in configs for r in _requests(p, c, ref_req.max_model_len)}.values()) + [ref_req]
+
+
+def _capped(p: Prepared, engines: list[LoadRequest]) -> bool:
+    """Whether these engines are bound by a memory cap or a card's memory (on a CPU without a cap they
+    run side by side, as they always did)."""
+    from logprob_parity.engines.memory import cap_of
+
+    return p.device.startswith("cuda") or any(cap_of(r.settings) for r in engines)
 
 
 def _groups(p: Prepared, todo: list[tuple[int, Config]], ref_req: LoadRequest) -> list[list[tuple[int, Config]]]:

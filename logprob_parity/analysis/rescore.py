@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from logprob_parity.analysis import floors as floors_def
+from logprob_parity.analysis import turns
 from logprob_parity.analysis.cluster import Job
 from logprob_parity.analysis.compare import plan_batches, words_left
 from logprob_parity.analysis.request import Context, model_max_len, prepare, say_loading
@@ -161,10 +162,15 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
         with open_cluster(ctx.ray, p) as cluster:
             _rescore_with(p, logged, dtype, rid, mml, noise, _RescoreOnCluster(p, dtype, mml, cluster), t_all)
         return
-    with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
+    fit = turns.fit_of(p, vreq, hreq)  # refused here, in words, when vLLM alone cannot serve the model
+    if fit.in_turn:
+        ctx.emit("plan", dtype, fit.words)
+    with ctx.pool.lease_for([vreq, hreq], fit.in_turn, on_wait=ctx.waiter(dtype)) as lease:
         for req in (vreq, hreq):
             say_loading(ctx, dtype, lease, req, p.device)
-        _rescore_with(p, logged, dtype, rid, mml, noise, _RescoreHere(p, dtype, mml, lease), t_all)
+        here = _RescoreHere(p, dtype, mml, lease)
+        here.in_turn = {"engines": "in turn", "engines_why": fit.words} if fit.in_turn else {}
+        _rescore_with(p, logged, dtype, rid, mml, noise, here, t_all)
 
 
 def _requests(p: Any, dtype: str, mml: int) -> tuple[LoadRequest, LoadRequest]:
@@ -238,7 +244,10 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
     engine_info = engine_info or infos
     timing.update(batches=len(batches), batches_from_store=reused, **engines.timing_words())
     kl_words = "exact, every completion token of prefill_vs_hf" if not kl_why else "not computed: " + "; ".join(sorted(kl_why))
-    engines_out = {"hf": engine_info.get("hf") or {}, "vllm": {**(engine_info.get("vllm") or {}), "kl_full": kl_words}}
+    engines_out = {
+        "hf": engine_info.get("hf") or {},
+        "vllm": {**(engine_info.get("vllm") or {}), "kl_full": kl_words, **getattr(engines, "in_turn", {})},
+    }
     finish(p, logged, batches, dtype, rid, mml, floors, timing, engines_out, t_all)
 
 
@@ -265,7 +274,7 @@ def _score_logged(
     starts = [len(s.prompt_token_ids) for s in seqs]
     timing = {}
     with ctx.pool.device_turn(ctx.waiter(dtype), what="rescoring"):
-        ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device)
+        ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device, getattr(lease, "transport", None))
         try:
             t = time.perf_counter()
             pre = lease.call(vreq, lambda: vllm.score(batch, 1, None, None, "right", ex.vllm_target))
@@ -307,17 +316,19 @@ class _RescoreHere:
 
     def __init__(self, p: Any, dtype: str, mml: int, lease: Any) -> None:
         self.p, self.dtype, self.mml, self.lease = p, dtype, mml, lease
+        self.in_turn: dict[str, str] = {}  # the engine record's words when the engines ran in turn
 
     def parts(self, jobs: list[Job], on_done: Any, dtype: str, total: int, done: int, reused: int, n_batches: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         ctx = self.p.ctx
         computed, t0 = 0, time.perf_counter()
-        engines = _engine_infos(self.p, dtype, self.mml, self.lease) if jobs else {}
+        engines: dict[str, Any] = {}  # read once both engines have scored (in turn, reading one takes no turn)
 
         def build(job: Job, args: tuple[Any, ...], scored: Any) -> None:
             nonlocal done, computed
             _, _, b, idx, seqs, digest = args
+            engines.update(engines or _engine_infos(self.p, dtype, self.mml, self.lease))
             on_done(job, _part_of(self.p, seqs, idx, digest, scored, engines), 0)
             done += job.tokens
             computed += job.tokens
@@ -352,7 +363,8 @@ class _RescoreHere:
         return rescore_floors(self.p, self.dtype, self.mml, self.lease, full, starts, one, k)
 
     def timing_words(self) -> dict[str, Any]:
-        return {}
+        switches = getattr(self.lease, "switches", None)
+        return {} if switches is None else {"turns": switches + 1}
 
 
 class _RescoreOnCluster:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from logprob_parity.analysis import floors as floors_def
+from logprob_parity.analysis import turns
 from logprob_parity.analysis.request import Context, Prepared, model_max_len, prepare, say_loading
 from logprob_parity.analysis.verdict import rollout_verdict
 from logprob_parity.engines import fullvocab
@@ -152,13 +153,18 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     ctx.emit("tokenize", None, f"{len(p.spec.texts)} prompt(s)")
     vreq, hreq = _engines(p, dtype, sampling)
     timing: dict[str, float] = {}
+    in_turn: dict[str, str] = {}  # the engine record's words when the engines ran in turn
     if ctx.ray is not None:
         from logprob_parity.analysis.cluster import open_cluster
 
         with open_cluster(ctx.ray, p) as cluster:
             done = _rollout_on_cluster(p, sampling, dtype, cluster, noise, timing)
     else:
-        with ctx.pool.lease([vreq, hreq], on_wait=ctx.waiter(dtype)) as lease:
+        fit = turns.fit_of(p, vreq, hreq)  # refused here, in words, when vLLM alone cannot serve the model
+        if fit.in_turn:
+            ctx.emit("plan", dtype, fit.words)
+            in_turn = {"engines": "in turn", "engines_why": fit.words}
+        with ctx.pool.lease_for([vreq, hreq], fit.in_turn, on_wait=ctx.waiter(dtype)) as lease:
             for req in (vreq, hreq):
                 say_loading(ctx, dtype, lease, req, p.device)
             t = time.perf_counter()
@@ -176,6 +182,8 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             done = dataclasses.replace(done, floors=floors)
             if len(batches) > 1:
                 timing["batches"] = len(batches)
+            if fit.in_turn:
+                timing["turns"] = lease.switches + 1
     timing["total_s"] = time.perf_counter() - t_all
     recs, per_sample = done.samples, done.per_sample
     routing = done.routing()
@@ -191,6 +199,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     vllm_engine = {
         **(done.engines.get("vllm") or {}),
         "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None else f"not computed: {kl_why}",
+        **in_turn,
     }
     meta = RolloutMeta(
         rollout_id=rid,
@@ -297,7 +306,7 @@ def _sample_and_score(
     starts = [len(pr) for pr in req_prompts]
     ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
     # vLLM prefill leaves its full logprobs for the exact KL of prefill_vs_hf (logprob_parity.engines.fullvocab)
-    ex = fullvocab.Exchange(sum(len(f) - 1 for f in full), p.model.vocab_size, p.device)
+    ex = fullvocab.Exchange(sum(len(f) - 1 for f in full), p.model.vocab_size, p.device, getattr(lease, "transport", None))
     try:
         t = time.perf_counter()
         prefill = lease.call(vreq, lambda: vllm.score(full, 1, None, None, "right", ex.vllm_target))

@@ -26,6 +26,7 @@ import os
 import time
 from typing import Any
 
+from logprob_parity.analysis import batch
 from logprob_parity.analysis.cluster import Job, words_left
 from logprob_parity.analysis.request import Prepared, say_loading
 from logprob_parity.engines import fullvocab, memory
@@ -64,7 +65,7 @@ def groups(sizes: list[int], bound: int) -> list[list[int]]:
 
 
 class InTurn:
-    """A dtype's batches scored by vLLM and HF in turn (the `engines` of compare._score_dtype)."""
+    """A dtype's batches scored by vLLM and HF in turn (the `engines` of batch._score_dtype)."""
 
     many = True  # every batch is a stored part: a killed run resumes, and memory is bounded by a group
 
@@ -138,22 +139,22 @@ class InTurn:
     def _vllm_turn(self, lease: Any, vhost: Any, job: Job, load_s: float) -> dict[str, Any]:
         """vLLM scores one batch into the spool (and measures its own noise when the batch holds the
         floor's texts): what HF's turn needs to finish it."""
-        from logprob_parity.analysis import compare, floors
+        from logprob_parity.analysis import floors
 
         p = self.p
         _, b, lo, hi, n_batches, with_floor, _ = job.inputs()
-        batch = p.seqs[lo:hi]
+        texts = p.seqs[lo:hi]
         ex = fullvocab.Exchange(job.tokens, p.model.vocab_size, p.device, kind="files", bound=self.bound)
         item: dict[str, Any] = {"job": job, "ex": ex, "vllm_load_s": load_s, "vllm_info": vhost.info}
         with p.ctx.pool.device_turn(p.ctx.waiter(self.dtype), what="scoring"):
-            item["vllm"], item["vllm_score_s"] = compare.vllm_side(
-                p, self.dtype, self.requests[0], lease, vhost, batch, ex, compare.batch_words(b, n_batches)
+            item["vllm"], item["vllm_score_s"] = batch.vllm_side(
+                p, self.dtype, self.requests[0], lease, vhost, texts, ex, batch.batch_words(b, n_batches)
             )
             if with_floor:
                 others = floors.other_prompts(p.tokenizer, p.spec.bos, self.requests[0].max_model_len, p.device)
                 item["vllm_noise"] = lease.call(
                     self.requests[0],
-                    lambda: floors.vllm_noise(vhost, batch, [s.logprob for s in item["vllm"]], others, p.device),
+                    lambda: floors.vllm_noise(vhost, texts, [s.logprob for s in item["vllm"]], others, p.device),
                 )
         if not ex.why:
             self.spooled += ex.need
@@ -161,17 +162,15 @@ class InTurn:
         return item
 
     def _hf_turn(self, lease: Any, hhost: Any, item: dict[str, Any], load_s: float) -> tuple[Any, dict[str, Any], Any]:
-        from logprob_parity.analysis import compare
-
         p = self.p
         _, b, lo, hi, n_batches, _, digest = item["job"].inputs()
-        batch = p.seqs[lo:hi]
+        texts = p.seqs[lo:hi]
         ex = item["ex"]
-        described = compare.describe(p, lo, hi)
+        described = batch.describe(p, lo, hi)
         scores = {"vllm": item["vllm"]}
         with p.ctx.pool.device_turn(p.ctx.waiter(self.dtype), what="scoring"):
-            scores["hf"], hf_s = compare.hf_side(
-                p, self.dtype, self.requests[1], lease, hhost, batch, ex, scores["vllm"], compare.batch_words(b, n_batches)
+            scores["hf"], hf_s = batch.hf_side(
+                p, self.dtype, self.requests[1], lease, hhost, texts, ex, scores["vllm"], batch.batch_words(b, n_batches)
             )
         timing = {
             "vllm_load_s": item["vllm_load_s"],
@@ -181,11 +180,11 @@ class InTurn:
         }
         info_b = {"engines": {"vllm": item["vllm_info"], "hf": hhost.info}, "timing": timing}
         floor_job = (
-            compare._BESIDE.submit(compare._measure_floor, p, self.dtype, self.requests, lease, batch, scores, item["vllm_noise"])
+            batch.BESIDE.submit(batch.measure_floor, p, self.dtype, self.requests, lease, texts, scores, item["vllm_noise"])
             if "vllm_noise" in item
             else None
         )
-        return compare.assemble(
+        return batch.assemble(
             p, lo, hi, digest, described, scores, info_b, ex.why, {ex.runner} if ex.runner else set(), floor_job
         )
 
@@ -200,7 +199,7 @@ class InTurn:
     def floor(self, first: list[list[int]], main: dict[str, Any]) -> tuple[dict[str, Any], float]:
         """The floor of a run whose first texts span more than one batch: vLLM's noise in its turn,
         then HF's variations in HF's."""
-        from logprob_parity.analysis import compare, floors
+        from logprob_parity.analysis import floors
 
         p = self.p
         vreq = self.requests[0]
@@ -213,23 +212,21 @@ class InTurn:
                     vreq, lambda: floors.vllm_noise(vhost, first, [s.logprob for s in main["vllm"]], others, p.device)
                 )
         with self._lease(1, "the noise floor") as lease:
-            floor, _ = compare._measure_floor(p, self.dtype, self.requests, lease, first, main, own)
+            floor, _ = batch.measure_floor(p, self.dtype, self.requests, lease, first, main, own)
         return floor, time.perf_counter() - t
 
     def routing(self, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """An MoE model's routes, each engine in its turn: HF first (it holds the device after the last
         group), then vLLM."""
-        from logprob_parity.analysis import compare
-
         p = self.p
         vreq, hreq = self.requests
         with self._lease(1, "the experts each token was routed to") as lease:
-            hf = lease.call(hreq, lambda: lease.host(hreq).routes(seqs[: compare.routing_texts(seqs)]))
+            hf = lease.call(hreq, lambda: lease.host(hreq).routes(seqs[: batch.routing_texts(seqs)]))
         if isinstance(hf, str):
             return {"measured": False, "why": hf}, []
         with self._lease(0, "the experts each token was routed to") as lease:
-            vl = lease.call(vreq, lambda: lease.host(vreq).routes(seqs[: compare.routing_texts(seqs)]))
-        return compare.routes_compared(p, hf, vl, seqs)
+            vl = lease.call(vreq, lambda: lease.host(vreq).routes(seqs[: batch.routing_texts(seqs)]))
+        return batch.routes_compared(p, hf, vl, seqs)
 
     def timing_words(self) -> dict[str, Any]:
         return {

@@ -53,6 +53,8 @@ BACKEND_OPS = (
     "release_layers",  # and freed
     "perturb",  # a planted fault (tests): one block's weights of one layer scaled, until "restore"
     "restore",
+    "sleep",  # engines in turn: leave the device, the model kept in host memory,
+    "wake",  # and take it again
 )
 # Seconds an engine may take to load before it is stopped (vLLM: imports, weights, KV cache, warm-up).
 LOAD_TIMEOUT_ENV = "LPP_ENGINE_START_TIMEOUT"
@@ -297,6 +299,7 @@ class HostClient:
         self.loads = 0  # models loaded in this process
         self.swaps = 0  # of which loaded in place of another model
         self.refused_fork: str | None = None  # why the zygote did not fork this host, where one was asked
+        self.asleep = False  # its model left the device for host memory (engines in turn); `wake` brings it back
 
     def start(self, spare: bool = False) -> HostClient:
         """Start the host process. spare: it is started as a spare (`prepare` follows), and says so in
@@ -547,6 +550,13 @@ class HostClient:
     def call(self, op: str, *args: Any, timeout: float = 3600.0) -> Any:
         """Any backend op by name (BACKEND_OPS), e.g. the benchmarks' bare_prefill and bare_forward."""
         return self._request(HostRequest(op, args), op.replace("_", " "), timeout)
+
+    def sleep(self, timeout: float = 1800.0) -> bool:
+        """The engine leaves the device, its model kept in host memory; False: it cannot."""
+        return bool(self._request(HostRequest("sleep"), "leaving the device (engines in turn)", timeout))
+
+    def wake(self, timeout: float = 1800.0) -> None:
+        self._request(HostRequest("wake"), "taking the device again (engines in turn)", timeout)
 
     def write_full(self, sequences: list[list[int]], folder: str, timeout: float = 3600.0) -> int:
         return self._request(HostRequest("write_full", (sequences, folder)), "writing full logprobs", timeout)

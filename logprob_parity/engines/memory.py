@@ -16,6 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from logprob_parity.inputs.sizes import parse_size
+
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 GIB = 1 << 30
 # CUDA context, allocator slack and kernels' workspaces, per engine process.
@@ -156,27 +158,6 @@ def free_bytes(device: str) -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12}
-_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-
-
-def parse_size(text: str) -> int:
-    """Bytes from a size as people write it: 80GB, 80 GB, 79.6GiB, 512MiB (GB = 10^9 bytes, as a card's
-    label counts; GiB = 2^30). A bare number is bytes. Anything else is refused in words."""
-    import re
-
-    from logprob_parity.errors import UserError
-
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise UserError(f"device_memory must be a size such as 80GB, 24GiB or 512MB (got {text!r})")
-    got = int(float(m.group(1)) * _UNITS[unit])
-    if got <= 0:
-        raise UserError(f"device_memory must be more than 0 (got {text!r})")
-    return got
 
 
 def cap_of(settings: Any) -> int | None:

@@ -110,6 +110,97 @@ class Lease:
         self.release()
 
 
+class TurnLease:
+    """The engines of one request that do not fit on the device together (engines in turn): one holds
+    the device at a time. The pool's lease of one engine alone is taken when that engine is needed;
+    the pool, bound by the memory cap, puts the other to sleep (a GPU) or stops it (a CPU) to make room.
+
+    It answers like a `Lease`, so every analysis runs in turn unchanged: `host(r)` returns a stand-in
+    whose methods first give r's engine the device (`TurnHost`), and `call(r, work)` does the same
+    before `work`. Rows for the exact KL go through files (`transport`), which outlive a turn."""
+
+    transport = "files"
+
+    def __init__(self, pool: EnginePool, requests: list[LoadRequest], on_wait: WaitFn | None = None) -> None:
+        self._pool = pool
+        self._requests = {r.key(): r for r in requests}
+        self._on_wait = on_wait
+        self._lease: Lease | None = None
+        self._active: str | None = None
+        self._hosts: dict[str, HostClient] = {}  # each engine's latest host (its `info` stays readable)
+        self._warm: dict[str, bool] = {}
+        self.switches = 0  # times one engine took the device from the other
+
+    def _take(self, request: LoadRequest) -> HostClient:
+        """`request`'s engine, holding the device (loaded, or woken)."""
+        key = request.key()
+        if self._active != key:
+            if self._lease is not None:
+                self._lease.release()
+                self.switches += 1
+            self._lease = None
+            lease = self._pool.lease([request], on_wait=self._on_wait)
+            self._lease, self._active = lease, key
+            self._warm.setdefault(key, lease.warm(request))
+        assert self._lease is not None
+        host = self._lease.host(request)
+        self._hosts[key] = host
+        return host
+
+    def host(self, request: LoadRequest) -> TurnHost:
+        """A stand-in for the engine's host: it takes the device at its first call, not now, so asking
+        for both hosts up front (as a side-by-side run does) costs no turn."""
+        return TurnHost(self, request)
+
+    def warm(self, request: LoadRequest) -> bool:
+        return self._warm.get(request.key(), False)
+
+    def call(self, request: LoadRequest, work: Callable[[], Any]) -> Any:
+        self._take(request)
+        assert self._lease is not None
+        return self._lease.call(request, work)
+
+    def discard(self, request: LoadRequest) -> None:
+        if self._lease is not None and self._active == request.key():
+            self._lease.discard(request)
+
+    def discard_unloaded(self) -> None:
+        if self._lease is not None:
+            self._lease.discard_unloaded()
+
+    def release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease, self._active = None, None
+
+    def __enter__(self) -> TurnLease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None:
+            self.discard_unloaded()
+        self.release()
+
+
+class TurnHost:
+    """A `TurnLease`'s stand-in for one engine's host: a method call gives that engine the device
+    first (its host may be another process by then, on a CPU where the engine was stopped for the
+    other's turn); reading a plain attribute (`info`) takes no turn."""
+
+    def __init__(self, turns: TurnLease, request: LoadRequest) -> None:
+        self._turns, self._request = turns, request
+
+    def __getattr__(self, name: str) -> Any:
+        latest = self._turns._hosts.get(self._request.key()) or self._turns._take(self._request)
+        if not callable(getattr(latest, name)):
+            return getattr(latest, name)
+
+        def in_turn(*args: Any, **kwargs: Any) -> Any:
+            return getattr(self._turns._take(self._request), name)(*args, **kwargs)
+
+        return in_turn
+
+
 class EnginePool:
     def __init__(self, host_factory: Callable[..., HostClient] = HostClient, keep_spares: bool = False) -> None:
         self._cond = threading.Condition()
@@ -133,16 +224,21 @@ class EnginePool:
         victims: list[HostClient] = []
         said, said_at = None, 0.0
         t0 = time.monotonic()
+        sleepers: list[HostClient] = []
+        waking: list[HostClient] = []
+        loads: list[tuple[HostClient, LoadRequest]] = []
         with self._cond:
             while True:
                 victims += self._drop_dead_locked()
-                cold = [r for r in unique if r.key() not in self._hosts]
+                # an engine asleep (engines in turn) needs its room back as much as a cold one
+                cold = [r for r in unique if r.key() not in self._hosts or self._hosts[r.key()].asleep]
                 room = self._room_locked(cold)
                 if room is not None:
                     break
                 held = self._held_by_others_locked(owner)
                 if not held:  # nothing will be released: go over the limits rather than wait forever
-                    room = self._idle_locked()
+                    wanted = {r.key() for r in cold}
+                    room = [h for h in self._idle_locked() if h.request is None or h.request.key() not in wanted]
                     break
                 message = (
                     f"queued: waiting for {held} engine(s) held by other jobs to free room "
@@ -154,8 +250,12 @@ class EnginePool:
                     said, said_at = message, now
                 self._cond.wait(1.0)
             for v in room:
-                self._forget_locked(v)
-            victims += room
+                if _can_sleep(v):  # under a cap on a GPU: it leaves the device but stays warm
+                    sleepers.append(v)
+                    v.asleep, v.need_bytes = True, memory.PROCESS_OVERHEAD.get(v.device, 0)
+                else:
+                    self._forget_locked(v)
+                    victims.append(v)
             hosts: dict[str, tuple[HostClient, bool]] = {}
             for r in unique:
                 key = r.key()
@@ -167,15 +267,39 @@ class EnginePool:
                     if host is None:
                         host = self._host_factory(r.label, extra_env=r.host_env(), device=r.device).start()
                     host.need_bytes = engine_bytes(r)
-                    host.begin_load(r)
+                    loads.append((host, r))
                     self._hosts[key] = host
+                elif host.asleep:
+                    host.asleep, host.need_bytes = False, engine_bytes(r)
+                    waking.append(host)
                 host.leases += 1
                 host.owners[owner] = host.owners.get(owner, 0) + 1
                 host.last_used = time.monotonic()
                 hosts[key] = (host, host.info is not None)
             self._start_reaper_locked()
+        # the device is made free before anything takes it: engines asleep first, then (on a GPU) those
+        # stopped; a CPU's stops overlap the next loads as before
+        failed = [h for h in sleepers if not _sleep(h)]
+        if failed or any(h.device.startswith("cuda") for h in victims):
+            with self._cond:
+                for h in failed:
+                    self._forget_locked(h)
+            _stop_all(victims + failed, grace=10.0)
+            victims = []
+        for host, r in loads:
+            host.begin_load(r)
+        for host in waking:
+            try:
+                host.wake()
+            except BaseException:
+                self.discard(host)
+                raise
         _stop_all(victims, grace=10.0)
         return Lease(self, hosts, owner)
+
+    def lease_for(self, requests: list[LoadRequest], in_turn: bool, on_wait: WaitFn | None = None) -> Lease | TurnLease:
+        """`lease`, or a `TurnLease` when the engines run in turn (logprob_parity.analysis.turns.fit_of)."""
+        return TurnLease(self, requests, on_wait) if in_turn else self.lease(requests, on_wait)
 
     def _release(self, hosts: list[HostClient], owner: int) -> None:
         with self._cond:
@@ -247,7 +371,8 @@ class EnginePool:
         None when stopping every idle host would not be enough."""
         if not cold:
             return []
-        idle = self._idle_locked()
+        wanted = {r.key() for r in cold}  # an engine asleep that a request wants is woken, never stopped for it
+        idle = [h for h in self._idle_locked() if h.request is None or h.request.key() not in wanted]
         victims: list[HostClient] = []
         over = len(self._hosts) + len(cold) - self._cap()
         while over > 0:
@@ -269,8 +394,9 @@ class EnginePool:
                 v = candidates.pop(0)
                 idle.remove(v)
                 victims.append(v)
-                room += v.need_bytes
-                held -= v.need_bytes
+                freed = v.need_bytes - (memory.PROCESS_OVERHEAD.get(device, 0) if _can_sleep(v) else 0)
+                room += freed
+                held -= freed
         return victims
 
     def _drop_dead_locked(self) -> list[HostClient]:
@@ -313,7 +439,7 @@ class EnginePool:
             cold = [
                 r
                 for r in {r.key(): r for r in requests}.values()
-                if r.key() not in self._hosts or not self._hosts[r.key()].alive()
+                if r.key() not in self._hosts or not self._hosts[r.key()].alive() or self._hosts[r.key()].asleep
             ]
             if not cold:
                 return True
@@ -377,6 +503,29 @@ class EnginePool:
         _stop_all(hosts, grace=grace)
 
 
+def _can_sleep(host: HostClient) -> bool:
+    """Whether a host stopped for room may sleep instead: its engine loaded on a GPU under a memory cap
+    (vLLM started with sleep mode then), in one process."""
+    r = host.request
+    return (
+        r is not None
+        and host.info is not None
+        and host.alive()
+        and not host.asleep
+        and r.device.startswith("cuda")
+        and memory.cap_of(r.settings) is not None
+        and _one_process(r)
+    )
+
+
+def _sleep(host: HostClient) -> bool:
+    """Put the host's engine to sleep; False when it cannot (or failed): the pool stops it then."""
+    try:
+        return host.sleep()
+    except Exception:
+        return False
+
+
 def _cap(requests: list[LoadRequest], device: str) -> int | None:
     """The tightest device memory cap (settings.device_memory) these requests set on `device`, in bytes."""
     caps = [c for r in requests if r.device == device for c in [memory.cap_of(r.settings)] if c]
@@ -395,13 +544,17 @@ def swap_allowed(request: LoadRequest) -> bool:
     flag = os.environ.get(SWAP_ENV, "")
     if flag == "0":
         return False
+    return _one_process(request) and (flag == "1" or request.device == "cpu")
+
+
+def _one_process(request: LoadRequest) -> bool:
+    """No tensor or pipeline parallel workers and no Ray executor: the engine lives in its host alone."""
     s = request.settings
-    one_process = (
+    return (
         (getattr(s, "tensor_parallel_size", None) or 1) == 1
         and (getattr(s, "pipeline_parallel_size", None) or 1) == 1
         and getattr(s, "distributed_executor_backend", None) is None
     )
-    return one_process and (flag == "1" or request.device == "cpu")
 
 
 def _take_swappable(victims: list[HostClient], request: LoadRequest) -> HostClient | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from logprob_parity.errors import UserError
+from logprob_parity.inputs.sizes import parse_size
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,6 @@ class Setting:
         if self.parse is not None:
             self.parse(value)
         return value
-
-
-def _size(value: str) -> int:
-    """A device_memory value in bytes (logprob_parity.engines.memory.parse_size)."""
-    from logprob_parity.engines.memory import parse_size
-
-    return parse_size(value)
 
 
 ATTENTION_BACKENDS = ("FLEX_ATTENTION", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "CPU_ATTN")
@@ -278,7 +272,7 @@ SETTINGS: tuple[Setting, ...] = (
         "under it, they run in turn (docs/guides/big-models.md); on a CPU it caps the RAM they take (default: the device's)",
         label="Device memory cap",
         in_run_id=False,
-        parse=_size,
+        parse=parse_size,
     ),
     Setting(
         "trust_remote_code",

@@ -72,6 +72,14 @@ class Backend(ABC):
     def info(self) -> dict[str, Any]:
         """Versions, device and resolved settings, recorded with each run."""
 
+    def sleep(self) -> bool:
+        """Leave the device, keeping the model in host memory for `wake` (engines in turn,
+        logprob_parity.analysis.turns). False: this engine cannot, and the pool stops it instead."""
+        return False
+
+    def wake(self) -> None:  # noqa: B027 - optional hook
+        """Take the device again after `sleep`."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine and any process-wide state it set up: the host then exits, or loads the next
         model in this process (a swap); it collects the garbage itself."""

@@ -52,6 +52,8 @@ class FakeBackend(Backend):
         padding_side: str = "right",
         full: Any = None,
     ) -> list[TokenScores]:
+        if getattr(self, "asleep", False):
+            raise RuntimeError("the fake engine was asked to score while asleep")
         time.sleep(float(os.environ.get("LPP_FAKE_SCORE_S", "0")))
         out = []
         for i, ids in enumerate(sequences):
@@ -71,6 +73,16 @@ class FakeBackend(Backend):
                 sc = TokenScores(sc.token_ids, sc.logprob, sc.rank, sc.topk_ids, sc.topk_logprobs, gathered)
             out.append(sc)
         return out
+
+    def sleep(self) -> bool:
+        """As the real engines on a GPU: it leaves the "device" (and refuses to score until `wake`)."""
+        if not self.device.startswith("cuda"):
+            return False
+        self.asleep = True
+        return True
+
+    def wake(self) -> None:
+        self.asleep = False
 
     def score_packed(self, sequences: list[list[int]], row_positions: int) -> list[TokenScores]:
         """Packing changes nothing in the fake's table (it has no kernels)."""
@@ -92,6 +104,8 @@ class FakeBackend(Backend):
         right). Chunked (the noise floor): the same values as one pass (no KV cache here)."""
         if chunk is not None:
             return [{"logprob": s.logprob[st:], "first": np.asarray(st)} for s, st in zip(self.score(sequences, 1), starts)]
+        if getattr(self, "asleep", False):
+            raise RuntimeError("the fake engine was asked to score while asleep")
         time.sleep(float(os.environ.get("LPP_FAKE_SCORE_S", "0")))
         out = []
         for ids, st in zip(sequences, starts):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import time
 from functools import partial
@@ -53,6 +54,19 @@ class HFBackend(Backend):
         if self.device.startswith("cuda"):
             vocab = self.model.get_output_embeddings().weight.shape[0]
             self.ROW_CHUNK = max(self.ROW_CHUNK, self.CUDA_BLOCK_BYTES // (4 * vocab))
+
+    def sleep(self) -> bool:
+        """The model's weights move to host memory and the card's cache is emptied (engines in turn);
+        a model spread over GPUs by device_map stays where accelerate put it (False: stop it instead)."""
+        if not self.device.startswith("cuda") or self.settings.hf_device_map:
+            return False
+        self.model.to("cpu")
+        gc.collect()
+        torch.cuda.empty_cache()
+        return True
+
+    def wake(self) -> None:
+        self.model.to(self.device)
 
     @torch.inference_mode()
     def score(

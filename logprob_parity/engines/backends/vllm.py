@@ -56,8 +56,22 @@ class VLLMBackend(Backend):
             # seen (a router capture of ours would not run inside a replayed graph). CPU builds need
             # Model Runner V2 for it; there the capture of logprob_parity.engines.routing serves.
             kwargs["enable_return_routed_experts"] = True
+        if device != "cpu" and settings.device_memory:  # engines in turn: it sleeps while HF holds the card
+            kwargs["enable_sleep_mode"] = True
         self.engine_kwargs = kwargs
         self.llm = LLM(**kwargs)
+
+    def sleep(self) -> bool:
+        """vLLM's sleep mode, level 1: the weights move to host memory and the KV cache is dropped, so
+        the card is free for HF; the engine, its compiled graphs and its process stay (verl and TRL's
+        colocate mode do the same between rollouts). Only engines started with it (a GPU under a cap)."""
+        if not self.engine_kwargs.get("enable_sleep_mode"):
+            return False
+        self.llm.sleep(level=1)
+        return True
+
+    def wake(self) -> None:
+        self.llm.wake_up()
 
     def score(
         self,
