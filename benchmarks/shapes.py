@@ -72,6 +72,23 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    "qwen3_32b": (  # the dense 30B class: Qwen3-32B's width (cut its 64 layers with --layers to fit a disk)
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            "hidden_size": 5120,
+            "intermediate_size": 25600,
+            "num_hidden_layers": 64,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 40960,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+        },
+    ),
     "qwen3_30b_a3b": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -145,27 +145,63 @@ def test_a_comparison_in_turn_is_the_side_by_side_run_and_its_record_says_so(tin
 
 @pytest.mark.engine
 def test_a_prompt_set_in_turn_alternates_in_groups_keeps_its_spool_within_the_bound_and_matches(tiny_bos, home, monkeypatch):
-    """A spool that holds two batches' rows: the set goes in groups, the spool never holds more than
-    its bound, and the run is the side-by-side run of the same batches."""
+    """Turns of two batches each: the set alternates vLLM, HF, vLLM, HF…, the spool never holds more
+    than its bound, and the run is the side-by-side run of the same batches, exact KL and all."""
     monkeypatch.setenv("LPP_BATCH_TOKENS", "160")
     (side,) = compare(RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"), store=Store(home / "side"), use_cache=False)
     batches = side.meta.timing["batches"]
     assert batches >= 4
-    vocab = prepare(RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"), Context.of()).model.vocab_size
-    bound = 2 * 160 * vocab * 4  # two batches' rows of float32, at most
-    monkeypatch.setenv("LPP_SPOOL_BYTES", str(bound))
+    monkeypatch.setenv("LPP_TURN_POSITIONS", "320")  # two batches a turn
     spec = RunSpec(
         texts=LINES, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=_cap_between(tiny_bos, LINES))
     )
     (turn,) = compare(spec, store=Store(home / "turns"), use_cache=False)
     t = turn.meta.timing
     assert t["engines"] == "in turn" and t["batches"] == batches
-    assert t["turns"] >= 4  # at least two groups: vLLM, HF, vLLM, HF
-    assert 0 < t["spool_bytes_max"] <= t["spool_bound_bytes"] == bound
+    assert t["turns"] >= 4 and "kl_sample" not in t  # at least two groups: vLLM, HF, vLLM, HF; every row fit
+    assert 0 < t["spool_bytes_max"] <= t["spool_bound_bytes"]
     assert turn.summary == side.summary
     for a, b in zip(turn.sequences, side.sequences):
         np.testing.assert_array_equal(a.vllm.logprob, b.vllm.logprob)
         np.testing.assert_array_equal(a.metrics.kl_full, b.metrics.kl_full)
+
+
+@pytest.mark.engine
+def test_past_the_spools_bound_the_exact_kl_covers_a_uniform_sample_equal_where_taken_and_says_so(tiny_bos, home, monkeypatch):
+    """A spool that holds a quarter of vLLM's rows: one turn each, the rows of every k-th position of
+    each text are kept (never more than the bound), the KL there equals the side-by-side KL bit for
+    bit, the other positions have none, and the run states the sample and the mean's standard error."""
+    (side,) = compare(RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"), store=Store(home / "side"), use_cache=False)
+    vocab = prepare(RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"), Context.of()).model.vocab_size
+    rows = sum(s.n_positions for s in side.meta.sequences)
+    monkeypatch.setenv("LPP_SPOOL_BYTES", str(rows * 4 * vocab // 4))
+    spec = RunSpec(
+        texts=LINES, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=_cap_between(tiny_bos, LINES))
+    )
+    (turn,) = compare(spec, store=Store(home / "turns"), use_cache=False)
+    t = turn.meta.timing
+    ((stride, phase),) = t["kl_sample"]
+    assert stride >= 4 and t["turns"] == 2 and 0 < t["spool_bytes_max"] <= t["spool_bound_bytes"]
+    words = turn.meta.env.vllm_engine["kl_full"]
+    assert "uniform sample" in words and f"every {stride}th position" in words and "standard error" in words
+    kept, got, want = 0, [], []
+    for a, b in zip(turn.sequences, side.sequences):
+        kl_a, kl_b = np.asarray(a.metrics.kl_full), np.asarray(b.metrics.kl_full)
+        rows_kept = np.zeros(len(kl_a), dtype=bool)
+        rows_kept[1:] = np.arange(len(kl_a) - 1) % stride == phase  # position t+1 is row t
+        np.testing.assert_array_equal(kl_a[rows_kept], kl_b[rows_kept])
+        assert np.isnan(kl_a[~rows_kept]).all()
+        kept += int(rows_kept.sum())
+        got.append(kl_a[rows_kept])
+        want.append(kl_b[rows_kept])
+        np.testing.assert_array_equal(a.vllm.logprob, b.vllm.logprob)
+    assert t["kl_positions"] == kept and kept * 4 * vocab <= t["spool_bound_bytes"]
+    sample = np.concatenate(want)
+    assert turn.summary["kl_full_mean"] == pytest.approx(float(sample.mean()), rel=1e-12)
+    assert turn.summary["kl_full_mean_err"] == pytest.approx(float(sample.std(ddof=1) / np.sqrt(len(sample))), rel=1e-9)
+    for k, v in side.summary.items():  # everything but the exact KL's figures is the side-by-side run's
+        if not k.startswith("kl_full"):
+            assert turn.summary[k] == v, k
 
 
 @pytest.mark.engine
@@ -175,8 +211,7 @@ def test_a_killed_set_in_turn_resumes_without_recomputing_its_stored_batches(tin
     lines = LINES[:12]
     prompts = tmp_path / "set.txt"
     prompts.write_text("\n".join(lines) + "\n")
-    vocab = prepare(RunSpec(texts=lines, model=str(tiny_bos), device="cpu"), Context.of()).model.vocab_size
-    env = dict(cli_env(home), LPP_BATCH_TOKENS="160", LPP_SPOOL_BYTES=str(2 * 160 * vocab * 4))
+    env = dict(cli_env(home), LPP_BATCH_TOKENS="160", LPP_TURN_POSITIONS="320")  # two batches a turn
     cmd = [sys.executable, "-m", "logprob_parity.cli", "compare", "--model", str(tiny_bos), "--prompts", str(prompts)]
     cmd += ["--dtype", "float32", "--device", "cpu", "--device-memory", _cap_between(tiny_bos, lines)]
     stored = kill_after_parts(cmd, env, home, 2)

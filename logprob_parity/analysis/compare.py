@@ -23,7 +23,7 @@ from logprob_parity.inputs.models import ResolvedModel
 from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.inputs.tokens import TokenizedText
 from logprob_parity.results.bands import metrics_band_stats
-from logprob_parity.results.metrics import concat, summarize
+from logprob_parity.results.metrics import concat, exact_kl_stats, summarize
 from logprob_parity.results.positions import METRIC_COLUMNS, metrics_of
 from logprob_parity.results.records import RunMeta, SequenceInfo
 from logprob_parity.results.run import SCHEMA_VERSION, Run, StoredSequences
@@ -288,6 +288,10 @@ def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_ca
     if many:
         metrics = concat([metrics_of(store.part_table(rid, b, list(METRIC_COLUMNS))) for b in range(len(batches))])
     summary = summarize(metrics)
+    sampled = bool(getattr(engines, "samples", None))  # in turn past the spool's bound: the KL of a sample of positions
+    if sampled:
+        kl = np.asarray(metrics.kl_full, dtype=np.float64)
+        summary.update(exact_kl_stats(kl[np.isfinite(kl)]))
     summary.update(floors.with_ratio(floor, summary["mean_abs_delta"]))
     summary.update(metrics_band_stats(metrics, summary, dtype))
     if routing.get("measured"):
@@ -296,6 +300,8 @@ def _score_dtype(p: Prepared, dtype: str, engines: Any, request_key: str, use_ca
         kl_full = "not computed: " + "; ".join(
             f"{why}" + (f" ({k} of {len(batches)} batches)" if many else "") for why, k in kl_why.items()
         )
+    elif sampled:
+        kl_full = engines.kl_words(total, summary.get("kl_full_mean"), summary.get("kl_full_mean_err"))
     else:
         runner = next(iter(via)) if len(via) == 1 else None
         kl_full = f"exact, every position{f' (from vLLM’s {runner} model runner)' if runner else ''}"

@@ -30,6 +30,7 @@ from logprob_parity.analysis import batch
 from logprob_parity.analysis.cluster import Job, words_left
 from logprob_parity.analysis.request import Prepared, say_loading
 from logprob_parity.engines import fullvocab, memory
+from logprob_parity.inputs.spec import content_hash
 
 SPOOL_ENV = "LPP_SPOOL_BYTES"
 SPOOL_DEFAULT = 16 * 10**9
@@ -47,6 +48,15 @@ def fit_of(p: Prepared, vllm: Any, hf: Any) -> memory.Fit:
     if not p.device.startswith("cuda") and not (memory.cap_of(vllm.settings) or memory.cap_of(hf.settings)):
         return memory.Fit(False, "", 0, 0, 0)
     return memory.plan_fit(p.model.name, vllm, hf)
+
+
+GROUP_ENV = "LPP_TURN_POSITIONS"
+GROUP_DEFAULT = 1 << 22  # positions a turn scores: their scores wait in this process (about 100 bytes each)
+
+
+def group_positions() -> int:
+    """The most positions one turn of vLLM scores before HF takes the device (LPP_TURN_POSITIONS)."""
+    return int(os.environ.get(GROUP_ENV) or GROUP_DEFAULT)
 
 
 def groups(sizes: list[int], bound: int) -> list[list[int]]:
@@ -72,11 +82,46 @@ class InTurn:
     def __init__(self, p: Prepared, dtype: str, requests: list[Any], fit: memory.Fit) -> None:
         self.p, self.dtype, self.requests, self.fit = p, dtype, requests, fit
         self.bound = spool_bound()
-        self.row_bytes = self.bound  # no batch is planned larger than the spool
+        # no batch is planned larger than one batch of the files transport may be (the spool's bound is
+        # kept by sampling the rows, `_sample_of_run`)
+        self.row_bytes = fullvocab.MAX_BYTES
         self.turns = 0  # times an engine took the device from the other (vLLM's turns and HF's)
         self._last: int | None = None
+        self.turn_s = 0.0  # seconds the pool took to give an engine the device (the other's sleep or stop)
         self.spool_max = 0  # the most bytes of rows the spool held at once
         self.spooled = 0
+        self.sample: tuple[int, int] | None = None  # the group's sample of the exact KL's rows, or None: every row
+        self.samples: set[tuple[int, int]] = set()  # the sample taken (one a run), for the record
+        self.kl_positions = 0  # positions whose rows the spool kept
+
+    def _sample_of_run(self) -> tuple[int, int] | None:
+        """None when every row of a group fits the spool's bound; else (stride, phase) of a uniform
+        systematic sample of each text's positions: every stride-th row from row phase, the fewest
+        strides whose rows fit the bound in any group (at most one row more a text than rows/stride).
+        Decided from the whole run's texts, with the phase from their ids, so a killed run started
+        again samples the same positions."""
+        p = self.p
+        vocab = p.model.vocab_size or 0
+        lengths = [len(s) - 1 for s in p.seqs]
+        rows = min(sum(lengths), group_positions() + max(lengths, default=0))
+        if not vocab or rows * 4 * vocab <= self.bound:
+            return None
+        stride = max(2, -(-rows * 4 * vocab // self.bound))
+        while (-(-rows // stride) + len(lengths)) * 4 * vocab > self.bound:
+            stride += 1
+        phase = int(content_hash([list(x) for x in p.seqs[:8]], 8), 16) % stride
+        return stride, phase
+
+    def kl_words(self, positions: int, mean: float | None, err: float | None) -> str | None:
+        """The exact KL's words when a sample stood in for every position (None: every position)."""
+        if not self.samples:
+            return None
+        how = "; ".join(f"every {st}th position of each text from position {ph + 1}" for st, ph in sorted(self.samples))
+        return (
+            f"exact on a uniform sample of {self.kl_positions:,} of {positions:,} positions ({how}): vLLM's rows of every "
+            f"position would not fit the spool's bound of {self.bound / 1e9:.3g} GB"
+            + (f"; mean {mean:.4g} ± {err:.2g} (standard error)" if mean is not None and err is not None else "")
+        )
 
     # -- turns ------------------------------------------------------------------------------------
     def _lease(self, which: int, what: str) -> Any:
@@ -86,20 +131,26 @@ class InTurn:
         if which != self._last:
             self.turns, self._last = self.turns + 1, which
         ctx.emit("turn", self.dtype, f"engines in turn: {req.backend} takes the device ({what})")
-        lease = ctx.pool.lease([req], on_wait=ctx.waiter(self.dtype))
+        t = time.perf_counter()
+        lease = ctx.pool.lease([req], on_wait=ctx.waiter(self.dtype))  # the other engine sleeps or stops here
+        self.turn_s += time.perf_counter() - t
         say_loading(ctx, self.dtype, lease, req, self.p.device)
         return lease
 
     def parts(self, jobs: list[Job], on_done: Any, dtype: str, total: int, done: int, reused: int) -> None:
-        p, ctx = self.p, self.p.ctx
+        ctx = self.p.ctx
         vreq, hreq = self.requests
-        vocab = p.model.vocab_size
-        plan = groups([fullvocab.need_bytes(job.tokens, vocab) for job in jobs], self.bound)
+        plan = groups([job.tokens for job in jobs], group_positions())
+        self.sample = self._sample_of_run()
+        if self.sample:
+            self.samples.add(self.sample)
         computed, t_compute = 0, 0.0
         for g, idx in enumerate(plan):
             t_g = time.perf_counter()
             group = [jobs[i] for i in idx]
-            what = f"group {g + 1} of {len(plan)}: {len(group)} batch(es)"
+            what = f"group {g + 1} of {len(plan)}: {len(group)} batch(es)" + (
+                f", the exact KL's rows of every {self.sample[0]}th position" if self.sample else ""
+            )
             spool: list[dict[str, Any]] = []
             try:
                 with self._lease(0, what) as lease:
@@ -144,8 +195,11 @@ class InTurn:
         p = self.p
         _, b, lo, hi, n_batches, with_floor, _ = job.inputs()
         texts = p.seqs[lo:hi]
-        ex = fullvocab.Exchange(job.tokens, p.model.vocab_size, p.device, kind="files", bound=self.bound)
-        item: dict[str, Any] = {"job": job, "ex": ex, "vllm_load_s": load_s, "vllm_info": vhost.info}
+        ex = fullvocab.Exchange(job.tokens, p.model.vocab_size, p.device, kind="files", bound=None if self.sample else self.bound)
+        if self.sample and ex.folder:
+            fullvocab.set_sample(ex.folder, *self.sample)
+        kept = sum(int(fullvocab.sampled(len(s) - 1, self.sample).sum()) for s in texts) * 4 * (p.model.vocab_size or 0)
+        item: dict[str, Any] = {"job": job, "ex": ex, "vllm_load_s": load_s, "vllm_info": vhost.info, "bytes": kept}
         with p.ctx.pool.device_turn(p.ctx.waiter(self.dtype), what="scoring"):
             item["vllm"], item["vllm_score_s"] = batch.vllm_side(
                 p, self.dtype, self.requests[0], lease, vhost, texts, ex, batch.batch_words(b, n_batches)
@@ -157,8 +211,9 @@ class InTurn:
                     lambda: floors.vllm_noise(vhost, texts, [s.logprob for s in item["vllm"]], others, p.device),
                 )
         if not ex.why:
-            self.spooled += ex.need
+            self.spooled += kept
             self.spool_max = max(self.spool_max, self.spooled)
+            self.kl_positions += kept // (4 * (p.model.vocab_size or 1))
         return item
 
     def _hf_turn(self, lease: Any, hhost: Any, item: dict[str, Any], load_s: float) -> tuple[Any, dict[str, Any], Any]:
@@ -192,7 +247,7 @@ class InTurn:
         ex = item["ex"]
         if not getattr(ex, "_closed", False):
             if not ex.why:
-                self.spooled -= ex.need
+                self.spooled -= item["bytes"]
             ex.close()
 
     # -- what runs after the parts: the floor past the first batch, and an MoE model's routes --------
@@ -233,6 +288,8 @@ class InTurn:
             "engines": "in turn",
             "engines_why": self.fit.words,
             "turns": self.turns,
+            "turn_s": round(self.turn_s, 3),
             "spool_bytes_max": self.spool_max,
             "spool_bound_bytes": self.bound,
+            **({"kl_sample": sorted(self.samples), "kl_positions": self.kl_positions} if self.samples else {}),
         }

@@ -60,7 +60,7 @@ PREFIX = "lpp-fullvocab-"  # then the creating process's pid
 
 # Per vLLM host process: where the wrapper writes while a capture is on ("dir" for files, "token"
 # for tensors), and the tensors kept for the HF host until it has read them.
-_STATE: dict[str, Any] = {"dir": None, "token": None, "files": {}, "error": None, "runner": None}
+_STATE: dict[str, Any] = {"dir": None, "token": None, "files": {}, "error": None, "runner": None, "sample": None}
 _KEPT: dict[str, list[Any]] = {}
 _KEPT_ERROR: dict[str, str] = {}
 
@@ -224,7 +224,6 @@ def _capturing_v2(worker: Any, logits_fn: Any, batch: Any, all_token_ids: Any, p
                 continue
             if rows is None:
                 rows = torch.log_softmax(logits.float(), dim=-1)
-                rows = rows if _STATE["token"] is not None else rows.cpu().numpy()
             _store_rows(req_id, rows[x - lo : y - lo], pos + x - a, rows.shape[-1], rows)
         return logits
 
@@ -240,10 +239,28 @@ def _new_path(n: int) -> Path | None:
 
 
 def _store_rows(req_id: str, rows: Any, at: int, vocab: int, like: Any) -> None:
-    """Rows (a numpy array for files, a tensor for tensors) into the request's array at row `at`."""
+    """Rows (a tensor) into the request's array at row `at`: a tensor's view for tensors; for files
+    only the sampled rows (`set_sample`), copied to the host, so rows left out cost neither the copy
+    nor shared memory (the file is sparse)."""
     arr = _rows_into(req_id, vocab, like)
-    if arr is not None:
-        arr[at : at + rows.shape[0]] = rows
+    if arr is None:
+        return
+    n = rows.shape[0]
+    if _STATE["token"] is not None:
+        arr[at : at + n] = rows
+        return
+    sample = _STATE.get("sample")
+    if sample is None:
+        arr[at : at + n] = _host(rows)
+        return
+    stride, phase = sample
+    first = (phase - at) % stride
+    if first < n:
+        arr[at + first : at + n : stride] = _host(rows[first::stride])
+
+
+def _host(rows: Any) -> np.ndarray:
+    return rows.cpu().numpy() if hasattr(rows, "cpu") else np.asarray(rows)
 
 
 def _rows_into(req_id: str, vocab: int, like: Any = None) -> Any:
@@ -303,15 +320,44 @@ def _capture(caller: dict[str, Any], logprobs: Any) -> None:
         ids = tuple(int(x) for x in request.prompt_token_ids)
         files[req_id] = (ids, _new_path(len(files)), None)
     rows = logprobs.float()
-    _store_rows(req_id, rows if _STATE["token"] is not None else rows.cpu().numpy(), start, rows.shape[-1], rows)
+    _store_rows(req_id, rows, start, rows.shape[-1], rows)
 
 
 def begin(target: Any) -> None:
-    """Start capturing: `target` is a folder (files) or {"tensors": token} (tensors)."""
+    """Start capturing: `target` is a folder (files) or {"tensors": token} (tensors). A folder with a
+    sample (`set_sample`) keeps only the sampled rows."""
     if isinstance(target, dict):
-        _STATE.update(dir=None, token=target["tensors"], files={}, error=None, arena=None, rows=target.get("rows"))
+        _STATE.update(dir=None, token=target["tensors"], files={}, error=None, arena=None, rows=target.get("rows"), sample=None)
     else:
-        _STATE.update(dir=target, token=None, files={}, error=None)
+        _STATE.update(dir=target, token=None, files={}, error=None, sample=sample_in(target))
+
+
+SAMPLE_FILE = "sample.txt"  # "stride phase": the files path keeps row p of each sequence iff p % stride == phase
+
+
+def set_sample(folder: str, stride: int, phase: int) -> None:
+    """Keep a uniform (systematic) sample of each sequence's rows in this folder: every `stride`-th
+    row from row `phase`. The spool of engines in turn sets it when every row would not fit its bound."""
+    Path(folder, SAMPLE_FILE).write_text(f"{int(stride)} {int(phase)}")
+
+
+def sample_in(folder: Any) -> tuple[int, int] | None:
+    """(stride, phase) of the folder's sample, or None: every row."""
+    if not isinstance(folder, str):
+        return None
+    f = Path(folder, SAMPLE_FILE)
+    if not f.exists():
+        return None
+    stride, phase = (int(x) for x in f.read_text().split())
+    return (stride, phase) if stride > 1 else None
+
+
+def sampled(n_rows: int, sample: tuple[int, int] | None) -> np.ndarray:
+    """Which of a sequence's n_rows rows the sample keeps (all of them without a sample)."""
+    if sample is None:
+        return np.ones(n_rows, dtype=bool)
+    stride, phase = sample
+    return np.arange(n_rows) % stride == phase
 
 
 def end(target: Any, sequences: list[list[int]]) -> None:
@@ -417,7 +463,7 @@ def _by_ids() -> dict[tuple[int, ...], list[Any]]:
 def finish(folder: str, sequences: list[list[int]]) -> None:
     """Stop capturing; name each sequence's file by its index (`path_of`), or write why not."""
     by_ids, error = _by_ids(), _STATE["error"]
-    _STATE.update(dir=None, files={}, error=None)
+    _STATE.update(dir=None, files={}, error=None, sample=None)
     if _STATE["runner"]:
         Path(folder, RUNNER_FILE).write_text(_STATE["runner"])
     if error is None:

@@ -87,6 +87,7 @@ class HFBackend(Backend):
         out: list[TokenScores | None] = [None] * len(sequences)
         clock = _Clock(self.device)
         rows = None if full is None else fullvocab.open_rows(full)
+        sample = fullvocab.sample_in(full)  # engines in turn past the spool's bound: a sample of the rows
         clock.lap("open_rows")
         for start in range(0, len(order), bs):
             idx = order[start : start + bs]
@@ -95,7 +96,7 @@ class HFBackend(Backend):
             refs = None if rows is None else [rows[i] for i in idx]
             logits = self._forward(chunk, padding_side)
             clock.lap("forward")
-            for i, res in zip(idx, self._from_rows(chunk, logits, top_k, gathers, refs, clock)):
+            for i, res in zip(idx, self._from_rows(chunk, logits, top_k, gathers, refs, clock, sample)):
                 out[i] = res
         clock.report("score", sum(len(s) - 1 for s in sequences))
         return out  # type: ignore[return-value]
@@ -373,9 +374,11 @@ class HFBackend(Backend):
         gathers: list[np.ndarray] | None,
         refs: list[np.ndarray] | None = None,
         clock: _Clock | None = None,
+        sample: tuple[int, int] | None = None,
     ) -> list[TokenScores]:
         """The batch's rows, stacked, in blocks of ROW_CHUNK: float32 log_softmax is row-wise, so
-        blocking changes no value, and the float32 [positions, vocab] array is never held whole."""
+        blocking changes no value, and the float32 [positions, vocab] array is never held whole.
+        sample: vLLM kept only these rows of each sequence (fullvocab.sampled); the KL of the others is NaN."""
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
         dev = logits.device
         target = torch.tensor([t for ids in chunk for t in ids[1:]], dtype=torch.long, device=dev)
@@ -390,6 +393,7 @@ class HFBackend(Backend):
         full = None if g_all is None else torch.empty(g_all.shape, dtype=torch.float64, device=dev)
         kl = None if refs is None else torch.empty(n, dtype=torch.float64, device=dev)
         spans = np.cumsum([0] + [len(ids) - 1 for ids in chunk])
+        keep = None if sample is None else np.concatenate([fullvocab.sampled(len(ids) - 1, sample) for ids in chunk])
         clock = clock or _Clock(dev.type)
         for lo in range(0, n, self.ROW_CHUNK):
             hi = min(lo + self.ROW_CHUNK, n)
@@ -408,7 +412,17 @@ class HFBackend(Backend):
                 vals[g < 0] = float("nan")
                 full[lo:hi] = vals
             clock.lap("logprobs, top k, gathers")
-            if kl is not None:
+            if kl is not None and keep is not None:  # only the sampled rows: the others were never kept
+                sel = np.flatnonzero(keep[lo:hi])
+                kl[lo:hi] = float("nan")
+                if len(sel):
+                    ref = _ref_rows(refs, spans, lo, hi, sel)
+                    rows_sel = block[torch.as_tensor(sel, device=dev)]
+                    kl[lo + torch.as_tensor(sel, device=dev)] = fullvocab.kl_rows(
+                        torch.log_softmax(rows_sel if rows_sel.dtype == torch.float64 else rows_sel.float(), dim=-1), ref
+                    )
+                clock.lap("exact KL: sampled rows")
+            elif kl is not None:
                 ref = _ref_rows(refs, spans, lo, hi)
                 clock.lap("exact KL: vLLM's rows")
                 kl[lo:hi] = fullvocab.kl_rows(
@@ -677,9 +691,10 @@ def _log_kept_mass(lp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return torch.logsumexp(lp.masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def _ref_rows(refs: list[Any], spans: np.ndarray, lo: int, hi: int) -> Any:
+def _ref_rows(refs: list[Any], spans: np.ndarray, lo: int, hi: int, sel: np.ndarray | None = None) -> Any:
     """Rows [lo, hi) of the batch's concatenated positions, from each sequence's memory-mapped
-    vLLM logprobs (sequence j holds rows [spans[j], spans[j+1]))."""
+    vLLM logprobs (sequence j holds rows [spans[j], spans[j+1])); sel: only these of them (offsets
+    from lo, ascending), read alone from the maps."""
     parts = []
     for j, ref in enumerate(refs):
         a, b = int(spans[j]), int(spans[j + 1])
@@ -687,7 +702,12 @@ def _ref_rows(refs: list[Any], spans: np.ndarray, lo: int, hi: int) -> Any:
             continue
         if ref.shape[0] != b - a:
             raise ValueError(f"vLLM's full logprobs hold {ref.shape[0]} positions, HF scored {b - a}")
-        parts.append(ref[max(lo, a) - a : min(hi, b) - a])
+        if sel is None:
+            parts.append(ref[max(lo, a) - a : min(hi, b) - a])
+        else:
+            mine = sel[(sel + lo >= a) & (sel + lo < b)] + lo - a
+            if len(mine):
+                parts.append(ref[mine])
     return _joined(parts)
 
 
