@@ -270,7 +270,7 @@ SETTINGS: tuple[Setting, ...] = (
         "both",
         "the most memory the engines may take on the device, e.g. 80GB: where vLLM and HF do not fit together "
         "under it, they run in turn (docs/guides/big-models.md); on a CPU it caps the RAM they take (default: the device's)",
-        label="Device memory cap",
+        label="Device memory cap (changes no number, so not in the run id)",
         in_run_id=False,
         parse=parse_size,
     ),

@@ -198,6 +198,15 @@ def _header(runs: list[Run]) -> None:
     quantized = quantized_words(m.settings)
     if quantized:
         st.info(quantized, icon=":material/compress:")
+    for r in runs:  # a model too large for both engines at once: they took turns on the device
+        t = r.meta.timing
+        if t.get("engines") == "in turn":
+            kl = r.meta.env.vllm_engine.get("kl_full", "")
+            st.info(
+                f"{r.dtype}: the engines took turns on the device ({t.get('turns')} turns). {t.get('engines_why', '')}."
+                + (f" The whole-vocabulary KL is {kl}." if "sample" in kl else ""),
+                icon=":material/swap_horiz:",
+            )
     env = m.env
     st.caption(
         f"device {env.device} · torch {env.torch} · transformers {env.transformers} · vLLM {env.vllm} · "
