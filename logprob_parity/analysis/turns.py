@@ -30,6 +30,7 @@ from logprob_parity.analysis import batch
 from logprob_parity.analysis.cluster import Job, words_left
 from logprob_parity.analysis.request import Prepared, say_loading
 from logprob_parity.engines import fullvocab, memory
+from logprob_parity.inputs.sizes import consecutive
 from logprob_parity.inputs.spec import content_hash
 
 SPOOL_ENV = "LPP_SPOOL_BYTES"
@@ -60,18 +61,9 @@ def group_positions() -> int:
 
 
 def groups(sizes: list[int], bound: int) -> list[list[int]]:
-    """Consecutive indices whose sizes add up to at most `bound` (each group at least one index):
+    """Consecutive batches whose positions add up to at most `bound` (each group at least one batch):
     the batches one turn of vLLM scores before HF takes the device."""
-    out: list[list[int]] = []
-    used = 0
-    for i, n in enumerate(sizes):
-        if out and used + n <= bound:
-            out[-1].append(i)
-            used += n
-        else:
-            out.append([i])
-            used = n
-    return out
+    return consecutive(sizes, bound)
 
 
 class InTurn:

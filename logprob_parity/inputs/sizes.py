@@ -1,4 +1,5 @@
-"""Sizes as people write them (80GB, 24 GiB, 512MB): the device memory cap's reading."""
+"""Sizes: as people write them (80GB, 24 GiB, 512MB: the device memory cap's reading), and runs of
+consecutive sizes within a bound (packed rows, the batches of one turn)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,18 @@ def parse_size(text: str) -> int:
     if got <= 0:
         raise UserError(f"device_memory must be more than 0 (got {text!r})")
     return got
+
+
+def consecutive(sizes: list[int], bound: int) -> list[list[int]]:
+    """Indices in order, in runs whose sizes add up to at most `bound`; one larger than the bound gets
+    a run of its own (every run holds at least one index)."""
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if out and used + n <= bound:
+            out[-1].append(i)
+            used += n
+        else:
+            out.append([i])
+            used = n
+    return out

@@ -18,6 +18,7 @@ from logprob_parity.engines import fullvocab
 from logprob_parity.engines.attention import EAGER_FOR_SOFTCAP, soft_caps_attention
 from logprob_parity.engines.backends.base import Backend, apply_tf32
 from logprob_parity.engines.scores import TokenScores
+from logprob_parity.inputs.sizes import consecutive
 from logprob_parity.inputs.spec import EngineSettings
 
 
@@ -605,16 +606,7 @@ def packing_unsupported(model: Any) -> str | None:
 
 def _packs(lengths: list[int], row: int) -> list[list[int]]:
     """Indices packed in order into rows of up to `row` tokens (a longer sequence gets a row alone)."""
-    out: list[list[int]] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if out and used + n <= row:
-            out[-1].append(i)
-            used += n
-        else:
-            out.append([i])
-            used = n
-    return out
+    return consecutive(lengths, row)
 
 
 class _Clock:
