@@ -373,3 +373,35 @@ def test_diagnostics_in_turn_measure_the_noise_and_the_reference_the_side_by_sid
     a, b = turn.dtypes["float32"], side.dtypes["float32"]
     assert a.noise.keys() == b.noise.keys() and a.noise == b.noise
     assert a.reference == b.reference
+
+
+def test_a_spool_or_a_sleeping_engine_that_would_not_fit_is_refused_in_words_before_anything_loads(tiny_bos, home, monkeypatch):
+    """Words before work: the spool's rows against the free room of /dev/shm and the temp folder, and on a
+    GPU the sleeping engine's weights against host memory."""
+    p = prepare(RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"), Context.of())
+    vreq, _ = engine_requests(p, "float32")
+    rows = sum(len(s) - 1 for s in p.seqs) * 4 * p.model.vocab_size
+    turns.check_room(p, vreq, {"spool": rows, "host": 0})  # room enough; a CPU keeps no engine asleep
+    with pytest.raises(UserError, match=r"spool .* but /dev/shm and the temp folder have .* free; lower LPP_SPOOL_BYTES"):
+        turns.check_room(p, vreq, {"spool": rows - 1, "host": 1 << 40})
+    monkeypatch.setenv("LPP_SPOOL_BYTES", str(rows // 10))  # past the bound a sample: a tenth of the rows is all it needs
+    turns.check_room(p, vreq, {"spool": rows // 10, "host": 1 << 40})
+    monkeypatch.setattr(p, "device", "cuda")
+    with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory .* this machine has .* free"):
+        turns.check_room(p, vreq, {"spool": rows, "host": 1000})
+
+
+def test_a_diagnosis_in_turn_is_estimated_with_its_turns_and_one_side_by_side_without(tiny_bos, home):
+    """The form's estimate before Run counts the engines' turns (a CPU: an engine start each) when the cap
+    puts them in turn, and none without a cap."""
+    from logprob_parity.analysis.estimate import diagnostics_estimate
+
+    weights = turns.in_turn_weights(str(tiny_bos), ["float32"], _cap_between(tiny_bos), None, "cpu")
+    assert weights == memory.weight_bytes(str(tiny_bos), "float32") > 0
+    assert turns.in_turn_weights(str(tiny_bos), ["float32"], None, None, "cpu") == 0
+    assert turns.in_turn_weights(str(tiny_bos), ["float32"], "not a size", None, "cpu") == 0  # a form mid-keystroke
+    plain, plain_words, _ = diagnostics_estimate("cpu", ["noise"], 1, 0, 0)
+    turned, words, _ = diagnostics_estimate("cpu", ["noise"], 1, 0, 0, weights)
+    assert "turns of the engines" in words and "turns" not in plain_words and turned > plain
+    _, gpu_words, _ = diagnostics_estimate("cuda", ["noise"], 1, 0, 0, 16 * 10**9)
+    assert "4 turns of the engines (each a sleep and a wake, about 9 s for 16 GB of weights)" in gpu_words

@@ -178,8 +178,26 @@ def frontier_words(device: str, n_configs: int, cold: int, repeats: int = 3) -> 
     return frontier_estimate(device, n_configs, cold, repeats)[1]
 
 
+# Engines in turn (analysis.turns): one engine leaving the device and the other taking it. On a GPU
+# the weights move to host memory and back: 17.9 s for two turns of Llama-3.1-8B's 16 GB on an H100
+# (benchmarks/results/turns_h100.md), about 0.56 s a GB. On a CPU an engine stops and another starts.
+TURN_S_PER_GB = 0.56
+
+
+def turns_estimate(device: str, turns: int, weight_bytes: int) -> tuple[float, str]:
+    """(seconds, words) of `turns` engine turns of a model of `weight_bytes` (none: (0, ""))."""
+    if turns <= 0:
+        return 0.0, ""
+    if kind_of(device) == "cuda":
+        each = TURN_S_PER_GB * weight_bytes / 1e9
+        how = f"each a sleep and a wake, about {each:.0f} s for {weight_bytes / 1e9:.0f} GB of weights"
+    else:
+        each, how = _starts(1, device)[0], "each an engine stopped and another started"
+    return turns * each, f"{turns} turns of the engines ({how})"
+
+
 def diagnostics_estimate(
-    device: str, parts: list[str], n_dtypes: int, cold: int, ablation_engines: int
+    device: str, parts: list[str], n_dtypes: int, cold: int, ablation_engines: int, in_turn_weights: int = 0
 ) -> tuple[float, str, float]:
     """(seconds, words, of them the engine starts) of a diagnosis before it starts: every engine it starts (the comparison's not
     running, HF's other attention kernel a dtype for the noise part, HF in float64 for the reference,
@@ -195,7 +213,12 @@ def diagnostics_estimate(
         work, wwords = units * _RATES[key], f"{len(parts)} check(s) in {n_dtypes} dtype(s) at this server's last rate"
     else:
         work, wwords = 0.0, "plus the checks themselves (not yet timed here: the first diagnosis times them)"
-    total, words = learned("diagnostics", device, start + work, [swords, wwords])
+    extra: list[str] = []
+    if in_turn_weights:  # the engines take turns: the comparison's two, and two more a check and dtype
+        t_s, twords = turns_estimate(device, 2 * n_dtypes * (1 + len(parts)), in_turn_weights)
+        work += t_s
+        extra.append(twords)
+    total, words = learned("diagnostics", device, start + work, [swords, wwords, *extra])
     return total, _words(total, words), start
 
 

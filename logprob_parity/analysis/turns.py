@@ -48,7 +48,75 @@ def fit_of(p: Prepared, vllm: Any, hf: Any) -> memory.Fit:
     there the engines always ran side by side, and a model folder is not read twice for nothing."""
     if not p.device.startswith("cuda") and not (memory.cap_of(vllm.settings) or memory.cap_of(hf.settings)):
         return memory.Fit(False, "", 0, 0, 0)
-    return memory.plan_fit(p.model.name, vllm, hf)
+    fit = memory.plan_fit(p.model.name, vllm, hf)
+    if fit.in_turn:
+        check_room(p, vllm)
+    return fit
+
+
+def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None) -> None:
+    """Refuse in words, before anything loads, a run in turn whose spool would not fit in shared
+    memory or on disk, or (on a GPU) whose sleeping engine's weights would not fit in host memory.
+    free: the free bytes of "spool" (the roomier of /dev/shm and the temp folder) and "host" (RAM), for tests."""
+    from logprob_parity.errors import UserError
+
+    free = free if free is not None else {"spool": spool_room(), "host": memory.free_bytes("cpu")}
+    rows = sum(len(s) - 1 for s in p.seqs) * 4 * (p.model.vocab_size or 0)
+    spool = min(spool_bound(), rows)
+    if spool > free["spool"]:
+        raise UserError(
+            f"engines in turn keep up to {memory.size_words(spool)} of vLLM's rows for the exact KL in a spool "
+            f"(the bound is LPP_SPOOL_BYTES), but /dev/shm and the temp folder have {memory.size_words(free['spool'])} free; "
+            "lower LPP_SPOOL_BYTES (past it the KL covers a sample of positions) or free some room"
+        )
+    weights = memory.weight_bytes(vllm.model_path, vllm.dtype)
+    if p.device.startswith("cuda") and weights > free["host"]:
+        raise UserError(
+            f"engines in turn keep the sleeping engine's weights in host memory ({memory.size_words(weights)} in "
+            f"{vllm.dtype}), but this machine has {memory.size_words(free['host'])} free"
+        )
+
+
+def spool_room() -> int:
+    """Free bytes where the spool's files go: the roomier of /dev/shm and the temp folder."""
+    import shutil
+    import tempfile
+
+    room = 0
+    for base in ("/dev/shm", tempfile.gettempdir()):  # noqa: S108 - only its free space is read
+        try:
+            room = max(room, shutil.disk_usage(base).free)
+        except OSError:
+            continue
+    return room
+
+
+def in_turn_weights(
+    model: str | None, dtypes: list[str], cap: str | None, roots: list[str] | None, device: str | None = None
+) -> int:
+    """For a form's estimate before Run: the weight bytes of the largest dtype whose engines would run
+    in turn under this cap (0: side by side, no cap, or nothing readable yet). roots: the server's
+    model roots (a folder outside them is not read). Never raises: a form redraws on every keystroke,
+    and its run says what is wrong in words."""
+    if not cap:
+        return 0
+    try:
+        from logprob_parity.engines.records import LoadRequest
+        from logprob_parity.env import resolve_device
+        from logprob_parity.inputs.models import resolve_model
+        from logprob_parity.inputs.settings import EngineSettings
+
+        m = resolve_model(model, roots=roots)
+        dev = device or resolve_device("auto")
+        settings = EngineSettings(device_memory=cap)
+        got = 0
+        for d in dtypes:
+            v, h = (LoadRequest(b, m.path, d, dev, settings) for b in ("vllm", "hf"))
+            if memory.plan_fit(m.name, v, h).in_turn:
+                got = max(got, memory.weight_bytes(m.path, d))
+        return got
+    except Exception:
+        return 0
 
 
 GROUP_ENV = "LPP_TURN_POSITIONS"

@@ -19,13 +19,14 @@ from logprob_parity.analysis.diagnostics import (
     knob_lines,
 )
 from logprob_parity.analysis.estimate import cold_engines, diagnostics_estimate, record
+from logprob_parity.analysis.turns import in_turn_weights
 from logprob_parity.analysis.verdict import diagnosis_verdicts
 from logprob_parity.dashboard.components.alerts import into_view_once
 from logprob_parity.dashboard.components.model_field import DEMO_LABEL, chosen_model
 from logprob_parity.dashboard.components.run_view import GLOSSARY, verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
 from logprob_parity.dashboard.components.spec_form import follow_view, mark_shown, spec_form
-from logprob_parity.dashboard.state import device_here, get_store, load_run, model_path_of, set_query
+from logprob_parity.dashboard.state import device_here, get_store, load_run, model_path_of, model_roots, set_query
 from logprob_parity.engines.pool import POOL
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.settings import EngineSettings
@@ -109,7 +110,14 @@ wanted = [(b, d) for d in picked for b in ("hf", "vllm")]
 cold = cold_engines(POOL, model_path_of(model_now), wanted, EngineSettings())
 # the setting-by-setting part starts one engine a setting it runs here (a skipped one starts none)
 knobs = sum(1 for _, change, _ in ablation_knobs(device_here(), False) if change is not None) * len(picked)
-est_s, est_words, est_starts = diagnostics_estimate(device_here(), list(parts), len(picked), cold, knobs)
+est_s, est_words, est_starts = diagnostics_estimate(
+    device_here(),
+    list(parts),
+    len(picked),
+    cold,
+    knobs,
+    in_turn_weights(model_now, picked, st.session_state.get("diag-set-device_memory"), model_roots()),
+)
 st.caption(":material/schedule: " + est_words)
 if submitted and spec is not None:
     steps = (3 + 4 * len(parts)) * max(1, len(spec.dtypes))
