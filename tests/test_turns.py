@@ -120,13 +120,14 @@ def test_a_cap_too_small_for_vllm_alone_is_refused_in_words_before_any_engine_st
 
 
 @pytest.mark.engine
-def test_a_comparison_in_turn_is_the_side_by_side_run_and_its_record_says_so(tiny_bos, home):
-    """The exact KL, the floor and every value equal; the in-turn record says "in turn" and why; at
-    the end only one of the two engines holds the device."""
-    cap = _cap_between(tiny_bos)
+def test_a_comparison_in_turn_is_the_side_by_side_run_and_its_record_says_so(demo_model, home):
+    """The demo model under a cap that holds either engine but not both: the exact KL, the floor and
+    every value equal the side-by-side run's; the in-turn record says "in turn" and why; at the end
+    only one of the two engines holds the device."""
+    cap = _cap_between(demo_model)
     ctx = Context.of(store=Store(home / "turns"))
-    (side,) = compare(RunSpec(texts=TEXTS, model=str(tiny_bos), device="cpu"), store=Store(home / "side"), use_cache=False)
-    spec = RunSpec(texts=TEXTS, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=cap))
+    (side,) = compare(RunSpec(texts=TEXTS, model=str(demo_model), device="cpu"), store=Store(home / "side"), use_cache=False)
+    spec = RunSpec(texts=TEXTS, model=str(demo_model), device="cpu", settings=EngineSettings(device_memory=cap))
     (turn,) = compare(spec, ctx, use_cache=False)
     assert turn.run_id == side.run_id  # the cap changes no number, so not the run either
     assert turn.meta.timing["engines"] == "in turn" and "so the engines will run in turn" in turn.meta.timing["engines_why"]

@@ -300,6 +300,7 @@ class HostClient:
         self.swaps = 0  # of which loaded in place of another model
         self.refused_fork: str | None = None  # why the zygote did not fork this host, where one was asked
         self.asleep = False  # its model left the device for host memory (engines in turn); `wake` brings it back
+        self._began = threading.Event()  # set once begin_load has sent a load (wait_loaded waits for it)
 
     def start(self, spare: bool = False) -> HostClient:
         """Start the host process. spare: it is started as a spare (`prepare` follows), and says so in
@@ -445,8 +446,33 @@ class HostClient:
         self._load_error: BaseException | None = None
         self._loader = threading.Thread(target=run, name=f"load {self.label}", daemon=True)
         self._loader.start()
+        self._began.set()
+
+    def expect_load(self, request: LoadRequest) -> None:
+        """This host will load `request` once the device is free (the pool puts other engines to sleep
+        first): it reads as loading that model now, and `wait_loaded` waits for the load to begin."""
+        self.request, self.label, self.info = request, request.label, None
+        self._began.clear()
+
+    def expect_wake(self) -> None:
+        """This sleeping host will be woken (`finish_wake`): until then it reads as loading, so another
+        request that leases it waits in `wait_loaded` until the engine holds the device again."""
+        self._asleep_info, self.info = self.info, None
+        self._began.clear()
+
+    def finish_wake(self) -> None:
+        """`wake`, then the host reads as loaded again (or its waiters get the reason it could not)."""
+        try:
+            self.wake()
+            self.info = self._asleep_info
+        except BaseException as exc:
+            self._load_error = exc
+            raise
+        finally:
+            self._began.set()
 
     def wait_loaded(self) -> dict[str, Any]:
+        self._began.wait()
         self._loader.join()
         if self._load_error is not None:
             raise self._load_error

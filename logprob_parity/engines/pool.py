@@ -267,15 +267,20 @@ class EnginePool:
                     if host is None:
                         host = self._host_factory(r.label, extra_env=r.host_env(), device=r.device).start()
                     host.need_bytes = engine_bytes(r)
-                    loads.append((host, r))
+                    if sleepers or any(v.device.startswith("cuda") for v in victims):
+                        host.expect_load(r)  # loads once the device is free, below
+                        loads.append((host, r))
+                    else:  # nothing to free first: it starts loading now, as every start did before
+                        host.begin_load(r)
                     self._hosts[key] = host
                 elif host.asleep:
                     host.asleep, host.need_bytes = False, engine_bytes(r)
+                    host.expect_wake()
                     waking.append(host)
                 host.leases += 1
                 host.owners[owner] = host.owners.get(owner, 0) + 1
                 host.last_used = time.monotonic()
-                hosts[key] = (host, host.info is not None)
+                hosts[key] = (host, host.info is not None or host in waking)
             self._start_reaper_locked()
         # the device is made free before anything takes it: engines asleep first, then (on a GPU) those
         # stopped; a CPU's stops overlap the next loads as before
@@ -290,7 +295,7 @@ class EnginePool:
             host.begin_load(r)
         for host in waking:
             try:
-                host.wake()
+                host.finish_wake()
             except BaseException:
                 self.discard(host)
                 raise
