@@ -6,18 +6,19 @@ alone can serve it. RL frameworks meet the same wall and take turns (verl and TR
 vLLM to sleep while the trainer holds the card); so does this.
 
 How, for one dtype whose engines do not fit together (`fit_of`, from engines.memory.plan_fit):
-- the batches of the run go in groups; a group is as many batches as the spool holds;
+- the batches of the run go in groups of at most LPP_TURN_POSITIONS positions (one group for most sets);
 - vLLM scores every batch of a group, and what HF needs to finish each comparison is kept in the
   spool: vLLM's scores (target logprobs, top-k ids and values) in this process, and vLLM's full
   log-softmax rows for the exact KL as files on shared memory or disk (fullvocab's files transport,
   which outlives the vLLM host's turn);
-- then HF takes the device: the pool, bound by the memory cap, stops the idle vLLM host to make room
-  (on a CPU; a GPU's vLLM would sleep instead), and HF scores the same batches against the spool;
+- then HF takes the device: the pool, bound by the memory cap, puts the idle vLLM engine to sleep (a
+  GPU) or stops it (a CPU), and HF scores the same batches against the spool;
 - each batch is stored as a part as it finishes, so a killed run resumes like any other.
 
-The spool's bound is LPP_SPOOL_BYTES (default 16 GB): a group never holds more rows than that, and a
-batch whose rows alone exceed it is scored without the exact KL (the run says so). The record's
-timing says "engines in turn", why, how many turns and the most the spool held.
+The spool's bound is LPP_SPOOL_BYTES (default 16 GB): a group never holds more rows than that. When
+every row would not fit, vLLM keeps the rows of a uniform systematic sample of positions and the run
+states the sample and the KL mean's standard error (`_sample_of_run`). The record's timing says
+"engines in turn", why, how many turns, their seconds and the most the spool held.
 """
 
 from __future__ import annotations
