@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--spool", default=None, help="LPP_SPOOL_BYTES (default 16GB)")
     ap.add_argument("--rollout", default=None, help="PxSxT: P prompts x S samples x T new tokens, in turn")
+    ap.add_argument("--no-compare", action="store_true", help="only the rollout (a 10-minute call holds one part)")
     ap.add_argument("--build-dir", default=None)
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder for the shapes (default: the demo model's)")
     ap.add_argument("--out", default=None)
@@ -95,7 +96,6 @@ def main() -> None:
 
     from benchmarks.engines import Table, prompts_of
     from benchmarks.shapes import SHAPES, build_shape
-    from logprob_parity.analysis.compare import compare
     from logprob_parity.analysis.request import Context, prepare
     from logprob_parity.analysis.turns import fit_of
     from logprob_parity.engines import memory, pool
@@ -136,6 +136,17 @@ def main() -> None:
     fit = fit_of(p, vreq, hreq)
     table.add("plan", fit.words)
 
+    if not a.no_compare:
+        in_turn_compare(a, p, spec, store, vreq, hreq, table)
+    if a.rollout:
+        in_turn_rollout(a, tok, model, device, settings, store, table)
+    pool.POOL.shutdown()
+
+
+def in_turn_compare(a, p, spec, store, vreq, hreq, table) -> None:
+    from logprob_parity.analysis.compare import compare
+    from logprob_parity.engines import pool
+
     # bare: each engine alone on the same ids (warm: each is used once first)
     with pool.POOL.lease_for([vreq, hreq], True) as lease:
         vh, hh = lease.host(vreq), lease.host(hreq)
@@ -166,32 +177,36 @@ def main() -> None:
     table.add("in turn: most /dev/shm in use above its start", f"{s.peak / 1e9:.2f} GB")
     table.add("in turn: mean |Δ|, KL mean", f"{run.summary['mean_abs_delta']:.4g}, {run.summary.get('kl_full_mean')}")
 
-    if a.rollout:
-        from logprob_parity.analysis.rollout import rollout
-        from logprob_parity.results.rollout import Sampling
 
-        n_p, n_s, n_t = (int(x) for x in a.rollout.split("x"))
-        sampling = Sampling(samples=n_s, temperature=1.0, max_tokens=n_t, seed=0)
-        r_texts = tuple(tok.decode(s[1:]) for s in prompts_of(tok, n_p, 128))
-        with Peak(gpu_used) as g:
-            t = time.perf_counter()
-            (ro,) = rollout(
-                RunSpec(texts=r_texts, model=model.path, dtypes=(a.dtype,), device=device, settings=settings),
-                sampling,
-                Context.of(store=store),
-                use_cache=False,
-            )
-            took = time.perf_counter() - t
-        toks = sum(len(x.completion_token_ids) for x in ro.samples)
-        table.add(
-            f"rollout in turn: {n_p} prompts x {n_s} samples x {n_t} tokens, wall", f"{took:.1f} s ({toks:,} completion tokens)"
+def in_turn_rollout(a, tok, model, device, settings, store, table) -> None:
+    from benchmarks.engines import prompts_of
+    from logprob_parity.analysis.request import Context
+    from logprob_parity.analysis.rollout import rollout
+    from logprob_parity.inputs.spec import RunSpec
+    from logprob_parity.results.rollout import Sampling
+
+    n_p, n_s, n_t = (int(x) for x in a.rollout.split("x"))
+    sampling = Sampling(samples=n_s, temperature=1.0, max_tokens=n_t, seed=0)
+    r_texts = tuple(tok.decode(s[1:]) for s in prompts_of(tok, n_p, 128))
+    with Peak(gpu_used) as g:
+        t = time.perf_counter()
+        (ro,) = rollout(
+            RunSpec(texts=r_texts, model=model.path, dtypes=(a.dtype,), device=device, settings=settings),
+            sampling,
+            Context.of(store=store),
+            use_cache=False,
         )
-        table.add(
-            "rollout in turn: turns; timing",
-            f"{ro.meta.timing.get('turns')}; " + ", ".join(f"{k} {x:.1f}" for k, x in ro.meta.timing.items() if k.endswith("_s")),
-        )
-        table.add("rollout in turn: most memory in use on the card", f"{g.top / 1e9:.2f} GB (cap {a.cap})")
-    pool.POOL.shutdown()
+        took = time.perf_counter() - t
+    toks = sum(len(x.completion_token_ids) for x in ro.samples)
+    table.add(
+        f"rollout in turn: {n_p} prompts x {n_s} samples x {n_t} tokens, wall", f"{took:.1f} s ({toks:,} completion tokens)"
+    )
+    table.add(
+        "rollout in turn: turns; timing",
+        f"{ro.meta.timing.get('turns')}; " + ", ".join(f"{k} {x:.1f}" for k, x in ro.meta.timing.items() if k.endswith("_s")),
+    )
+    table.add("rollout in turn: most memory in use on the card", f"{g.top / 1e9:.2f} GB (cap {a.cap})")
+    table.add("rollout in turn: exact KL", ro.meta.env.vllm_engine.get("kl_full", ""))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -279,14 +280,17 @@ def test_under_a_cap_on_a_gpu_the_pool_puts_the_idle_engine_to_sleep_and_wakes_i
 
 
 @pytest.mark.engine
-def test_a_rollout_in_turn_samples_and_scores_what_the_side_by_side_rollout_does(tiny_bos, home):
-    """vLLM samples and prefills in its turn, HF rescores in its own: the same seeded tokens, every
-    logprob column and the exact KL equal the rollout with both engines side by side."""
+def test_a_rollout_in_turn_samples_and_scores_what_the_side_by_side_rollout_does(tiny_bos, home, monkeypatch):
+    """vLLM samples and prefills every batch in its turn, HF rescores them in its own: the same seeded
+    tokens, every logprob column and the exact KL equal the rollout with both engines side by side.
+    A second run past the spool's bound keeps the exact KL on a uniform sample of positions: equal
+    where taken, none elsewhere, and the record says so."""
     from logprob_parity.analysis.rollout import rollout
     from logprob_parity.results.rollout import Sampling
 
     sampling = Sampling(samples=2, temperature=0.9, top_p=0.9, max_tokens=12, seed=3)
     prompts = ("The capital of France is", "Write one line about the sea:")
+    monkeypatch.setenv("LPP_BATCH_TOKENS", "40")  # a batch a prompt, in both runs: vLLM's turn holds both batches
     (side,) = rollout(
         RunSpec(texts=prompts, model=str(tiny_bos), device="cpu"),
         sampling,
@@ -298,12 +302,32 @@ def test_a_rollout_in_turn_samples_and_scores_what_the_side_by_side_rollout_does
     (turn,) = rollout(spec, sampling, Context.of(store=Store(home / "turns")), use_cache=False)
     assert turn.meta.env.vllm_engine["engines"] == "in turn" and "in turn" in turn.meta.env.vllm_engine["engines_why"]
     assert turn.meta.timing["turns"] >= 2 and "turns" not in side.meta.timing
+    assert turn.meta.timing["batches"] == side.meta.timing["batches"] == 2
     assert turn.rollout_id == side.rollout_id and turn.meta.summary == side.meta.summary
     for a, b in zip(turn.samples, side.samples):
         assert a.completion_token_ids == b.completion_token_ids
         for k in b.logprob:
             np.testing.assert_array_equal(a.logprob[k], b.logprob[k])
         np.testing.assert_array_equal(a.exact["kl_full"], b.exact["kl_full"])
+
+    vocab = prepare(spec, Context.of()).model.vocab_size
+    rows = sum(len(x.prompt_token_ids) + len(x.completion_token_ids) - 1 for x in side.samples)
+    monkeypatch.setenv("LPP_SPOOL_BYTES", str(rows * 4 * vocab // 4))
+    (part,) = rollout(spec, sampling, Context.of(store=Store(home / "sampled")), use_cache=False)
+    words = part.meta.env.vllm_engine["kl_full"]
+    stride, phase = (int(x) for x in re.search(r"every (\d+)th position of each text from position (\d+)", words).groups())
+    phase -= 1
+    assert stride >= 4 and "uniform sample" in words and "standard error" in words
+    taken = []
+    for a, b in zip(part.samples, side.samples):
+        n0 = len(a.prompt_token_ids)
+        kept = (n0 - 1 + np.arange(len(a.completion_token_ids))) % stride == phase  # token n0+j: row n0+j-1
+        np.testing.assert_array_equal(a.exact["kl_full"][kept], b.exact["kl_full"][kept])
+        assert np.isnan(a.exact["kl_full"][~kept]).all()
+        np.testing.assert_array_equal(a.logprob["hf"], b.logprob["hf"])
+        taken.append(b.exact["kl_full"][kept])
+    taken = np.concatenate(taken)
+    assert len(taken) and part.meta.summary["prefill_vs_hf"]["kl_full_mean"] == pytest.approx(float(taken.mean()), rel=1e-12)
 
 
 @pytest.mark.engine

@@ -175,12 +175,13 @@ BATCH_TOKENS_ENV = "LPP_BATCH_TOKENS"  # positions a batch scores at most (defau
 def plan_batches(lengths: list[int], vocab: int | None, device: str, row_bytes: int | None = None) -> list[tuple[int, int]]:
     """Consecutive sequences [lo, hi) a batch: at most BATCH_TOKENS_ENV positions, and at most the
     exact KL's rows one batch may keep (logprob_parity.engines.fullvocab.batch_bytes), always at least one
-    sequence; row_bytes: a lower bound of its own (the spool of engines in turn). The same lengths on
+    sequence; row_bytes: a bound of its own, in place of the device's (the files of engines in turn,
+    which with a sample keep only some rows of a batch). The same lengths on
     the same machine always give the same plan, which is what lets a killed run find its finished
     batches again."""
     cap = int(os.environ.get(BATCH_TOKENS_ENV) or (65536 if device.startswith("cuda") else 16384))
     if vocab:
-        rows = fullvocab.batch_bytes(device) if row_bytes is None else min(row_bytes, fullvocab.batch_bytes(device))
+        rows = fullvocab.batch_bytes(device) if row_bytes is None else row_bytes
         cap = min(cap, max(1, rows // (4 * vocab)))
     out, lo, used = [], 0, 0
     for i, n in enumerate(lengths):

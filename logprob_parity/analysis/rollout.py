@@ -154,6 +154,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     vreq, hreq = _engines(p, dtype, sampling)
     timing: dict[str, float] = {}
     in_turn: dict[str, str] = {}  # the engine record's words when the engines ran in turn
+    sample: tuple[int, int] | None = None  # in turn past the spool's bound: the exact KL's rows kept
     if ctx.ray is not None:
         from logprob_parity.analysis.cluster import open_cluster
 
@@ -173,10 +174,20 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
             batches = _batches(p, sampling)
             parts = []
             with ctx.pool.device_turn(ctx.waiter(dtype), what="rollout"):
-                for b, (lo, hi) in enumerate(batches):
-                    if len(batches) > 1:
-                        ctx.emit("sample", dtype, f"batch {b + 1} of {len(batches)}: prompts {lo + 1} to {hi}")
-                    parts.append(_sample_and_score(p, sampling, dtype, lease, lo, hi, timing))
+                if fit.in_turn:  # vLLM's work on every batch, then HF's: two turns, not two a batch
+                    sample = turns.sample_for(
+                        [len(x) + sampling.max_tokens - 1 for x in p.seqs for _ in range(sampling.samples)],
+                        p.model.vocab_size,
+                        p.seqs,
+                    )
+                    parts = _in_turn(p, sampling, dtype, lease, batches, timing, sample)
+                    if sample:
+                        in_turn["kl_sample"] = f"every {sample[0]}th position of each sequence from position {sample[1] + 1}"
+                else:
+                    for b, (lo, hi) in enumerate(batches):
+                        if len(batches) > 1:
+                            ctx.emit("sample", dtype, f"batch {b + 1} of {len(batches)}: prompts {lo + 1} to {hi}")
+                        parts.append(_sample_and_score(p, sampling, dtype, lease, lo, hi, timing))
                 done = Sampled.join(parts)
                 floors = _noise_floors(p, dtype, lease, vreq, hreq, done.first(noise), sampling.to_dict(), noise, timing)
             done = dataclasses.replace(done, floors=floors)
@@ -190,7 +201,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     summary = {
         pair: mismatch_metrics([r.logprob[a] for r in recs], [r.logprob[b] for r in recs]) for pair, (a, b, _) in PAIRS.items()
     }
-    summary["prefill_vs_hf"].update(exact_stats(recs))
+    summary["prefill_vs_hf"].update(exact_stats(recs, sampled=sample is not None))
     summary = with_bands(
         summary, done.floors or {}, dtype, ((r.logprob[a], r.logprob[b]) for r in recs for a, b, _ in [PAIRS[MAIN_PAIR]])
     )
@@ -198,7 +209,20 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
     kl_why = done.kl_why
     vllm_engine = {
         **(done.engines.get("vllm") or {}),
-        "kl_full": "exact, every completion token of prefill_vs_hf" if kl_why is None else f"not computed: {kl_why}",
+        "kl_full": (
+            f"not computed: {kl_why}"
+            if kl_why is not None
+            else "exact, every completion token of prefill_vs_hf"
+            if sample is None
+            else turns.sample_words(
+                int(sum(np.isfinite(r.exact["kl_full"]).sum() for r in recs)),
+                sum(len(r.completion_token_ids) for r in recs),
+                sample,
+                "completion tokens of prefill_vs_hf",
+                summary["prefill_vs_hf"].get("kl_full_mean"),
+                summary["prefill_vs_hf"].get("kl_full_mean_err"),
+            )
+        ),
         **in_turn,
     }
     meta = RolloutMeta(
@@ -272,15 +296,57 @@ class Sampled:
         )
 
 
+def _in_turn(
+    p: Prepared,
+    sampling: Sampling,
+    dtype: str,
+    lease: Any,
+    batches: list[tuple[int, int]],
+    timing: dict[str, float],
+    sample: tuple[int, int] | None,
+) -> list[Sampled]:
+    """Engines in turn: vLLM samples and prefills every batch (its rows wait in the spool's files),
+    then HF finishes every batch. The batches and seeds are the side-by-side run's, so are the values."""
+    staged: list[dict[str, Any]] = []
+    try:
+        for b, (lo, hi) in enumerate(batches):
+            p.ctx.emit("sample", dtype, f"vLLM's turn, batch {b + 1} of {len(batches)}: prompts {lo + 1} to {hi}")
+            staged.append(_vllm_part(p, sampling, dtype, lease, lo, hi, timing, sample))
+        out = []
+        for b, got in enumerate(staged):
+            p.ctx.emit("score", dtype, f"HF's turn, batch {b + 1} of {len(batches)}")
+            out.append(_hf_part(p, sampling, dtype, lease, got, timing))
+        return out
+    finally:
+        for got in staged:
+            got["ex"].close()
+
+
 def _sample_and_score(
     p: Prepared, sampling: Sampling, dtype: str, lease: Any, lo: int, hi: int, timing: dict[str, float]
 ) -> Sampled:
     """Prompts [lo, hi): vLLM samples every (prompt, seed) request in one generate call, vLLM
     prefill and HF rescore the ids, an MoE model's decode routes are compared and replayed; the
     samples as records."""
+    return _hf_part(p, sampling, dtype, lease, _vllm_part(p, sampling, dtype, lease, lo, hi, timing), timing)
+
+
+def _vllm_part(
+    p: Prepared,
+    sampling: Sampling,
+    dtype: str,
+    lease: Any,
+    lo: int,
+    hi: int,
+    timing: dict[str, float],
+    sample: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """vLLM's work on prompts [lo, hi): the samples in one generate call, then its prefill of the
+    same ids, which leaves its full rows for the exact KL (every row, or `sample`'s: engines in turn
+    past the spool's bound). What `_hf_part` needs to finish the batch."""
     ctx = p.ctx
-    vreq, hreq = _engines(p, dtype, sampling)
-    vllm, hf = lease.host(vreq), lease.host(hreq)
+    vreq, _ = _engines(p, dtype, sampling)
+    vllm = lease.host(vreq)
     n = sampling.samples
     seeds = sampling.seeds(len(p.seqs))[lo * n : hi * n]
     req_prompts = [p.seqs[lo + k // n] for k in range(len(seeds))]
@@ -306,12 +372,41 @@ def _sample_and_score(
     starts = [len(pr) for pr in req_prompts]
     ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
     # vLLM prefill leaves its full logprobs for the exact KL of prefill_vs_hf (logprob_parity.engines.fullvocab)
-    ex = fullvocab.Exchange(sum(len(f) - 1 for f in full), p.model.vocab_size, p.device, getattr(lease, "transport", None))
+    kept = None if sample is None else (*sample, sum(int(fullvocab.sampled(len(f) - 1, sample).sum()) for f in full))
+    ex = fullvocab.Exchange(
+        sum(len(f) - 1 for f in full), p.model.vocab_size, p.device, getattr(lease, "transport", None), sample=kept
+    )
     try:
         t = time.perf_counter()
         prefill = lease.call(vreq, lambda: vllm.score(full, 1, None, None, "right", ex.vllm_target))
         ex.after_vllm(vllm)
         timing["prefill_s"] = timing.get("prefill_s", 0.0) + time.perf_counter() - t
+    except BaseException:
+        ex.close(vllm)
+        raise
+    return {
+        "lo": lo,
+        "samples": samples,
+        "seeds": seeds,
+        "req_prompts": req_prompts,
+        "full": full,
+        "starts": starts,
+        "prefill": prefill,
+        "ex": ex,
+        "processes": processes,
+    }
+
+
+def _hf_part(p: Prepared, sampling: Sampling, dtype: str, lease: Any, got: dict[str, Any], timing: dict[str, float]) -> Sampled:
+    """HF's work on a batch vLLM has done (`_vllm_part`): its teacher-forced rescore with the exact
+    KL against vLLM's rows, an MoE model's routes; the samples as records. The rows are freed here."""
+    ctx = p.ctx
+    vreq, hreq = _engines(p, dtype, sampling)
+    vllm, hf = lease.host(vreq), lease.host(hreq)
+    lo, samples, seeds, req_prompts = got["lo"], got["samples"], got["seeds"], got["req_prompts"]
+    full, starts, prefill, ex, processes = got["full"], got["starts"], got["prefill"], got["ex"], got["processes"]
+    n = sampling.samples
+    try:
         ctx.emit("score", dtype, "HF rescores the same ids, teacher-forced (the trainer's side)")
         t = time.perf_counter()
         hf_scores = lease.call(

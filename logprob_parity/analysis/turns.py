@@ -120,6 +120,54 @@ def in_turn_weights(
         return 0
 
 
+SAMPLE_ENV = "LPP_KL_SAMPLE"
+SAMPLE_DEFAULT = 4096
+
+
+def sample_positions() -> int:
+    """About how many positions' rows the exact KL keeps past the spool's bound (LPP_KL_SAMPLE). 4,096
+    rows of a 152k vocabulary are 2.5 GB to copy; the KL's mean is then known to about 1.6% of the
+    positions' own spread (1/sqrt(4096)), and the run says its standard error."""
+    return max(1, int(os.environ.get(SAMPLE_ENV) or SAMPLE_DEFAULT))
+
+
+def sample_for(
+    rows_each: list[int], vocab: int | None, ids: list[list[int]], group_rows: int | None = None
+) -> tuple[int, int] | None:
+    """None when every row of the spool (rows_each: each sequence's rows, at most group_rows of them
+    at once) fits the spool's bound; else (stride, phase) of a uniform systematic sample of each
+    sequence's positions: every stride-th row from row phase.
+
+    The stride is the larger of the fewest whose rows fit the bound (at most one row more a sequence
+    than rows/stride) and the one that keeps about LPP_KL_SAMPLE positions in all: copying rows is
+    what engines in turn spend most on, and the mean's standard error, which the run states, shrinks
+    only as the square root of the sample. The phase comes from the ids, so the same sequences give
+    the same sample."""
+    vocab = vocab or 0
+    total = sum(rows_each)
+    rows = total if group_rows is None else min(total, group_rows)
+    bound = spool_bound()
+    if not vocab or rows * 4 * vocab <= bound:
+        return None
+    row = 4 * vocab
+    stride = max(2, -(-rows * row // bound), -(-total // sample_positions()))
+    longest = max(rows_each, default=1)
+    while (-(-rows // stride) + min(len(rows_each), rows)) * row > bound and stride <= longest:
+        stride += 1
+    phase = int(content_hash([list(x) for x in ids[:8]], 8), 16) % stride
+    return stride, phase
+
+
+def sample_words(kept: int, total: int, sample: tuple[int, int], what: str, mean: float | None, err: float | None) -> str:
+    """How the exact KL of a sample reads in a run's record."""
+    stride, phase = sample
+    return (
+        f"exact on a uniform sample of {kept:,} of {total:,} {what} (every {stride}th position of each text from "
+        f"position {phase + 1}): vLLM's rows of every position would not fit the spool's bound of {spool_bound() / 1e9:.3g} GB"
+        + (f"; mean {mean:.4g} ± {err:.2g} (standard error)" if mean is not None and err is not None else "")
+    )
+
+
 GROUP_ENV = "LPP_TURN_POSITIONS"
 GROUP_DEFAULT = 1 << 22  # positions a turn scores: their scores wait in this process (about 100 bytes each)
 
@@ -143,48 +191,55 @@ class InTurn:
     def __init__(self, p: Prepared, dtype: str, requests: list[Any], fit: memory.Fit) -> None:
         self.p, self.dtype, self.requests, self.fit = p, dtype, requests, fit
         self.bound = spool_bound()
-        # no batch is planned larger than one batch of the files transport may be (the spool's bound is
-        # kept by sampling the rows, `_sample_of_run`)
-        self.row_bytes = fullvocab.MAX_BYTES
+        # the sample of the exact KL's rows, decided from the whole run (None: every row)
+        self.sample: tuple[int, int] | None = self._sample_of_run()
+        # the most rows' bytes a batch is planned for: one batch of the files transport. With a sample
+        # a batch keeps one row in stride and at most one more a text (half of it is left for those),
+        # so it may span that many more positions: fewer, larger vLLM calls (the batch-token cap holds)
+        self.row_bytes = fullvocab.MAX_BYTES // 2 * self.sample[0] if self.sample else fullvocab.MAX_BYTES
         self.turns = 0  # times an engine took the device from the other (vLLM's turns and HF's)
         self._last: int | None = None
         self.turn_s = 0.0  # seconds the pool took to give an engine the device (the other's sleep or stop)
         self.spool_max = 0  # the most bytes of rows the spool held at once
         self.spooled = 0
-        self.sample: tuple[int, int] | None = None  # the group's sample of the exact KL's rows, or None: every row
         self.samples: set[tuple[int, int]] = set()  # the sample taken (one a run), for the record
+        # each engine's hosts and their sleep and wake seconds when first seen: the run's share of them
+        self._hosts: dict[int, tuple[Any, dict[str, float]]] = {}
+        for r in requests:
+            self._see(r)
         self.kl_positions = 0  # positions whose rows the spool kept
 
     def _sample_of_run(self) -> tuple[int, int] | None:
-        """None when every row of a group fits the spool's bound; else (stride, phase) of a uniform
-        systematic sample of each text's positions: every stride-th row from row phase, the fewest
-        strides whose rows fit the bound in any group (at most one row more a text than rows/stride).
-        Decided from the whole run's texts, with the phase from their ids, so a killed run started
-        again samples the same positions."""
+        """The run's sample of the exact KL's rows (`sample_for`), the spool holding one group of
+        batches at a time; decided from the whole run's texts, so a killed run started again samples
+        the same positions."""
         p = self.p
-        vocab = p.model.vocab_size or 0
         lengths = [len(s) - 1 for s in p.seqs]
-        rows = min(sum(lengths), group_positions() + max(lengths, default=0))
-        if not vocab or rows * 4 * vocab <= self.bound:
-            return None
-        stride = max(2, -(-rows * 4 * vocab // self.bound))
-        while (-(-rows // stride) + len(lengths)) * 4 * vocab > self.bound:
-            stride += 1
-        phase = int(content_hash([list(x) for x in p.seqs[:8]], 8), 16) % stride
-        return stride, phase
+        return sample_for(lengths, p.model.vocab_size, p.seqs, group_positions() + max(lengths, default=0))
 
     def kl_words(self, positions: int, mean: float | None, err: float | None) -> str | None:
         """The exact KL's words when a sample stood in for every position (None: every position)."""
         if not self.samples:
             return None
-        how = "; ".join(f"every {st}th position of each text from position {ph + 1}" for st, ph in sorted(self.samples))
-        return (
-            f"exact on a uniform sample of {self.kl_positions:,} of {positions:,} positions ({how}): vLLM's rows of every "
-            f"position would not fit the spool's bound of {self.bound / 1e9:.3g} GB"
-            + (f"; mean {mean:.4g} ± {err:.2g} (standard error)" if mean is not None and err is not None else "")
-        )
+        (sample,) = self.samples
+        return sample_words(self.kl_positions, positions, sample, "positions", mean, err)
 
     # -- turns ------------------------------------------------------------------------------------
+    def _see(self, request: Any) -> None:
+        host = getattr(self.p.ctx.pool, "host_for", lambda r: None)(request)
+        if host is not None and id(host) not in self._hosts:
+            self._hosts[id(host)] = (host, dict(getattr(host, "turn_seconds", {})))
+
+    def _turn_seconds(self) -> dict[str, float]:
+        """Seconds each engine spent leaving the device (sleep) and taking it back (wake) in this run."""
+        out: dict[str, float] = {}
+        for host, before in self._hosts.values():
+            backend = host.request.backend if getattr(host, "request", None) is not None else "engine"
+            for k, x in getattr(host, "turn_seconds", {}).items():
+                key = f"{backend}_{k}_s"
+                out[key] = round(out.get(key, 0.0) + x - before.get(k, 0.0), 3)
+        return {k: x for k, x in out.items() if x}
+
     def _lease(self, which: int, what: str) -> Any:
         """The lease of one engine alone; the pool stops the other (idle) to make room under the cap."""
         ctx = self.p.ctx
@@ -195,6 +250,7 @@ class InTurn:
         t = time.perf_counter()
         lease = ctx.pool.lease([req], on_wait=ctx.waiter(self.dtype))  # the other engine sleeps or stops here
         self.turn_s += time.perf_counter() - t
+        self._see(req)
         say_loading(ctx, self.dtype, lease, req, self.p.device)
         return lease
 
@@ -202,7 +258,6 @@ class InTurn:
         ctx = self.p.ctx
         vreq, hreq = self.requests
         plan = groups([job.tokens for job in jobs], group_positions())
-        self.sample = self._sample_of_run()
         if self.sample:
             self.samples.add(self.sample)
         computed, t_compute = 0, 0.0
@@ -256,10 +311,16 @@ class InTurn:
         p = self.p
         _, b, lo, hi, n_batches, with_floor, _ = job.inputs()
         texts = p.seqs[lo:hi]
-        ex = fullvocab.Exchange(job.tokens, p.model.vocab_size, p.device, kind="files", bound=None if self.sample else self.bound)
-        if self.sample and ex.folder:
-            fullvocab.set_sample(ex.folder, *self.sample)
-        kept = sum(int(fullvocab.sampled(len(s) - 1, self.sample).sum()) for s in texts) * 4 * (p.model.vocab_size or 0)
+        rows = sum(int(fullvocab.sampled(len(s) - 1, self.sample).sum()) for s in texts)
+        kept = rows * 4 * (p.model.vocab_size or 0)
+        ex = fullvocab.Exchange(
+            job.tokens,
+            p.model.vocab_size,
+            p.device,
+            kind="files",
+            bound=None if self.sample else self.bound,
+            sample=(*self.sample, rows) if self.sample else None,
+        )
         item: dict[str, Any] = {"job": job, "ex": ex, "vllm_load_s": load_s, "vllm_info": vhost.info, "bytes": kept}
         with p.ctx.pool.device_turn(p.ctx.waiter(self.dtype), what="scoring"):
             item["vllm"], item["vllm_score_s"] = batch.vllm_side(
@@ -352,5 +413,6 @@ class InTurn:
             "turn_s": round(self.turn_s, 3),
             "spool_bytes_max": self.spool_max,
             "spool_bound_bytes": self.bound,
+            **self._turn_seconds(),
             **({"kl_sample": sorted(self.samples), "kl_positions": self.kl_positions} if self.samples else {}),
         }

@@ -218,9 +218,13 @@ def _capturing_v2(worker: Any, logits_fn: Any, batch: Any, all_token_ids: Any, p
         lo = offset[0]
         hi = offset[0] = lo + int(logits.shape[0])
         rows = None
+        sampling = _STATE["token"] is None and _STATE.get("sample") is not None
         for a, b, pos, req_id in plan:
             x, y = max(a, lo), min(b, hi)
             if x >= y:
+                continue
+            if sampling:  # a sample: only its rows get a log_softmax (a chunk's every row is gigabytes)
+                _store_rows(req_id, logits[x - lo : y - lo], pos + x - a, logits.shape[-1], logits, raw=True)
                 continue
             if rows is None:
                 rows = torch.log_softmax(logits.float(), dim=-1)
@@ -238,10 +242,11 @@ def _new_path(n: int) -> Path | None:
     return Path(_STATE["dir"]) / f"req-{n}.npy" if _STATE["dir"] is not None else None
 
 
-def _store_rows(req_id: str, rows: Any, at: int, vocab: int, like: Any) -> None:
+def _store_rows(req_id: str, rows: Any, at: int, vocab: int, like: Any, raw: bool = False) -> None:
     """Rows (a tensor) into the request's array at row `at`: a tensor's view for tensors; for files
     only the sampled rows (`set_sample`), copied to the host, so rows left out cost neither the copy
-    nor shared memory (the file is sparse)."""
+    nor shared memory (the file is sparse). raw: `rows` are a sample's logits, and only the sampled
+    ones get their float32 log_softmax."""
     arr = _rows_into(req_id, vocab, like)
     if arr is None:
         return
@@ -256,7 +261,12 @@ def _store_rows(req_id: str, rows: Any, at: int, vocab: int, like: Any) -> None:
     stride, phase = sample
     first = (phase - at) % stride
     if first < n:
-        arr[at + first : at + n : stride] = _host(rows[first::stride])
+        picked = rows[first::stride]
+        if raw:
+            import torch
+
+            picked = torch.log_softmax(picked.float(), dim=-1)
+        arr[at + first : at + n : stride] = _host(picked)
 
 
 def _host(rows: Any) -> np.ndarray:
@@ -534,17 +544,26 @@ class Exchange:
     host needs (`hf_source`, or `why` there is none); `close` removes or frees the rows."""
 
     def __init__(
-        self, n_positions: int, vocab: int | None, device: str, kind: str | None = None, bound: int | None = None
+        self,
+        n_positions: int,
+        vocab: int | None,
+        device: str,
+        kind: str | None = None,
+        bound: int | None = None,
+        sample: tuple[int, int, int] | None = None,
     ) -> None:
         """kind: the transport, else this device's (`transport`); engines in turn pass "files", whose
-        rows outlive the vLLM host's turn. bound: the most bytes these rows may take (a spool's)."""
+        rows outlive the vLLM host's turn. bound: the most bytes these rows may take (a spool's).
+        sample: (stride, phase, kept) for files: only the rows of `set_sample`'s sample are written,
+        `kept` of them, so the room asked for and the limits count those rows alone (the file is sparse)."""
         self.kind = kind or transport(device)
         self.n_positions = n_positions
         self.folder: str | None = None
         self.token: str | None = None
         self.handles: list[Any] | None = None
         self.runner: str | None = None
-        self.need = need_bytes(n_positions, vocab)
+        kept = n_positions if sample is None else sample[2]
+        self.need = need_bytes(kept, vocab)
         self.why: str | None = None if vocab else "the model's vocabulary size is unknown"
         if not ENABLED:
             self.why = f"switched off ({ENABLED_ENV}=0)"
@@ -556,7 +575,9 @@ class Exchange:
         if self.why:
             return
         if self.kind == "files":
-            self.folder, self.why = folder_for(n_positions, vocab)
+            self.folder, self.why = folder_for(kept, vocab)
+            if self.folder and sample is not None:
+                set_sample(self.folder, sample[0], sample[1])
         else:
             self.token = f"{os.getpid()}-{next(_TOKENS)}"
 

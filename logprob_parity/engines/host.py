@@ -280,6 +280,7 @@ class HostClient:
         self.extra_env = extra_env or {}
         self.device = device
         self.need_bytes = need_bytes  # what the pool expects it to take on its device
+        self.turn_seconds = {"sleep": 0.0, "wake": 0.0}  # spent leaving and taking the device (engines in turn)
         self.busy = False  # a request is in flight
         self.leases = 0  # requests holding or promised this host (logprob_parity.engines.pool)
         self.owners: dict[int, int] = {}  # thread id -> leases it holds
@@ -579,10 +580,18 @@ class HostClient:
 
     def sleep(self, timeout: float = 1800.0) -> bool:
         """The engine leaves the device, its model kept in host memory; False: it cannot."""
-        return bool(self._request(HostRequest("sleep"), "leaving the device (engines in turn)", timeout))
+        t = time.perf_counter()
+        try:
+            return bool(self._request(HostRequest("sleep"), "leaving the device (engines in turn)", timeout))
+        finally:
+            self.turn_seconds["sleep"] += time.perf_counter() - t
 
     def wake(self, timeout: float = 1800.0) -> None:
-        self._request(HostRequest("wake"), "taking the device again (engines in turn)", timeout)
+        t = time.perf_counter()
+        try:
+            self._request(HostRequest("wake"), "taking the device again (engines in turn)", timeout)
+        finally:
+            self.turn_seconds["wake"] += time.perf_counter() - t
 
     def write_full(self, sequences: list[list[int]], folder: str, timeout: float = 3600.0) -> int:
         return self._request(HostRequest("write_full", (sequences, folder)), "writing full logprobs", timeout)

@@ -468,6 +468,11 @@ class EnginePool:
         with self._cond:
             return [k for k, h in self._hosts.items() if h.alive()]
 
+    def host_for(self, request: LoadRequest) -> HostClient | None:
+        """The host of this engine key now (awake or asleep), if there is one."""
+        with self._cond:
+            return self._hosts.get(request.key())
+
     def running(self) -> list[HostClient]:
         with self._cond:
             return [h for h in self._hosts.values() if h.alive()]

@@ -582,13 +582,16 @@ def _nums(a: Any) -> list[float | None]:
     return [x if math.isfinite(x) else None for x in np.asarray(a, dtype=np.float64).tolist()]
 
 
-def exact_stats(samples: Any) -> dict[str, float | None]:
+def exact_stats(samples: Any, sampled: bool = False) -> dict[str, float | None]:
     """llama.cpp's exact-KL and same-top statistics of the prefill_vs_hf pair over these samples'
-    completion tokens (logprob_parity.results.metrics); None where a sample lacks them."""
+    completion tokens (logprob_parity.results.metrics); None where a sample lacks them. sampled: the
+    exact KL exists on a sample of positions only (engines in turn), and its statistics are of those."""
     from logprob_parity.results.metrics import exact_kl_stats, same_top_stats
 
     have = all(c in s.exact for s in samples for c in EXACT)
     kl = np.concatenate([s.exact["kl_full"] for s in samples]) if have and samples else np.array([np.nan])
+    if sampled:
+        kl = kl[np.isfinite(kl)]
     same = np.concatenate([s.exact["same_top"] for s in samples]) if have and samples else np.array([])
     return {**exact_kl_stats(kl), **same_top_stats(same[np.isfinite(same)] > 0.5 if np.isfinite(same).all() else np.array([]))}
 

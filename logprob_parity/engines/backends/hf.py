@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from logprob_parity.engines import fullvocab
 from logprob_parity.engines.attention import EAGER_FOR_SOFTCAP, soft_caps_attention
 from logprob_parity.engines.backends.base import Backend, apply_tf32
+from logprob_parity.engines.hostcopy import HostCopy
 from logprob_parity.engines.scores import TokenScores
 from logprob_parity.inputs.sizes import consecutive
 from logprob_parity.inputs.spec import EngineSettings
@@ -47,6 +48,7 @@ class HFBackend(Backend):
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device).eval()
         self.batch_size = settings.hf_batch_size
+        self._host_copy = HostCopy()  # the weights while the engine sleeps (engines in turn on a GPU)
         # hf_compile: inductor fuses the forward's norms, rotary and activations, and the block's
         # float32 log_softmax, gathers and rank count into a few kernels (no float32 [rows, vocab]
         # array); dynamic shapes so new lengths do not recompile. Compiles on the first call.
@@ -61,13 +63,18 @@ class HFBackend(Backend):
         a model spread over GPUs by device_map stays where accelerate put it (False: stop it instead)."""
         if not self.device.startswith("cuda") or self.settings.hf_device_map:
             return False
-        self.model.to("cpu")
+        self._host_copy.sleep(self.model)
         gc.collect()
         torch.cuda.empty_cache()
         return True
 
     def wake(self) -> None:
-        self.model.to(self.device)
+        """Back on the card. The host copy stays for the next sleep (which then copies nothing) while
+        host memory keeps room beside it for vLLM's own sleeping weights, about as large."""
+        from logprob_parity.engines.memory import free_bytes
+
+        copy = self._host_copy
+        copy.wake(self.model, self.device, keep=free_bytes("cpu") > copy.nbytes * 11 // 10)
 
     @torch.inference_mode()
     def score(
@@ -498,6 +505,7 @@ class HFBackend(Backend):
         cut = top_k > 0 or top_p < 1.0
         clock = _Clock(self.device)
         vrows = None if full is None else fullvocab.open_rows(full)
+        sample = fullvocab.sample_in(full)  # engines in turn past the spool's bound: vLLM kept a sample of the rows
         clock.lap("open_rows")
         got: list[torch.Tensor] = []  # per pass: [rows, 5] float64 on the device, read back once at the end
         for lo in range(0, len(order), bs):
@@ -508,6 +516,11 @@ class HFBackend(Backend):
             target = torch.tensor([t for i in idx for t in sequences[i][starts[i] :]], dtype=torch.long, device=block.device)
             # vLLM's rows of the same positions (row t-1 predicts token t on both sides)
             refs = None if vrows is None else [vrows[i][starts[i] - 1 :] for i in idx]
+            keep = (
+                None
+                if refs is None or sample is None
+                else np.concatenate([fullvocab.sampled(len(sequences[i]) - 1, sample)[starts[i] - 1 :] for i in idx])
+            )
             for a in range(0, block.shape[0], self.ROW_CHUNK):  # float32 [rows, vocab] a block at a time
                 f32 = block[a : a + self.ROW_CHUNK]
                 f32 = f32 if f32.dtype == torch.float64 else f32.float()
@@ -519,11 +532,14 @@ class HFBackend(Backend):
                     if cut and (top_p < 1.0 or top_k < lp.shape[-1])
                     else torch.zeros(lp.shape[0], device=lp.device)
                 )
-                kl = (
-                    torch.full((lp.shape[0],), float("nan"), dtype=torch.float64, device=lp.device)
-                    if refs is None
-                    else fullvocab.kl_rows(lp, _rows_of(refs, a, a + lp.shape[0]))
-                )
+                if refs is None or keep is not None:
+                    kl = torch.full((lp.shape[0],), float("nan"), dtype=torch.float64, device=lp.device)
+                    sel = None if keep is None else np.flatnonzero(keep[a : a + lp.shape[0]])
+                    if sel is not None and len(sel):  # only the sampled rows: the others were never kept
+                        at = torch.as_tensor(sel, device=lp.device)
+                        kl[at] = fullvocab.kl_rows(lp[at], _rows_of(refs, a, a + lp.shape[0], sel))
+                else:
+                    kl = fullvocab.kl_rows(lp, _rows_of(refs, a, a + lp.shape[0]))
                 got.append(
                     torch.stack(
                         [
@@ -639,14 +655,18 @@ class _Clock:
             )
 
 
-def _rows_of(parts: list[Any], a: int, b: int) -> Any:
+def _rows_of(parts: list[Any], a: int, b: int, sel: np.ndarray | None = None) -> Any:
     """Rows [a, b) of the parts stacked end to end, reading only those rows (parts are memory maps,
-    or tensors another process shares)."""
+    or tensors another process shares); sel: only these of them (offsets from a, ascending)."""
     out, at = [], 0
     for part in parts:
         lo, hi = max(a, at), min(b, at + len(part))
-        if lo < hi:
+        if lo < hi and sel is None:
             out.append(part[lo - at : hi - at])
+        elif lo < hi:
+            mine = sel[(sel + a >= lo) & (sel + a < hi)] + a - at
+            if len(mine):
+                out.append(part[mine])
         at += len(part)
     return _joined(out)
 
