@@ -146,6 +146,23 @@ def test_a_comparison_in_turn_is_the_side_by_side_run_and_its_record_says_so(dem
 
 
 @pytest.mark.engine
+def test_an_moe_comparison_in_turn_routes_every_token_as_the_side_by_side_run_with_vllms_routes_taken_in_its_own_turn(home):
+    """A tiny Qwen3-MoE in turn: vLLM's routes are taken while it holds the device for its scores, so
+    the run takes two turns, not three; the routing record and every value equal the side-by-side run's."""
+    from families import build_family, family
+
+    model = build_family(family("qwen3_moe"))
+    (side,) = compare(RunSpec(texts=TEXTS, model=str(model), device="cpu"), store=Store(home / "side"), use_cache=False)
+    spec = RunSpec(texts=TEXTS, model=str(model), device="cpu", settings=EngineSettings(device_memory=_cap_between(model)))
+    (turn,) = compare(spec, store=Store(home / "turns"), use_cache=False)
+    assert side.meta.routing["measured"] and turn.meta.routing == side.meta.routing
+    assert turn.meta.timing["turns"] == 2 and turn.summary == side.summary
+    for a, b in zip(turn.sequences, side.sequences):
+        np.testing.assert_array_equal(a.vllm.logprob, b.vllm.logprob)
+        assert a.routing == b.routing
+
+
+@pytest.mark.engine
 def test_a_prompt_set_in_turn_alternates_in_groups_keeps_its_spool_within_the_bound_and_matches(tiny_bos, home, monkeypatch):
     """Turns of two batches each: the set alternates vLLM, HF, vLLM, HF…, the spool never holds more
     than its bound, and the run is the side-by-side run of the same batches, exact KL and all."""

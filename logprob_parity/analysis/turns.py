@@ -205,6 +205,7 @@ class InTurn:
         self.samples: set[tuple[int, int]] = set()  # the sample taken (one a run), for the record
         # each engine's hosts and their sleep and wake seconds when first seen: the run's share of them
         self._hosts: dict[int, tuple[Any, dict[str, float]]] = {}
+        self._vllm_routes: Any = None  # vLLM's routes, taken in its first turn (`routing`)
         for r in requests:
             self._see(r)
         self.kl_positions = 0  # positions whose rows the spool kept
@@ -276,6 +277,9 @@ class InTurn:
                     for job in group:
                         spool.append(self._vllm_turn(lease, vhost, job, load_s))
                         load_s = 0.0
+                    if self._vllm_routes is None:  # an MoE model's routes while vLLM holds the device: no turn of their own
+                        seqs = self.p.seqs[: batch.routing_texts(self.p.seqs)]
+                        self._vllm_routes = lease.call(vreq, lambda h=vhost, s=seqs: h.routes(s))
                 with self._lease(1, what + ", against the spool") as lease:
                     t = time.perf_counter()
                     hhost = lease.host(hreq)
@@ -393,16 +397,19 @@ class InTurn:
         return floor, time.perf_counter() - t
 
     def routing(self, seqs: list[list[int]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """An MoE model's routes, each engine in its turn: HF first (it holds the device after the last
-        group), then vLLM."""
+        """An MoE model's routes: vLLM's were taken in its first turn (`parts`), HF's now (it holds the
+        device after the last group); vLLM takes a turn of its own only when a resumed run scored no
+        batch with it."""
         p = self.p
         vreq, hreq = self.requests
         with self._lease(1, "the experts each token was routed to") as lease:
             hf = lease.call(hreq, lambda: lease.host(hreq).routes(seqs[: batch.routing_texts(seqs)]))
         if isinstance(hf, str):
             return {"measured": False, "why": hf}, []
-        with self._lease(0, "the experts each token was routed to") as lease:
-            vl = lease.call(vreq, lambda: lease.host(vreq).routes(seqs[: batch.routing_texts(seqs)]))
+        vl = self._vllm_routes
+        if vl is None:
+            with self._lease(0, "the experts each token was routed to") as lease:
+                vl = lease.call(vreq, lambda: lease.host(vreq).routes(seqs[: batch.routing_texts(seqs)]))
         return batch.routes_compared(p, hf, vl, seqs)
 
     def timing_words(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ of weights would waste up to half of that again.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +39,22 @@ class HostCopy:
         self.buffer: Any = None
         self.pinned = False
         self.views: dict[tuple[Any, ...], Any] = {}  # a Parameter or buffer slot -> its view in the buffer
+        self._ready: threading.Thread | None = None
+        self._copied = False  # the weights are in the buffer (a prepared buffer is still empty)
+
+    def prepare(self, model: Any) -> None:
+        """Make and pin the buffer now, in the background, so the first sleep only copies. Pinning
+        tens of gigabytes is the slow part of a first sleep (about 25 s for 46 GB on an H100, most of
+        it the kernel faulting pages in one thread); here the pages are touched by every core first,
+        while the engine scores."""
+        if self.buffer is None and self._ready is None:
+            self._ready = threading.Thread(target=self._make, args=(model,), name="lpp-host-copy", daemon=True)
+            self._ready.start()
+
+    def _wait(self) -> None:
+        if self._ready is not None:
+            self._ready.join()
+            self._ready = None
 
     @staticmethod
     def _key(mod: Any, kind: str, name: str, t: Any) -> tuple[Any, ...]:
@@ -54,8 +71,10 @@ class HostCopy:
                 continue
             seen[key] = (total, t)
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        self.buffer = torch.empty(max(total, 1), dtype=torch.uint8)
-        self.pinned = _register(self.buffer)
+        buffer = torch.empty(max(total, 1), dtype=torch.uint8)
+        buffer.zero_()  # every page faulted in by torch's threads, not by cudaHostRegister's one
+        self.pinned = _register(buffer)
+        self.buffer = buffer
         for key, (at, t) in seen.items():
             n = t.numel() * t.element_size()
             self.views[key] = self.buffer[at : at + n].view(t.dtype).view(t.shape)
@@ -63,9 +82,11 @@ class HostCopy:
     def sleep(self, model: Any) -> None:
         """The model's tensors to host memory; the device's copies are freed once the copy is done.
         With a copy kept from an earlier sleep, only buffers (which a forward may rewrite) are copied."""
-        fresh = self.buffer is None
-        if fresh:
+        self._wait()
+        fresh = not self._copied
+        if self.buffer is None:
             self._make(model)
+        self._copied = True
         moves = []
         for mod, kind, name, t in _slots(model):
             if t.device.type == "cpu":
@@ -103,9 +124,10 @@ class HostCopy:
         return 0 if self.buffer is None else self.buffer.numel()
 
     def free(self) -> None:
+        self._wait()
         if self.buffer is not None and self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-        self.buffer, self.pinned, self.views = None, False, {}
+        self.buffer, self.pinned, self.views, self._copied = None, False, {}, False
 
 
 def _register(buffer: Any) -> bool:

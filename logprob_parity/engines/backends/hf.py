@@ -49,6 +49,12 @@ class HFBackend(Backend):
             self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device).eval()
         self.batch_size = settings.hf_batch_size
         self._host_copy = HostCopy()  # the weights while the engine sleeps (engines in turn on a GPU)
+        if self.device.startswith("cuda") and settings.device_memory and not settings.hf_device_map:
+            from logprob_parity.engines.memory import free_bytes
+
+            weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+            if free_bytes("cpu") > 2.2 * weights:  # room for vLLM's sleeping weights beside it
+                self._host_copy.prepare(self.model)
         # hf_compile: inductor fuses the forward's norms, rotary and activations, and the block's
         # float32 log_softmax, gathers and rank count into a few kernels (no float32 [rows, vocab]
         # array); dynamic shapes so new lengths do not recompile. Compiles on the first call.
