@@ -21,6 +21,7 @@ from logprob_parity.analysis import turns
 from logprob_parity.analysis.compare import compare, engine_requests
 from logprob_parity.analysis.request import Context, prepare
 from logprob_parity.engines import memory
+from logprob_parity.engines.records import LoadRequest
 from logprob_parity.errors import UserError
 from logprob_parity.inputs.settings import EngineSettings
 from logprob_parity.inputs.spec import RunSpec
@@ -345,6 +346,36 @@ def test_a_rollout_in_turn_samples_and_scores_what_the_side_by_side_rollout_does
         taken.append(b.exact["kl_full"][kept])
     taken = np.concatenate(taken)
     assert len(taken) and part.meta.summary["prefill_vs_hf"]["kl_full_mean"] == pytest.approx(float(taken.mean()), rel=1e-12)
+
+
+@pytest.mark.engine
+def test_a_frontier_configuration_whose_engines_do_not_fit_together_runs_them_in_turn_with_the_side_by_side_gaps(tiny_bos, home):
+    """One configuration's vLLM and HF engines and the float64 reference under a cap that holds any one
+    of them but not all three: the frontier says it runs them in turn, and each gap to float64 equals
+    the side-by-side frontier's (speed is timing, not compared)."""
+    from logprob_parity.analysis.frontier import _engines, _requests, frontier, parse_configs
+    from logprob_parity.engines.pool import engine_bytes
+
+    configs = parse_configs("bfloat16")
+    texts = ("The capital of France is Paris, and the capital of Italy is Rome.",)
+    side = frontier(
+        RunSpec(texts=texts, model=str(tiny_bos), device="cpu"),
+        configs,
+        Context.of(store=Store(home / "side")),
+        speed_load=(2, 16),
+    )
+    p = prepare(RunSpec(texts=texts, model=str(tiny_bos), device="cpu"), Context.of())
+    ref = LoadRequest("hf", p.model.path, "float64", "cpu", p.spec.settings, p.max_model_len)
+    total = sum(engine_bytes(r) for r in _engines(p, configs, ref))
+    said: list[str] = []
+    spec = RunSpec(texts=texts, model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=str(total - 1)))
+    turn = frontier(
+        spec, configs, Context.of(store=Store(home / "turns"), on_event=lambda *a: said.append(str(a))), speed_load=(2, 16)
+    )
+    assert any("do not fit together, so they run in turn" in s for s in said), said
+    (a,), (b,) = turn.configs, side.configs
+    assert a["ref_gap"] == b["ref_gap"] and a["hf_ref_gap"] == b["hf_ref_gap"] and a["tokens_per_s"]["prefill"] > 0
+    assert max(engine_bytes(r) for r in _requests(p, configs[0], p.max_model_len)) < total - 1
 
 
 @pytest.mark.engine
