@@ -140,9 +140,18 @@ def judged(kind: str, device: str, estimated_s: float | None, took_s: float) -> 
 
 
 def rollout_estimate(
-    device: str, n_prompts: int, samples: int, max_tokens: int, n_dtypes: int, floors: bool, cold: int
+    device: str,
+    n_prompts: int,
+    samples: int,
+    max_tokens: int,
+    n_dtypes: int,
+    floors: bool,
+    cold: int,
+    in_turn_weights: int = 0,
 ) -> tuple[float, str]:
-    """(seconds, the words a form shows) of a rollout before it starts."""
+    """(seconds, the words a form shows) of a rollout before it starts. in_turn_weights: the weight
+    bytes of a model whose engines take turns under the cap (each dtype: vLLM's turn, HF's, and with
+    the floors one more of each)."""
     tokens = n_prompts * samples * max_tokens * max(1, n_dtypes)
     rate, src = _rate("rollout", device)
     work = tokens * rate
@@ -152,7 +161,8 @@ def rollout_estimate(
         work += tokens * frate
         parts.append(f"the noise floors, {frate * 1000:.0f} ms a token ({fsrc})")
     start, swords = _starts(cold, device)
-    total, parts = learned("rollout", device, work + start, [*parts, swords])
+    turn_s, twords = turns_estimate(device, (4 if floors else 2) * max(1, n_dtypes) if in_turn_weights else 0, in_turn_weights)
+    total, parts = learned("rollout", device, work + start + turn_s, [*parts, swords, *([twords] if twords else [])])
     return total, _words(total, parts)
 
 
@@ -160,16 +170,23 @@ def rollout_words(device: str, n_prompts: int, samples: int, max_tokens: int, n_
     return rollout_estimate(device, n_prompts, samples, max_tokens, n_dtypes, floors, cold)[1]
 
 
-def frontier_estimate(device: str, n_configs: int, cold: int, repeats: int = 3) -> tuple[float, str]:
+def frontier_estimate(device: str, n_configs: int, cold: int, repeats: int = 3, in_turn_weights: int = 0) -> tuple[float, str]:
     """(seconds, the words a form shows) of a frontier before it starts: every engine start, and each
-    configuration's accuracy and its speed timed `repeats` times."""
+    configuration's accuracy and its speed timed `repeats` times. in_turn_weights: the weight bytes of
+    a model whose engines take turns under the cap (each configuration: vLLM's turn, HF's and the
+    float64 reference's)."""
     rate, src = _rate("frontier", device)
     start, swords = _starts(cold, device)
+    turn_s, twords = turns_estimate(device, 3 * n_configs if in_turn_weights else 0, in_turn_weights)
     total, parts = learned(
         "frontier",
         device,
-        n_configs * rate + start,
-        [f"{n_configs} configuration(s) at {rate:.0f} s each once warm, its speed timed {repeats} times ({src})", swords],
+        n_configs * rate + start + turn_s,
+        [
+            f"{n_configs} configuration(s) at {rate:.0f} s each once warm, its speed timed {repeats} times ({src})",
+            swords,
+            *([twords] if twords else []),
+        ],
     )
     return total, _words(total, parts)
 

@@ -9,10 +9,12 @@ import streamlit as st
 
 from logprob_parity.analysis.estimate import cold_engines, frontier_defaults, frontier_estimate, record
 from logprob_parity.analysis.frontier import Config, default_grid, frontier, frontier_table, parse_configs, progress_steps
+from logprob_parity.analysis.turns import in_turn_weights
 from logprob_parity.dashboard.components.alerts import into_view_once, show_error
 from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.runner import run_job
-from logprob_parity.dashboard.state import device_here, engines_available, get_store, model_path_of
+from logprob_parity.dashboard.components.settings_form import setting_input
+from logprob_parity.dashboard.state import device_here, engines_available, get_store, model_path_of, model_roots
 from logprob_parity.engines.host import start_words
 from logprob_parity.engines.pool import POOL
 from logprob_parity.errors import UserError
@@ -55,13 +57,15 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
             key=f"{KEY}-extra",
             placeholder="float32 attention_backend=FLEX_ATTENTION; bfloat16 checkpoint=/path/to/its-gptq-checkpoint",
         )
+        cap = setting_input(st, "device_memory", KEY)
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     picked = [c for c in grid if c.name in chosen]
     wanted = [("hf", "float64")] + sorted({(b, c.dtype) for c in picked if not c.changes for b in ("hf", "vllm")})
     cold = cold_engines(POOL, model_path_of(chosen_model(preset, typed)), wanted, EngineSettings()) + sum(
         1 for c in picked if c.changes
     )
-    seconds, words = frontier_estimate(device, len(picked), cold, d.repeats)
+    weights = in_turn_weights(chosen_model(preset, typed), sorted({c.dtype for c in picked}), cap, model_roots())
+    seconds, words = frontier_estimate(device, len(picked), cold, d.repeats, weights)
     st.session_state[f"{KEY}-estimate"] = seconds  # run_frontier says so when the run takes over twice this
     st.caption(":material/schedule: " + words)
     skipped = [c for c in grid if c.skip]
@@ -76,7 +80,7 @@ def frontier_form() -> tuple[RunSpec | None, list[Config] | None, float | None]:
         configs = [c for c in grid if c.name in chosen] + (parse_configs(extra) if extra.strip() else [])
         if not configs:
             raise UserError("Choose at least one configuration.")
-        spec = RunSpec(texts=(text,), model=model)
+        spec = RunSpec(texts=(text,), model=model, settings=EngineSettings(device_memory=cap))
         spec.validate()
     except UserError as exc:
         show_error(str(exc))

@@ -10,11 +10,13 @@ import streamlit as st
 
 from logprob_parity.analysis.estimate import cold_engines, record, rollout_defaults, rollout_estimate
 from logprob_parity.analysis.rollout import NOISE_SAMPLES, STEPS_PER_DTYPE, rollout
+from logprob_parity.analysis.turns import in_turn_weights
 from logprob_parity.analysis.verdict import Verdict
 from logprob_parity.dashboard.components.alerts import into_view_once, show_error
 from logprob_parity.dashboard.components.model_field import chosen_model, model_inputs
 from logprob_parity.dashboard.components.run_view import verdict_cards
 from logprob_parity.dashboard.components.runner import run_job
+from logprob_parity.dashboard.components.settings_form import setting_input
 from logprob_parity.dashboard.components.tables import picked_rows
 from logprob_parity.dashboard.state import (
     device_here,
@@ -22,6 +24,7 @@ from logprob_parity.dashboard.state import (
     engines_available,
     get_store,
     model_path_of,
+    model_roots,
     query_int,
     set_query,
 )
@@ -112,13 +115,15 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None, bool]:
         )
         if not gpu:
             f2.caption(":material/block: CUDA graphs: GPUs only; this CPU decodes eagerly.")
+        cap = setting_input(st, "device_memory", KEY)
         submitted = st.form_submit_button("Run", type="primary", disabled=blocked is not None)
     n_prompts = len([line for line in text.splitlines() if line.strip()])
     eager = (not graphs) or not gpu
     run_settings = dataclasses.replace(EngineSettings(), enforce_eager=eager)
     wanted = [(b, x) for x in chosen for b in ("hf", "vllm")]
     cold = cold_engines(POOL, model_path_of(chosen_model(preset, typed)), wanted, run_settings)
-    seconds, words = rollout_estimate(device, n_prompts, int(samples), int(max_tokens), len(chosen), floors, cold)
+    weights = in_turn_weights(chosen_model(preset, typed), chosen, cap, model_roots())
+    seconds, words = rollout_estimate(device, n_prompts, int(samples), int(max_tokens), len(chosen), floors, cold, weights)
     st.session_state[f"{KEY}-estimate"] = seconds  # run_rollout says so when the run takes over twice this
     st.caption(":material/schedule: " + words)
     # One spot for this form's message. The run itself draws below the tabs, so without a placeholder
@@ -143,6 +148,7 @@ def rollout_form() -> tuple[RunSpec | None, Sampling | None, bool]:
     )
     try:
         sampling.validate()
+        run_settings = dataclasses.replace(run_settings, device_memory=cap)
         spec = RunSpec(texts=prompts, model=model, dtypes=tuple(chosen), bos=bos, settings=run_settings)
         spec.validate()
     except UserError as exc:

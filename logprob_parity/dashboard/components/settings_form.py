@@ -77,6 +77,13 @@ def widget_state(key: str, values: dict[str, Any], registry: tuple[Setting, ...]
     return out
 
 
+def setting_input(container: Any, name: str, key: str) -> Any:
+    """One registered setting's input alone (the Rollout and Frontier forms show only the memory cap);
+    its value, None for the engine's default."""
+    (s,) = [x for x in SETTINGS if x.name == name]
+    return _widget(container, s, key, s.default, {})
+
+
 def settings_inputs(key: str, initial: dict[str, Any] | None = None, registry: tuple[Setting, ...] = SETTINGS) -> dict[str, Any]:
     """One input per registered setting, in three columns (vLLM, HF, both engines); returns
     {name: value}. `initial` pre-fills the inputs (a run opened from a link shows its settings)."""
