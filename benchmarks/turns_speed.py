@@ -145,6 +145,7 @@ def main() -> None:
 
 def in_turn_compare(a, p, spec, store, vreq, hreq, table) -> None:
     from logprob_parity.analysis.compare import compare
+    from logprob_parity.analysis.request import Context
     from logprob_parity.engines import pool
 
     # bare: each engine alone on the same ids (warm: each is used once first)
@@ -159,7 +160,7 @@ def in_turn_compare(a, p, spec, store, vreq, hreq, table) -> None:
 
     with Peak(gpu_used) as g, Peak(shm_used) as s:
         t = time.perf_counter()
-        (run,) = compare(spec, store=store, use_cache=False)
+        (run,) = compare(spec, Context.of(store=store, on_event=said), use_cache=False)
         took = time.perf_counter() - t
     tm = run.meta.timing
     n = run.summary["n_tokens"]
@@ -178,6 +179,11 @@ def in_turn_compare(a, p, spec, store, vreq, hreq, table) -> None:
     table.add("in turn: mean |Δ|, KL mean", f"{run.summary['mean_abs_delta']:.4g}, {run.summary.get('kl_full_mean')}")
 
 
+def said(stage: str, dtype: str | None, detail: str) -> None:
+    """The run's progress on stdout, with the time: a 10-minute call cut short still shows where it stood."""
+    print(f"{time.strftime('%H:%M:%S')} [{stage}{'/' + dtype if dtype else ''}] {detail}", flush=True)
+
+
 def in_turn_rollout(a, tok, model, device, settings, store, table) -> None:
     from benchmarks.engines import prompts_of
     from logprob_parity.analysis.request import Context
@@ -193,7 +199,7 @@ def in_turn_rollout(a, tok, model, device, settings, store, table) -> None:
         (ro,) = rollout(
             RunSpec(texts=r_texts, model=model.path, dtypes=(a.dtype,), device=device, settings=settings),
             sampling,
-            Context.of(store=store),
+            Context.of(store=store, on_event=said),
             use_cache=False,
         )
         took = time.perf_counter() - t

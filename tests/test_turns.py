@@ -464,10 +464,10 @@ def test_a_spool_or_a_sleeping_engine_that_would_not_fit_is_refused_in_words_bef
         turns.check_room(p, vreq, {"spool": rows, "host": 1000})
 
 
-def test_a_diagnosis_in_turn_is_estimated_with_its_turns_and_one_side_by_side_without(tiny_bos, home):
-    """The form's estimate before Run counts the engines' turns (a CPU: an engine start each) when the cap
-    puts them in turn, and none without a cap."""
-    from logprob_parity.analysis.estimate import diagnostics_estimate
+def test_a_diagnosis_rollout_or_frontier_in_turn_is_estimated_with_its_turns_and_one_side_by_side_without(tiny_bos, home):
+    """The forms' estimates before Run count the engines' turns (a CPU: an engine start each; a GPU: the
+    weights' sleep and wake at the measured rate) when the cap puts them in turn, and none without a cap."""
+    from logprob_parity.analysis.estimate import diagnostics_estimate, frontier_estimate, rollout_estimate
 
     weights = turns.in_turn_weights(str(tiny_bos), ["float32"], _cap_between(tiny_bos), None, "cpu")
     assert weights == memory.weight_bytes(str(tiny_bos), "float32") > 0
@@ -476,5 +476,11 @@ def test_a_diagnosis_in_turn_is_estimated_with_its_turns_and_one_side_by_side_wi
     plain, plain_words, _ = diagnostics_estimate("cpu", ["noise"], 1, 0, 0)
     turned, words, _ = diagnostics_estimate("cpu", ["noise"], 1, 0, 0, weights)
     assert "turns of the engines" in words and "turns" not in plain_words and turned > plain
-    _, gpu_words, _ = diagnostics_estimate("cuda", ["noise"], 1, 0, 0, 16 * 10**9)
-    assert "4 turns of the engines (each a sleep and a wake, about 9 s for 16 GB of weights)" in gpu_words
+    _, gpu_words, _ = diagnostics_estimate("cuda", ["noise"], 1, 0, 0, 46 * 10**9)
+    assert "4 turns of the engines (each a sleep and a wake, about 5 s for 46 GB of weights)" in gpu_words
+    plain, plain_words = rollout_estimate("cpu", 2, 2, 16, 1, False, 0)
+    turned, words = rollout_estimate("cpu", 2, 2, 16, 1, False, 0, weights)
+    assert "2 turns of the engines" in words and "turns" not in plain_words and turned > plain
+    plain, plain_words = frontier_estimate("cpu", 2, 0)
+    turned, words = frontier_estimate("cpu", 2, 0, 3, weights)
+    assert "6 turns of the engines" in words and "turns" not in plain_words and turned > plain

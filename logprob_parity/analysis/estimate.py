@@ -196,9 +196,10 @@ def frontier_words(device: str, n_configs: int, cold: int, repeats: int = 3) -> 
 
 
 # Engines in turn (analysis.turns): one engine leaving the device and the other taking it. On a GPU
-# the weights move to host memory and back: 17.9 s for two turns of Llama-3.1-8B's 16 GB on an H100
-# (benchmarks/results/turns_h100.md), about 0.56 s a GB. On a CPU an engine stops and another starts.
-TURN_S_PER_GB = 0.56
+# the weights move to pinned host memory and back: 10.5 s for two turns of the Qwen3-30B-A3B shape's
+# 46 GB on an H100 (benchmarks/results/turns_h100.md), about 0.115 s a GB (HF's first sleep copies its
+# weights; later ones copy nothing). On a CPU an engine stops and another starts.
+TURN_S_PER_GB = 0.115
 
 
 def turns_estimate(device: str, turns: int, weight_bytes: int) -> tuple[float, str]:
