@@ -379,7 +379,10 @@ def test_a_frontier_configuration_whose_engines_do_not_fit_together_runs_them_in
 
 
 @pytest.mark.engine
-def test_a_rescore_in_turn_gives_the_side_by_side_rescore(tiny_bos, home, tmp_path):
+def test_a_rescore_in_turn_gives_the_side_by_side_rescore(tiny_bos, home, tmp_path, monkeypatch):
+    """Logged rollouts rescored in turn: vLLM prefills every batch of a group, then HF finishes them
+    (two turns for the batches, not two a batch), and every value equals the side-by-side rescore's. Past
+    the spool's bound the exact KL keeps a uniform sample of positions, equal where taken."""
     from logprob_parity.analysis.rescore import rescore
 
     rng = np.random.default_rng(1)
@@ -393,6 +396,7 @@ def test_a_rescore_in_turn_gives_the_side_by_side_rescore(tiny_bos, home, tmp_pa
     ]
     path = tmp_path / "logged.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setenv("LPP_BATCH_TOKENS", "40")  # four batches, in both runs
     (side,) = rescore(
         path,
         path.name,
@@ -403,12 +407,29 @@ def test_a_rescore_in_turn_gives_the_side_by_side_rescore(tiny_bos, home, tmp_pa
     cap = _cap_between(tiny_bos, ("x" * 40,))
     spec = RunSpec(texts=("x",), model=str(tiny_bos), device="cpu", settings=EngineSettings(device_memory=cap))
     (turn,) = rescore(path, path.name, spec, Context.of(store=Store(home / "turns")), use_cache=False)
-    assert turn.meta.env.vllm_engine["engines"] == "in turn" and turn.meta.timing["turns"] >= 2
+    assert turn.meta.env.vllm_engine["engines"] == "in turn" and side.meta.timing["batches"] == 4
+    assert 2 <= turn.meta.timing["turns"] < 2 * 4  # the floors take turns of their own
     assert turn.rollout_id == side.rollout_id and turn.meta.summary == side.meta.summary
     for a, b in zip(turn.samples, side.samples):
         for k in b.logprob:
             np.testing.assert_array_equal(a.logprob[k], b.logprob[k])
         np.testing.assert_array_equal(a.exact["kl_full"], b.exact["kl_full"])
+
+    vocab = prepare(spec, Context.of()).model.vocab_size
+    monkeypatch.setenv("LPP_SPOOL_BYTES", str(8 * 16 * 4 * vocab // 4))  # a quarter of the rows
+    (part,) = rescore(path, path.name, spec, Context.of(store=Store(home / "sampled")), use_cache=False)
+    words = part.meta.env.vllm_engine["kl_full"]
+    stride, phase = (int(x) for x in re.search(r"every (\d+)th position of each text from position (\d+)", words).groups())
+    assert stride >= 4 and "uniform sample" in words and "standard error" in words
+    taken = []
+    for a, b in zip(part.samples, side.samples):
+        n0 = len(a.prompt_token_ids)
+        kept = (n0 - 1 + np.arange(len(a.completion_token_ids))) % stride == phase - 1
+        np.testing.assert_array_equal(a.exact["kl_full"][kept], b.exact["kl_full"][kept])
+        assert np.isnan(a.exact["kl_full"][~kept]).all()
+        taken.append(b.exact["kl_full"][kept])
+    taken = np.concatenate(taken)
+    assert len(taken) and part.meta.summary["prefill_vs_hf"]["kl_full_mean"] == pytest.approx(float(taken.mean()), rel=1e-9)
 
 
 def test_the_layer_part_in_turn_is_refused_in_words_before_any_engine_starts(tiny_bos, home):

@@ -56,7 +56,7 @@ from logprob_parity.results.rollout import (
     sample_table,
     with_bands,
 )
-from logprob_parity.results.totals import streamed_summary
+from logprob_parity.results.totals import ExactTotals, streamed_summary
 
 PART_LAYOUT = 2  # what a stored part holds (2: the final rows of its sequences); parts of another layout are recomputed
 WINDOW_SEQUENCES = 4096  # the stored file is written a window of consecutive sequences at a time: at most this many,
@@ -169,7 +169,16 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
         for req in (vreq, hreq):
             say_loading(ctx, dtype, lease, req, p.device)
         here = _RescoreHere(p, dtype, mml, lease)
-        here.in_turn = {"engines": "in turn", "engines_why": fit.words} if fit.in_turn else {}
+        if fit.in_turn:
+            here.in_turn = {"engines": "in turn", "engines_why": fit.words}
+            here.sample = turns.sample_for(
+                (logged.prompt_len + logged.completion_len - 1).tolist(),
+                p.model.vocab_size,
+                [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in logged.read(range(min(8, len(logged))))],
+                turns.group_positions() + int((logged.prompt_len + logged.completion_len).max(initial=0)),
+            )
+            if here.sample:
+                here.in_turn["kl_sample"] = f"every {here.sample[0]}th position of each text from position {here.sample[1] + 1}"
         _rescore_with(p, logged, dtype, rid, mml, noise, here, t_all)
 
 
@@ -244,11 +253,12 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
     engine_info = engine_info or infos
     timing.update(batches=len(batches), batches_from_store=reused, **engines.timing_words())
     kl_words = "exact, every completion token of prefill_vs_hf" if not kl_why else "not computed: " + "; ".join(sorted(kl_why))
+    sample = getattr(engines, "sample", None)
     engines_out = {
         "hf": engine_info.get("hf") or {},
         "vllm": {**(engine_info.get("vllm") or {}), "kl_full": kl_words, **getattr(engines, "in_turn", {})},
     }
-    finish(p, logged, batches, dtype, rid, mml, floors, timing, engines_out, t_all)
+    finish(p, logged, batches, dtype, rid, mml, floors, timing, engines_out, t_all, sample)
 
 
 def _inputs(logged: LoggedIndex, dtype: str, mml: int, b: int, idx: list[int]) -> tuple[Any, ...]:
@@ -276,18 +286,28 @@ def _score_logged(
     with ctx.pool.device_turn(ctx.waiter(dtype), what="rescoring"):
         ex = fullvocab.Exchange(sum(len(f) - 1 for f in batch), p.model.vocab_size, p.device, getattr(lease, "transport", None))
         try:
-            t = time.perf_counter()
-            pre = lease.call(vreq, lambda: vllm.score(batch, 1, None, None, "right", ex.vllm_target))
-            ex.after_vllm(vllm)
-            timing["prefill_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            got = lease.call(
-                hreq, lambda: hf.rollout_score(batch, starts, s0.temperature, s0.top_k, s0.top_p, None, ex.hf_source)
-            )
-            timing["hf_s"] = time.perf_counter() - t
+            pre, timing["prefill_s"] = _vllm_logged(lease, vreq, vllm, batch, ex)
+            got, timing["hf_s"] = _hf_logged(lease, hreq, hf, batch, starts, s0, ex)
         finally:
             ex.close(vllm)
     return pre, got, ex.why, timing
+
+
+def _vllm_logged(lease: Any, vreq: LoadRequest, vllm: Any, batch: list[list[int]], ex: Any) -> tuple[Any, float]:
+    """vLLM's prefill of a batch of logged sequences, its rows left for the exact KL; (scores, seconds)."""
+    t = time.perf_counter()
+    pre = lease.call(vreq, lambda: vllm.score(batch, 1, None, None, "right", ex.vllm_target))
+    ex.after_vllm(vllm)
+    return pre, time.perf_counter() - t
+
+
+def _hf_logged(
+    lease: Any, hreq: LoadRequest, hf: Any, batch: list[list[int]], starts: list[int], s0: LoggedSequence, ex: Any
+) -> tuple[Any, float]:
+    """HF's rescore of the same batch, with the exact KL against vLLM's rows; (scores, seconds)."""
+    t = time.perf_counter()
+    got = lease.call(hreq, lambda: hf.rollout_score(batch, starts, s0.temperature, s0.top_k, s0.top_p, None, ex.hf_source))
+    return got, time.perf_counter() - t
 
 
 def _part_of(
@@ -317,6 +337,7 @@ class _RescoreHere:
     def __init__(self, p: Any, dtype: str, mml: int, lease: Any) -> None:
         self.p, self.dtype, self.mml, self.lease = p, dtype, mml, lease
         self.in_turn: dict[str, str] = {}  # the engine record's words when the engines ran in turn
+        self.sample: tuple[int, int] | None = None  # in turn past the spool's bound: the exact KL's rows kept
 
     def parts(self, jobs: list[Job], on_done: Any, dtype: str, total: int, done: int, reused: int, n_batches: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -345,6 +366,9 @@ class _RescoreHere:
                 + (f" ({reused} batch(es) were already in the store)" if reused else ""),
             )
 
+        if self.in_turn:
+            self._in_turn(jobs, build)
+            return
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpp-part") as beside:
             pending = None
             for job in jobs:
@@ -356,6 +380,40 @@ class _RescoreHere:
                 pending = beside.submit(build, job, args, scored)
             if pending is not None:
                 pending.result()
+
+    def _in_turn(self, jobs: list[Job], build: Any) -> None:
+        """Engines in turn: vLLM prefills a group of batches (their rows wait in the spool's files, every
+        row or `sample`'s), then HF finishes the group: two turns a group, not two a batch. The
+        batches are the side-by-side run's, so are the values."""
+        p, dtype, lease = self.p, self.dtype, self.lease
+        vreq, hreq = _requests(p, dtype, self.mml)
+        vllm, hf = lease.host(vreq), lease.host(hreq)
+        plan = turns.groups([job.tokens for job in jobs], turns.group_positions())
+        for g, idx in enumerate(plan):
+            staged: list[tuple[Job, tuple[Any, ...], list[list[int]], Any, Any, float]] = []
+            try:
+                p.ctx.emit("turn", dtype, f"vLLM's turn: group {g + 1} of {len(plan)}, {len(idx)} batch(es)")
+                for k in idx:
+                    args = jobs[k].inputs()
+                    seqs = args[4]
+                    batch = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
+                    rows = sum(len(f) - 1 for f in batch)
+                    kept = (
+                        None
+                        if self.sample is None
+                        else (*self.sample, sum(int(fullvocab.sampled(len(f) - 1, self.sample).sum()) for f in batch))
+                    )
+                    ex = fullvocab.Exchange(rows, p.model.vocab_size, p.device, lease.transport, sample=kept)
+                    staged.append((jobs[k], args, batch, ex, *_vllm_logged(lease, vreq, vllm, batch, ex)))
+                p.ctx.emit("turn", dtype, f"HF's turn: group {g + 1} of {len(plan)}, against the spool")
+                for job, args, batch, ex, pre, prefill_s in staged:
+                    seqs = args[4]
+                    got, hf_s = _hf_logged(lease, hreq, hf, batch, [len(s.prompt_token_ids) for s in seqs], seqs[0], ex)
+                    ex.close()
+                    build(job, args, (pre, got, ex.why, {"prefill_s": prefill_s, "hf_s": hf_s}))
+            finally:
+                for item in staged:
+                    item[3].close()
 
     def floors(
         self, full: list[list[int]], starts: list[int], one: list[np.ndarray], k: int
@@ -464,6 +522,7 @@ def finish(
     timing: dict[str, Any],
     engines: dict[str, dict[str, Any]],
     t_all: float,
+    sample: tuple[int, int] | None = None,
 ) -> None:
     """The stored rescore from its parts: the summary (two passes over the parts' columns), the
     verdict, and the file, written a window at a time in sequence order. Apart from the engines, so
@@ -478,7 +537,19 @@ def finish(
             table = store.part_table(rid, b, [*COLUMNS, *EXACT])
             yield {**{c: table.column(c).to_numpy() for c in (*COLUMNS, *EXACT)}, "lengths": logged.completion_len[idx]}
 
-    summary = streamed_summary(parts, PAIRS, "prefill_vs_hf")
+    exact = ExactTotals(sampled=sample is not None)
+    summary = streamed_summary(parts, PAIRS, "prefill_vs_hf", exact)
+    if sample is not None and not engines["vllm"].get("kl_full", "").startswith("not computed"):
+        # engines in turn past the spool's bound: the exact KL of a uniform sample of positions
+        ex = summary["prefill_vs_hf"]
+        engines["vllm"]["kl_full"] = turns.sample_words(
+            exact.kl.n,
+            int(logged.n_tokens),
+            sample,
+            "completion tokens of prefill_vs_hf",
+            ex.get("kl_full_mean"),
+            ex.get("kl_full_mean_err"),
+        )
     a, b, _ = PAIRS[MAIN_PAIR]
     summary = with_bands(summary, floors, dtype, ((part[a], part[b]) for part in parts()))
     timing["summary_s"] = time.perf_counter() - t

@@ -238,7 +238,8 @@ class ExactTotals:
     """logprob_parity.results.rollout.exact_stats (the exact KL's mean ± error, max and percentiles; the
     same-top share ± error) over parts: None where any token lacks its value, as there."""
 
-    def __init__(self) -> None:
+    def __init__(self, sampled: bool = False) -> None:
+        self.sampled = sampled  # the exact KL exists on a sample of positions (engines in turn): of those
         self.kl = _Moments()
         self.kl_max = -np.inf
         self.kl_missing = False
@@ -247,6 +248,8 @@ class ExactTotals:
         self.q = Quantiles(q / 100 for _, q in KL_PERCENTILES)
 
     def add(self, kl: np.ndarray, same: np.ndarray) -> None:
+        if self.sampled:
+            kl = kl[np.isfinite(kl)]
         if not np.isfinite(kl).all():
             self.kl_missing = True
         elif len(kl):
@@ -259,6 +262,8 @@ class ExactTotals:
         self.same_yes += int((same > 0.5).sum())
 
     def gather(self, kl: np.ndarray) -> None:
+        if self.sampled:
+            kl = kl[np.isfinite(kl)]
         if not self.kl_missing:
             self.q.gather(kl)
 
@@ -284,12 +289,16 @@ class ExactTotals:
 
 
 def streamed_summary(
-    parts: Callable[[], Iterator[dict[str, np.ndarray]]], pairs: dict[str, tuple[str, str, str]], main_exact: str
+    parts: Callable[[], Iterator[dict[str, np.ndarray]]],
+    pairs: dict[str, tuple[str, str, str]],
+    main_exact: str,
+    exact: ExactTotals | None = None,
 ) -> dict[str, dict[str, Any]]:
     """{pair: mismatch metrics} (and the exact statistics on `main_exact`) of the parts `parts()`
-    yields, twice: each a dict of token columns (float64, whole sequences) and "lengths" [sequences]."""
+    yields, twice: each a dict of token columns (float64, whole sequences) and "lengths" [sequences].
+    exact: the caller's own totals of the exact KL (a sampled one, whose count it reads after)."""
     totals = {pair: PairTotals() for pair in pairs}
-    exact = ExactTotals()
+    exact = exact or ExactTotals()
     for part in parts():
         for pair, (a, b, _) in pairs.items():
             totals[pair].add(part[a], part[b], part["lengths"])
