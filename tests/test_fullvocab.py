@@ -251,6 +251,23 @@ def test_the_v2_runner_capture_maps_chunked_rows_to_each_requests_positions(tmp_
         np.testing.assert_array_equal(np.load(fullvocab.path_of(str(tmp_path), i)), want[r])
 
 
+def test_with_a_sample_the_v2_capture_writes_only_the_sampled_rows_each_its_own_positions_log_softmax(tmp_path):
+    """Engines in turn past the spool's bound: only every 2nd row from row 1 of each sequence is written
+    (the log_softmax of those rows alone, bit for bit what every row's would be); the others stay
+    holes of the sparse file, never copied."""
+    from logprob_parity.engines import fullvocab
+
+    fullvocab.set_sample(str(tmp_path), 2, 1)
+    want, _ = _v2_capture(str(tmp_path))
+    assert fullvocab.problem(str(tmp_path)) is None
+    for i, r in enumerate(["b", "a"]):
+        got = np.load(fullvocab.path_of(str(tmp_path), i))
+        kept = fullvocab.sampled(len(got), (2, 1))
+        assert kept.tolist() == [k % 2 == 1 for k in range(len(got))]
+        np.testing.assert_array_equal(got[kept], want[r][kept])
+        assert not got[~kept].any()
+
+
 @pytest.mark.parametrize("rows", [10, None, 4])
 def test_kept_tensors_are_views_of_one_tensor_a_batch_and_reach_the_reader_unchanged(rows):
     """Tensors: with the batch's row count given (10 = 4 + 6), the sequences' rows are views of one
