@@ -178,7 +178,7 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
                 turns.group_positions() + int((logged.prompt_len + logged.completion_len).max(initial=0)),
             )
             if here.sample:
-                here.in_turn["kl_sample"] = f"every {here.sample[0]}th position of each text from position {here.sample[1] + 1}"
+                here.in_turn["kl_sample"] = turns.sample_where(here.sample)
         _rescore_with(p, logged, dtype, rid, mml, noise, here, t_all)
 
 
@@ -398,11 +398,7 @@ class _RescoreHere:
                     seqs = args[4]
                     batch = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
                     rows = sum(len(f) - 1 for f in batch)
-                    kept = (
-                        None
-                        if self.sample is None
-                        else (*self.sample, sum(int(fullvocab.sampled(len(f) - 1, self.sample).sum()) for f in batch))
-                    )
+                    kept = fullvocab.kept_of(batch, self.sample)
                     ex = fullvocab.Exchange(rows, p.model.vocab_size, p.device, lease.transport, sample=kept)
                     staged.append((jobs[k], args, batch, ex, *_vllm_logged(lease, vreq, vllm, batch, ex)))
                 p.ctx.emit("turn", dtype, f"HF's turn: group {g + 1} of {len(plan)}, against the spool")

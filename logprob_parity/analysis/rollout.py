@@ -182,7 +182,7 @@ def _rollout_dtype(p: Prepared, sampling: Sampling, dtype: str, rid: str, noise:
                     )
                     parts = _in_turn(p, sampling, dtype, lease, batches, timing, sample)
                     if sample:
-                        in_turn["kl_sample"] = f"every {sample[0]}th position of each sequence from position {sample[1] + 1}"
+                        in_turn["kl_sample"] = turns.sample_where(sample)
                 else:
                     for b, (lo, hi) in enumerate(batches):
                         if len(batches) > 1:
@@ -372,9 +372,12 @@ def _vllm_part(
     starts = [len(pr) for pr in req_prompts]
     ctx.emit("score", dtype, f"vLLM prefill rescores {sum(map(len, full))} tokens")
     # vLLM prefill leaves its full logprobs for the exact KL of prefill_vs_hf (logprob_parity.engines.fullvocab)
-    kept = None if sample is None else (*sample, sum(int(fullvocab.sampled(len(f) - 1, sample).sum()) for f in full))
     ex = fullvocab.Exchange(
-        sum(len(f) - 1 for f in full), p.model.vocab_size, p.device, getattr(lease, "transport", None), sample=kept
+        sum(len(f) - 1 for f in full),
+        p.model.vocab_size,
+        p.device,
+        getattr(lease, "transport", None),
+        sample=fullvocab.kept_of(full, sample),
     )
     try:
         t = time.perf_counter()

@@ -158,12 +158,17 @@ def sample_for(
     return stride, phase
 
 
+def sample_where(sample: tuple[int, int]) -> str:
+    """Which positions a sample keeps, in words."""
+    stride, phase = sample
+    return f"every {stride}th position of each text from position {phase + 1}"
+
+
 def sample_words(kept: int, total: int, sample: tuple[int, int], what: str, mean: float | None, err: float | None) -> str:
     """How the exact KL of a sample reads in a run's record."""
-    stride, phase = sample
     return (
-        f"exact on a uniform sample of {kept:,} of {total:,} {what} (every {stride}th position of each text from "
-        f"position {phase + 1}): vLLM's rows of every position would not fit the spool's bound of {spool_bound() / 1e9:.3g} GB"
+        f"exact on a uniform sample of {kept:,} of {total:,} {what} ({sample_where(sample)}): vLLM's rows of every "
+        f"position would not fit the spool's bound of {spool_bound() / 1e9:.3g} GB"
         + (f"; mean {mean:.4g} ± {err:.2g} (standard error)" if mean is not None and err is not None else "")
     )
 
@@ -315,15 +320,10 @@ class InTurn:
         p = self.p
         _, b, lo, hi, n_batches, with_floor, _ = job.inputs()
         texts = p.seqs[lo:hi]
-        rows = sum(int(fullvocab.sampled(len(s) - 1, self.sample).sum()) for s in texts)
-        kept = rows * 4 * (p.model.vocab_size or 0)
+        sample = fullvocab.kept_of(texts, self.sample)
+        kept = (job.tokens if sample is None else sample[2]) * 4 * (p.model.vocab_size or 0)
         ex = fullvocab.Exchange(
-            job.tokens,
-            p.model.vocab_size,
-            p.device,
-            kind="files",
-            bound=None if self.sample else self.bound,
-            sample=(*self.sample, rows) if self.sample else None,
+            job.tokens, p.model.vocab_size, p.device, kind="files", bound=None if sample else self.bound, sample=sample
         )
         item: dict[str, Any] = {"job": job, "ex": ex, "vllm_load_s": load_s, "vllm_info": vhost.info, "bytes": kept}
         with p.ctx.pool.device_turn(p.ctx.waiter(self.dtype), what="scoring"):

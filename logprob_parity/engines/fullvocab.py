@@ -370,6 +370,14 @@ def sampled(n_rows: int, sample: tuple[int, int] | None) -> np.ndarray:
     return np.arange(n_rows) % stride == phase
 
 
+def kept_of(sequences: list[list[int]], sample: tuple[int, int] | None) -> tuple[int, int, int] | None:
+    """(stride, phase, rows kept) of these sequences under a sample, for `Exchange(sample=...)`; None
+    without one."""
+    if sample is None:
+        return None
+    return (*sample, sum(int(sampled(len(s) - 1, sample).sum()) for s in sequences))
+
+
 def end(target: Any, sequences: list[list[int]]) -> None:
     """Stop capturing, for either kind of target (see `finish` and `keep`)."""
     if isinstance(target, dict):
