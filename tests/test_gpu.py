@@ -538,3 +538,37 @@ def test_engines_in_turn_under_a_cap_sleep_and_wake_and_give_the_side_by_side_ru
     RESULTS.write_text("\n".join(ROWS) + "\n")
     print(ROWS[-1])
     assert peak[0] <= cap, f"the card held {peak[0] / 1e9:.2f} GB above its start, over the cap of {cap / 1e9:.2f} GB"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_hf_weights_copied_to_the_host_in_the_background_come_back_bit_for_bit(gpu_model, dtype):
+    """HF's sleep in turn (`engines/hostcopy.HostCopy`): the weights go to the pinned host buffer on a
+    side stream while the model scores, the sleep frees the card, and after each wake the model's
+    logits equal the ones before the first sleep bit for bit (two sleeps: the second copies nothing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logprob_parity.engines.hostcopy import HostCopy, _slots
+
+    model = AutoModelForCausalLM.from_pretrained(gpu_model, dtype=getattr(torch, dtype)).to("cuda").eval()
+    ids = torch.arange(1, 257, device="cuda").view(2, 128)
+    copy = HostCopy()
+    with torch.inference_mode():
+        copy.prepare(model)  # the copy runs while the model scores
+        runs = [model(ids).logits.float().cpu() for _ in range(3)]
+        before = runs[0]
+        assert all(torch.equal(before, r) for r in runs), "the model's logits changed while its weights were copied"
+        copy._wait()
+        assert copy.pinned and copy._copied, "the background copy did not finish into a pinned buffer"
+        for mod, kind, name, t in _slots(model):
+            if kind == "_parameters":
+                assert torch.equal(copy.views[copy._key(mod, kind, name, t)], t.cpu()), f"{name} differs in the host copy"
+        for _ in range(2):
+            held = torch.cuda.memory_allocated()
+            copy.sleep(model)
+            assert all(p.device.type == "cpu" for p in model.parameters())
+            assert torch.cuda.memory_allocated() < held / 10, "the sleep left the weights on the card"
+            copy.wake(model, "cuda", keep=True)
+            after = model(ids).logits.float().cpu()
+            assert torch.equal(before, after), f"logits after a wake differ: max |Δ| {(before - after).abs().max():.3e}"
+    copy.free()
