@@ -4,7 +4,7 @@
 
 No engine runs: each sequence's scorings are random arrays of the shape the engines return, so the
 figures are this process's own work on a rescore of that size (logprob_parity.analysis.rescore: the records
-read, checked and spooled; each batch's part built and stored; `finish`, the summary from the parts
+read, checked and staged; each batch's part built and stored; `finish`, the summary from the parts
 and the stored file; the Rollout read back; Rollout.write_json). With --profile, the 15 costliest functions of each
 phase (cProfile, cumulative). Default model: the tiny test Llama (its tokenizer; nothing is loaded
 but the tokenizer).
@@ -49,7 +49,7 @@ def main() -> None:
 
     from logprob_parity.analysis.request import Context, prepare
     from logprob_parity.analysis.rescore import _batches, _samples, finish
-    from logprob_parity.inputs.rollout_logs import spool_logged
+    from logprob_parity.inputs.rollout_logs import stage_logged
     from logprob_parity.inputs.spec import RunSpec
     from logprob_parity.results.rollout import sample_table
     from logprob_parity.results.store import Store
@@ -82,8 +82,8 @@ def main() -> None:
     src.write_bytes(data)
     del data
     logged = phase(
-        "read, check and spool the records",
-        lambda: spool_logged(src, src.name, {}, p.tokenizer, p.spec.bos, vocab, home / "spool.arrow"),
+        "read, check and stage the records",
+        lambda: stage_logged(src, src.name, {}, p.tokenizer, p.spec.bos, vocab, home / "staged.arrow"),
     )
     batches = _batches(logged, vocab, "cpu")
 

@@ -214,7 +214,7 @@ def test_a_killed_rescore_resumes_without_recomputing_its_stored_batches(tiny_bo
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{stored} of 20 batches came from the store" in again.stderr, again.stderr[-3000:]
     assert not any(partial.glob("*/part-*.arrow"))
-    assert not any((partial / "logged").glob("*.arrow"))  # the killed process's spool went with the next run
+    assert not any((partial / "logged").glob("*.arrow"))  # the killed process's staged file went with the next run
     clean = subprocess.run(
         cmd + ["--no-cache", "--json", str(tmp_path / "clean.json")],
         env=env,
@@ -232,10 +232,10 @@ def test_a_killed_rescore_resumes_without_recomputing_its_stored_batches(tiny_bo
     assert a["summary"] == b["summary"]
 
 
-def test_a_spooled_file_reads_back_the_sequences_it_checked_and_a_bad_one_leaves_no_spool(tok, tmp_path):
-    """The rescore's spool (records checked once, kept on disk, read back a batch at a time) gives the
+def test_a_staged_file_reads_back_the_sequences_it_checked_and_a_bad_one_leaves_no_staged_file(tok, tmp_path):
+    """The rescore's staged file (records checked once, kept on disk, read back a batch at a time) gives the
     sequences and digest the in-memory reader gives, from a path or from an upload's bytes."""
-    from logprob_parity.inputs.rollout_logs import SPOOL_ROWS, spool_logged
+    from logprob_parity.inputs.rollout_logs import STAGED_ROWS, stage_logged
 
     rng = np.random.default_rng(5)
     records = [
@@ -247,22 +247,22 @@ def test_a_spooled_file_reads_back_the_sequences_it_checked_and_a_bad_one_leaves
             "step": i // 10,
             **({"id": f"r{i}"} if i % 3 else {}),
         }
-        for i in range(SPOOL_ROWS + 5)
-    ]  # two record batches in the spool
+        for i in range(STAGED_ROWS + 5)
+    ]  # two record batches in the staged file
     path = tmp_path / "many.jsonl"
     path.write_bytes(_jsonl(*records))
     whole = read_logged(path, path.name, {}, tok, "auto", 512)
-    idx = [SPOOL_ROWS + 4, 0, 7, SPOOL_ROWS - 1, SPOOL_ROWS]
+    idx = [STAGED_ROWS + 4, 0, 7, STAGED_ROWS - 1, STAGED_ROWS]
     for source in (path, path.read_bytes()):
-        spool = tmp_path / "spool.arrow"
-        got = spool_logged(source, path.name, {}, tok, "auto", 512, spool)
+        staged = tmp_path / "staged.arrow"
+        got = stage_logged(source, path.name, {}, tok, "auto", 512, staged)
         assert got.digest == whole.digest and len(got) == len(records) and got.n_tokens == whole.n_tokens
         assert got.read(idx) == [whole.sequences[i] for i in idx]
         assert got.temperature[1] == 0.7 and got.completion_len.tolist() == [3] * len(records)
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(_jsonl(*records[:5], {**GOOD, "logprobs": [-1.0, float("nan")]}))
     with pytest.raises(UserError, match="record 6"):
-        spool_logged(bad, bad.name, {}, tok, "auto", 512, tmp_path / "bad.arrow")
+        stage_logged(bad, bad.name, {}, tok, "auto", 512, tmp_path / "bad.arrow")
     assert not (tmp_path / "bad.arrow").exists()
 
 

@@ -178,7 +178,7 @@ class _Worker:
 class Job:
     """One batch of work: `key` identifies it (the batch number), `tokens` counts its progress.
     `args` may be a function that makes them: then they are made when the job is handed out, so a
-    run never holds every batch's inputs at once (a rescore's sequences stay in its spool)."""
+    run never holds every batch's inputs at once (a rescore's sequences stay in its staged file)."""
 
     key: int
     args: tuple[Any, ...] | Callable[[], tuple[Any, ...]]

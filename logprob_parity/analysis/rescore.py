@@ -9,8 +9,8 @@ mismatch metrics, floors (HF's own; there is no decoding here to re-run), verdic
 page, report and `--json`.
 
 Memory is bounded by a batch, not the file (up to 100,000 sequences):
-- the file is read once, a line or row group at a time; each record is checked and spooled to an
-  Arrow file (logprob_parity.inputs.rollout_logs.spool_logged), and batches read their sequences back from it;
+- the file is read once, a line or row group at a time; each record is checked and staged in an
+  Arrow file (logprob_parity.inputs.rollout_logs.stage_logged), and batches read their sequences back from it;
 - each finished batch is stored at once as a part holding its final rows (pieces, prompts and all),
   so a rescore killed part way and started again on the same file computes only the batches it lacks
   and says how many came from the store;
@@ -40,7 +40,7 @@ from logprob_parity.engines import fullvocab
 from logprob_parity.engines.records import LoadRequest
 from logprob_parity.env import device_name, versions
 from logprob_parity.errors import UserError
-from logprob_parity.inputs.rollout_logs import LoggedIndex, LoggedSequence, spool_logged
+from logprob_parity.inputs.rollout_logs import LoggedIndex, LoggedSequence, stage_logged
 from logprob_parity.inputs.spec import RunSpec, content_hash
 from logprob_parity.inputs.tokens import decode_tail_pieces
 from logprob_parity.results.offpolicy import floor_stats
@@ -83,9 +83,9 @@ def rescore(
     spec = with_trainer_defaults(spec)
     p = prepare(dataclasses.replace(spec, texts=(f"logged rollouts from {name}",)), ctx)
     ctx.emit("tokenize", None, f"reading and checking the records of {name}")
-    spool = ctx.store.new_spool()
+    staged = ctx.store.new_staged()
     try:
-        logged = spool_logged(source, name, mapping or {}, p.tokenizer, p.spec.bos, p.model.vocab_size, spool)
+        logged = stage_logged(source, name, mapping or {}, p.tokenizer, p.spec.bos, p.model.vocab_size, staged)
         longest = int((logged.prompt_len + logged.completion_len).max())
         if p.model.max_positions is not None and longest > p.model.max_positions:
             raise UserError(f"a logged sequence is {longest} tokens but {p.model.name} has {p.model.max_positions} positions")
@@ -120,7 +120,7 @@ def rescore(
             out.append(dataclasses.replace(ctx.store.load_rollout(rid), from_store=False))
         return out
     finally:
-        spool.unlink(missing_ok=True)
+        staged.unlink(missing_ok=True)
 
 
 def _windows(logged: LoggedIndex) -> list[tuple[int, int]]:
@@ -223,7 +223,7 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
             done += n_tok
             keep_first(b, idx, None)
             continue
-        # the batch's sequences are read from the spool when it is handed out: memory stays bounded by a batch
+        # the batch's sequences are read from the staged file when it is handed out: memory stays bounded by a batch
         jobs.append(Job(b, functools.partial(_inputs, logged, dtype, mml, b, idx), n_tok))
 
     def stored(job: Job, result: tuple[Any, dict[str, Any], dict[str, Any]], worker: int) -> None:
@@ -262,7 +262,7 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
 
 
 def _inputs(logged: LoggedIndex, dtype: str, mml: int, b: int, idx: list[int]) -> tuple[Any, ...]:
-    """A batch's job arguments, its sequences read from the spool: (dtype, mml, b, idx, sequences,
+    """A batch's job arguments, its sequences read from the staged file: (dtype, mml, b, idx, sequences,
     digest of their ids and logged values, which names the stored part)."""
     seqs = logged.read(idx)
     digest = content_hash(

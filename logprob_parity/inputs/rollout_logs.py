@@ -11,8 +11,8 @@ or stored. Checked: a field is there and of the right kind, the lengths agree, e
 model's vocabulary, no logprob is NaN or above 0, and where a record carries both its prompt text and
 ids, the model's tokenizer makes those ids of that text (else the rollouts came from another tokenizer).
 
-A file is read a line (JSONL) or a row group (Parquet) at a time; a rescore spools the checked
-records to an Arrow file on disk and reads them back a batch at a time (`spool_logged`), so a file
+A file is read a line (JSONL) or a row group (Parquet) at a time; a rescore stages the checked
+records in an Arrow file on disk and reads them back a batch at a time (`stage_logged`), so a file
 of 100,000 sequences is never held in memory. `rollout --json` output, one JSON object, is read whole.
 """
 
@@ -178,8 +178,8 @@ def _number(rec: dict[str, Any], field: str, default: Any, where: str, kind: typ
 def read_logged(
     source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None
 ) -> LoggedSet:
-    """Every record of the file, mapped and checked, in memory (a few records; a rescore spools them,
-    `spool_logged`)."""
+    """Every record of the file, mapped and checked, in memory (a few records; a rescore stages them,
+    `stage_logged`)."""
     digest = hashlib.sha256()
     out = tuple(iter_logged(source, name, mapping, tokenizer, bos, vocab, digest))
     return LoggedSet(out, Path(name).name, digest.hexdigest()[:32])
@@ -284,12 +284,12 @@ def iter_logged(
         raise UserError(f"{name} holds no records")
 
 
-SPOOL_ROWS = 4096  # sequences an Arrow record batch of the spool
+STAGED_ROWS = 4096  # sequences an Arrow record batch of the staged file
 
 
 @dataclass(frozen=True, eq=False)
 class LoggedIndex:
-    """A logged file read once and checked, its sequences spooled to an Arrow file on disk (`path`)
+    """A logged file read once and checked, its sequences staged in an Arrow file on disk (`path`)
     and read back a batch at a time (`read`): a rescore of 100,000 sequences holds a few numbers a
     sequence, never the sequences. The per-sequence arrays are in file order."""
 
@@ -310,7 +310,7 @@ class LoggedIndex:
         return int(self.completion_len.sum())
 
     def read(self, idx: Any) -> list[LoggedSequence]:
-        """Sequences `idx` (file order numbers, from 0), from the spool."""
+        """Sequences `idx` (file order numbers, from 0), from the staged file."""
         import pyarrow as pa
 
         out: dict[int, LoggedSequence] = {}
@@ -319,9 +319,9 @@ class LoggedIndex:
             reader = pa.ipc.open_file(src)
             by_batch: dict[int, list[int]] = {}
             for i in idx:
-                by_batch.setdefault(i // SPOOL_ROWS, []).append(i)
+                by_batch.setdefault(i // STAGED_ROWS, []).append(i)
             for b, members in by_batch.items():
-                rows = pa.Table.from_batches([reader.get_batch(b)]).take([i % SPOOL_ROWS for i in members]).to_pylist()
+                rows = pa.Table.from_batches([reader.get_batch(b)]).take([i % STAGED_ROWS for i in members]).to_pylist()
                 for i, r in zip(members, rows):
                     out[i] = LoggedSequence(
                         r["record"],
@@ -337,12 +337,12 @@ class LoggedIndex:
         return [out[i] for i in idx]
 
 
-def spool_logged(
+def stage_logged(
     source: bytes | Path, name: str, mapping: dict[str, str], tokenizer: Any, bos: str, vocab: int | None, path: Path
 ) -> LoggedIndex:
-    """Every record checked (`iter_logged`) and written to the Arrow file `path`, SPOOL_ROWS
+    """Every record checked (`iter_logged`) and written to the Arrow file `path`, STAGED_ROWS
     sequences a record batch; nothing of the file is kept in memory but a few numbers a sequence.
-    A bad record raises before anything is scored, and the spool is removed."""
+    A bad record raises before anything is scored, and the staged file is removed."""
     import pyarrow as pa
 
     schema = pa.schema(
@@ -387,7 +387,7 @@ def spool_logged(
                 numbers["temperature"].append(seq.temperature)
                 numbers["top_p"].append(seq.top_p)
                 numbers["top_k"].append(seq.top_k)
-                if len(rows) == SPOOL_ROWS:
+                if len(rows) == STAGED_ROWS:
                     flush(w)
             if rows:
                 flush(w)

@@ -265,19 +265,20 @@ class Store:
         table = table.select(columns) if columns else table
         return table.replace_schema_metadata(None)
 
-    def new_spool(self) -> Path:
-        """A path for this process's spool of a logged file (logprob_parity.inputs.rollout_logs.spool_logged),
-        in `partial/logged/`; spools left by processes that are gone (killed) are removed first."""
+    def new_staged(self) -> Path:
+        """A path for this process's staged copy of a logged file (logprob_parity.inputs.rollout_logs.stage_logged),
+        in `partial/logged/`; staged files left by processes that are gone (killed) are removed first
+        (`spool-*` is what older versions named them; "spool" now means what vLLM leaves for HF in turn)."""
         folder = self.root / "partial" / "logged"
         folder.mkdir(parents=True, exist_ok=True)
-        for old in folder.glob("spool-*.arrow"):
+        for old in [*folder.glob("staged-*.arrow"), *folder.glob("spool-*.arrow")]:
             try:
                 os.kill(int(old.stem.split("-")[1]), 0)
             except (ValueError, IndexError, ProcessLookupError):
                 old.unlink(missing_ok=True)
             except PermissionError:
                 pass
-        return folder / f"spool-{os.getpid()}-{time.monotonic_ns()}.arrow"
+        return folder / f"staged-{os.getpid()}-{time.monotonic_ns()}.arrow"
 
     def drop_partial(self, run_id: str) -> None:
         import shutil
