@@ -18,7 +18,9 @@ to copy in the sleep itself).
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,6 +108,9 @@ class HostCopy:
         buffer = torch.empty(max(total, 1), dtype=torch.uint8)
         buffer.zero_()  # every page faulted in by torch's threads, not by cudaHostRegister's one
         self.pinned = _register(buffer)
+        if self.pinned:  # unpinned when the buffer goes, however it goes: a later buffer at the same
+            # addresses could not be pinned while these pages still are ("resource already mapped")
+            weakref.finalize(buffer, _unregister, buffer.data_ptr())
         self.buffer = buffer
         for key, (at, t) in seen.items():
             n = t.numel() * t.element_size()
@@ -156,9 +161,8 @@ class HostCopy:
         return 0 if self.buffer is None else self.buffer.numel()
 
     def free(self) -> None:
+        """The buffer goes (its pages are unpinned as it goes, `_make`)."""
         self._wait()
-        if self.buffer is not None and self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
         self.buffer, self.pinned, self.views, self._copied = None, False, {}, False
 
 
@@ -170,4 +174,15 @@ def _register(buffer: Any) -> bool:
         err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     except Exception:
         return False
-    return int(getattr(err, "value", err)) == 0
+    if int(getattr(err, "value", err)) != 0:
+        # the failure stays CUDA's last error, which the next kernel launch would raise as its own:
+        # one launch here takes it (torch's launch check reads and clears it)
+        with contextlib.suppress(Exception):
+            torch.zeros(1, device="cuda")
+        return False
+    return True
+
+
+def _unregister(ptr: int) -> None:
+    with contextlib.suppress(Exception):  # the process is ending, or CUDA is already gone
+        torch.cuda.cudart().cudaHostUnregister(ptr)

@@ -23,6 +23,19 @@ from logprob_parity.inputs.sizes import consecutive
 from logprob_parity.inputs.spec import EngineSettings
 
 
+def host_copy_room(model: Any, device: str) -> bool:
+    """Whether host memory holds HF's pinned copy (engines in turn) beside what vLLM's sleep puts there.
+    vLLM's sleeping weights are about as large as HF's; when vLLM already sleeps (it scored first and
+    left the card, as in a comparison in turn) they are out of host memory's free bytes already, so
+    the copy needs only its own size; while another process still holds the card, twice that."""
+    from logprob_parity.engines.memory import free_bytes
+
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    free_dev, total_dev = torch.cuda.mem_get_info(torch.device(device))
+    others = total_dev - free_dev - torch.cuda.memory_reserved(torch.device(device))
+    return free_bytes("cpu") > (1.1 if others < weights / 2 else 2.2) * weights
+
+
 class HFBackend(Backend):
     name = "hf"
     # Rows (positions) per float32 log_softmax block: [rows, vocab] float32 is never held whole.
@@ -49,12 +62,9 @@ class HFBackend(Backend):
             self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(device).eval()
         self.batch_size = settings.hf_batch_size
         self._host_copy = HostCopy()  # the weights while the engine sleeps (engines in turn on a GPU)
-        if self.device.startswith("cuda") and settings.device_memory and not settings.hf_device_map:
-            from logprob_parity.engines.memory import free_bytes
-
-            weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
-            if free_bytes("cpu") > 2.2 * weights:  # room for vLLM's sleeping weights beside it
-                self._host_copy.prepare(self.model)
+        cuda_alone = self.device.startswith("cuda") and not settings.hf_device_map
+        if cuda_alone and settings.device_memory and host_copy_room(self.model, self.device):
+            self._host_copy.prepare(self.model)
         # hf_compile: inductor fuses the forward's norms, rotary and activations, and the block's
         # float32 log_softmax, gathers and rank count into a few kernels (no float32 [rows, vocab]
         # array); dynamic shapes so new lengths do not recompile. Compiles on the first call.
