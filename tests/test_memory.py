@@ -83,3 +83,17 @@ def test_plan_respects_attention_heads(tiny_bos, monkeypatch):
     monkeypatch.setattr(memory, "weight_bytes", lambda p, d: 450 * memory.GIB)  # needs 8, 12 heads do not split 8 ways
     with pytest.raises(UserError, match="cannot hold them"):
         parallel.resolve(EngineSettings(), str(tiny_bos), "bfloat16", "cuda", eight)
+
+
+def test_hfs_host_copy_needs_its_own_size_when_vllm_already_sleeps_and_twice_that_while_vllm_holds_the_card():
+    """The 30B-A3B shape on a 125 GiB host (46 GB of weights): with vLLM asleep (its weights already in
+    host memory, about 74 GB free) HF's pinned copy fits; with vLLM awake on the card, the same free
+    memory must also hold vLLM's coming sleep, so it does not, and the copy waits for HF's first sleep."""
+    from logprob_parity.engines.hostcopy import fits
+
+    gb = 10**9
+    asleep, awake = 1 * gb, 55 * gb  # what other processes hold on the card: vLLM's context, or vLLM itself
+    assert fits(46 * gb, 74 * gb, asleep)
+    assert not fits(46 * gb, 74 * gb, awake)
+    assert fits(46 * gb, 102 * gb, awake)
+    assert not fits(46 * gb, 50 * gb, asleep)  # no margin left for the process itself

@@ -166,6 +166,15 @@ class HostCopy:
         self.buffer, self.pinned, self.views, self._copied = None, False, {}, False
 
 
+def fits(weights: int, free_host: int, others_on_card: int) -> bool:
+    """Whether host memory holds a pinned copy of `weights` bytes beside what vLLM's sleep puts there.
+    vLLM's sleeping weights are about as large as HF's. When no other process holds much of the card
+    (vLLM already asleep, as when HF loads in a comparison in turn, or absent), they are out of the free
+    bytes already and the copy needs its own size with a margin (1.1x); while another process holds the
+    card, it will need room to sleep too (2.2x)."""
+    return free_host > (1.1 if others_on_card < weights / 2 else 2.2) * weights
+
+
 def _register(buffer: Any) -> bool:
     """Page-lock an existing host buffer (fast asynchronous copies); False: it stays pageable."""
     if not torch.cuda.is_available():

@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from logprob_parity.engines import fullvocab
+from logprob_parity.engines import fullvocab, hostcopy
 from logprob_parity.engines.attention import EAGER_FOR_SOFTCAP, soft_caps_attention
 from logprob_parity.engines.backends.base import Backend, apply_tf32
 from logprob_parity.engines.hostcopy import HostCopy
@@ -24,16 +24,14 @@ from logprob_parity.inputs.spec import EngineSettings
 
 
 def host_copy_room(model: Any, device: str) -> bool:
-    """Whether host memory holds HF's pinned copy (engines in turn) beside what vLLM's sleep puts there.
-    vLLM's sleeping weights are about as large as HF's; when vLLM already sleeps (it scored first and
-    left the card, as in a comparison in turn) they are out of host memory's free bytes already, so
-    the copy needs only its own size; while another process still holds the card, twice that."""
+    """Whether host memory holds HF's pinned copy beside vLLM's sleeping weights (`hostcopy.fits`), from
+    the model's weights, host memory's free bytes and what other processes hold on the card."""
     from logprob_parity.engines.memory import free_bytes
 
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     free_dev, total_dev = torch.cuda.mem_get_info(torch.device(device))
     others = total_dev - free_dev - torch.cuda.memory_reserved(torch.device(device))
-    return free_bytes("cpu") > (1.1 if others < weights / 2 else 2.2) * weights
+    return hostcopy.fits(weights, free_bytes("cpu"), others)
 
 
 class HFBackend(Backend):
