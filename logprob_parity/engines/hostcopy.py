@@ -62,6 +62,7 @@ class HostCopy:
         self._make(model)
         self._copy_weights(model)
 
+    @torch.no_grad()  # copies of weights, never part of a graph
     def _copy_weights(self, model: Any) -> None:
         """Every parameter into its view, on a side stream (the scoring's kernels go on while the copy
         engine works). Parameters only: a model that is only scored never changes them, while a buffer
@@ -116,6 +117,7 @@ class HostCopy:
             n = t.numel() * t.element_size()
             self.views[key] = self.buffer[at : at + n].view(t.dtype).view(t.shape)
 
+    @torch.no_grad()  # copies of weights, never part of a graph
     def sleep(self, model: Any) -> None:
         """The model's tensors to host memory; the device's copies are freed once the copy is done.
         With a copy kept from an earlier sleep, only buffers (which a forward may rewrite) are copied."""
@@ -141,6 +143,7 @@ class HostCopy:
             else:
                 mod._buffers[name] = view
 
+    @torch.no_grad()  # copies of weights, never part of a graph
     def wake(self, model: Any, device: str, keep: bool) -> None:
         """The model's tensors back on `device`; keep: the host copy stays for the next sleep (else it
         is freed, when host memory is short)."""
