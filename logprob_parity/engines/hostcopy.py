@@ -12,8 +12,9 @@ of weights would waste up to half of that again.
 
 `prepare` also copies the weights into the buffer in the background, on a CUDA stream of its own,
 while the engine scores: the copy engine moves them while the compute units work, so the first sleep
-copies only the few buffers a forward may rewrite (on an H100 the 46 GB of a 30B-A3B shape took 5.4 s
-to copy in the sleep itself).
+copies only the few buffers a forward may rewrite (on an H100, making, pinning and filling the buffer
+for the 46 GB of a 30B-A3B shape in the sleep itself took 5.4 to 6.2 s). The buffer is made only where
+host memory holds it beside vLLM's sleeping weights (`fits`); else the first sleep makes it.
 """
 
 from __future__ import annotations
