@@ -171,11 +171,12 @@ def _rescore_dtype(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, 
         here = _RescoreHere(p, dtype, mml, lease)
         if fit.in_turn:
             here.in_turn = {"engines": "in turn", "engines_why": fit.words}
+            lengths = logged.prompt_len + logged.completion_len
             here.sample = turns.sample_for(
-                (logged.prompt_len + logged.completion_len - 1).tolist(),
+                (lengths - 1).tolist(),
                 p.model.vocab_size,
-                [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in logged.read(range(min(8, len(logged))))],
-                turns.group_positions() + int((logged.prompt_len + logged.completion_len).max(initial=0)),
+                _token_ids(logged.read(range(min(8, len(logged))))),
+                turns.group_positions() + int(lengths.max(initial=0)),
             )
             if here.sample:
                 here.in_turn["kl_sample"] = turns.sample_where(here.sample)
@@ -245,7 +246,7 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
             f"stopped before it finished); {len(batches) - reused} computed now",
         )
     firsts = logged.read(range(n_first))
-    full = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in firsts]
+    full = _token_ids(firsts)
     floors, noise_timing, infos = engines.floors(
         full, [len(s.prompt_token_ids) for s in firsts], [first_hf[i] for i in range(n_first)], min(noise, len(logged))
     )
@@ -261,13 +262,16 @@ def _rescore_with(p: Any, logged: LoggedIndex, dtype: str, rid: str, mml: int, n
     finish(p, logged, batches, dtype, rid, mml, floors, timing, engines_out, t_all, sample)
 
 
+def _token_ids(seqs: list[LoggedSequence]) -> list[list[int]]:
+    """Each logged sequence's ids as the engines score them: its prompt, then its completion."""
+    return [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
+
+
 def _inputs(logged: LoggedIndex, dtype: str, mml: int, b: int, idx: list[int]) -> tuple[Any, ...]:
     """A batch's job arguments, its sequences read from the staged file: (dtype, mml, b, idx, sequences,
     digest of their ids and logged values, which names the stored part)."""
     seqs = logged.read(idx)
-    digest = content_hash(
-        [[list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs], [s.logprobs for s in seqs]], 16
-    )
+    digest = content_hash([_token_ids(seqs), [s.logprobs for s in seqs]], 16)
     return (dtype, mml, b, idx, seqs, digest)
 
 
@@ -279,7 +283,7 @@ def _score_logged(
     ctx = p.ctx
     vreq, hreq = _requests(p, dtype, mml)
     vllm, hf = lease.host(vreq), lease.host(hreq)
-    batch = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
+    batch = _token_ids(seqs)
     s0 = seqs[0]
     starts = [len(s.prompt_token_ids) for s in seqs]
     timing = {}
@@ -396,7 +400,7 @@ class _RescoreHere:
                 for k in idx:
                     args = jobs[k].inputs()
                     seqs = args[4]
-                    batch = [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in seqs]
+                    batch = _token_ids(seqs)
                     rows = sum(len(f) - 1 for f in batch)
                     kept = fullvocab.kept_of(batch, self.sample)
                     ex = fullvocab.Exchange(rows, p.model.vocab_size, p.device, lease.transport, sample=kept)

@@ -179,6 +179,17 @@ def fits(weights: int, free_host: int, others_on_card: int) -> bool:
     return free_host > (1.1 if others_on_card < weights / 2 else 2.2) * weights
 
 
+def host_copy_room(model: Any, device: str) -> bool:
+    """Whether host memory holds HF's pinned copy beside vLLM's sleeping weights (`fits`), from
+    the model's weights, host memory's free bytes and what other processes hold on the card."""
+    from logprob_parity.engines.memory import free_bytes
+
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    free_dev, total_dev = torch.cuda.mem_get_info(torch.device(device))
+    others = total_dev - free_dev - torch.cuda.memory_reserved(torch.device(device))
+    return fits(weights, free_bytes("cpu"), others)
+
+
 def _register(buffer: Any) -> bool:
     """Page-lock an existing host buffer (fast asynchronous copies); False: it stays pageable."""
     if not torch.cuda.is_available():

@@ -298,7 +298,7 @@ def streamed_summary(
     yields, twice: each a dict of token columns (float64, whole sequences) and "lengths" [sequences].
     exact: the caller's own totals of the exact KL (a sampled one, whose count it reads after)."""
     totals = {pair: PairTotals() for pair in pairs}
-    exact = exact or ExactTotals()
+    exact = ExactTotals() if exact is None else exact
     for part in parts():
         for pair, (a, b, _) in pairs.items():
             totals[pair].add(part[a], part[b], part["lengths"])

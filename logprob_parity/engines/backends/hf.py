@@ -14,24 +14,13 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from logprob_parity.engines import fullvocab, hostcopy
+from logprob_parity.engines import fullvocab
 from logprob_parity.engines.attention import EAGER_FOR_SOFTCAP, soft_caps_attention
 from logprob_parity.engines.backends.base import Backend, apply_tf32
-from logprob_parity.engines.hostcopy import HostCopy
+from logprob_parity.engines.hostcopy import HostCopy, host_copy_room
 from logprob_parity.engines.scores import TokenScores
 from logprob_parity.inputs.sizes import consecutive
 from logprob_parity.inputs.spec import EngineSettings
-
-
-def host_copy_room(model: Any, device: str) -> bool:
-    """Whether host memory holds HF's pinned copy beside vLLM's sleeping weights (`hostcopy.fits`), from
-    the model's weights, host memory's free bytes and what other processes hold on the card."""
-    from logprob_parity.engines.memory import free_bytes
-
-    weights = sum(t.numel() * t.element_size() for t in model.parameters())
-    free_dev, total_dev = torch.cuda.mem_get_info(torch.device(device))
-    others = total_dev - free_dev - torch.cuda.memory_reserved(torch.device(device))
-    return hostcopy.fits(weights, free_bytes("cpu"), others)
 
 
 class HFBackend(Backend):
