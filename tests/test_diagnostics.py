@@ -240,3 +240,56 @@ def test_report_carries_the_diagnostics(demo_diag, tmp_path):
     page = report_html(runs, r)
     assert "Noise floor" in page and "High-precision reference" in page and "Downstream" in page
     assert "HF&#x27;s own noise" in page or "HF's own noise" in page
+
+
+class _Recording:
+    """An HF engine host that records the texts of each scoring call; its identity (`address`,
+    `loads`) is the host's unless `address` is given (another engine)."""
+
+    def __init__(self, host, address=None) -> None:
+        self.host, self.calls = host, []
+        self.address = address or host.address
+
+    def __getattr__(self, name):
+        return getattr(self.host, name)
+
+    def score(self, seqs, *args):
+        self.calls.append(("score", [tuple(s) for s in seqs]))
+        return self.host.score(seqs, *args)
+
+    def rollout_score(self, seqs, *args, **kw):
+        self.calls.append(("rollout_score", [tuple(s) for s in seqs]))
+        return self.host.rollout_score(seqs, *args, **kw)
+
+
+def test_a_second_floor_on_one_engine_scores_the_bundled_texts_once_and_is_the_same_floor(tiny_bos):
+    """floors.BUNDLED: the texts that top a short sample up are scored alone and chunk by chunk once per
+    loaded engine; the next floor on that engine takes their values and comes out equal in every figure.
+    Another engine (another address) scores them itself."""
+    from logprob_parity.analysis import floors
+    from logprob_parity.analysis.request import Context, prepare
+    from logprob_parity.engines.pool import POOL
+
+    p = prepare(RunSpec(texts=("Dave lives in Palm Coast.",), model=str(tiny_bos), device="cpu"), Context.of())
+    hreq = p.load("hf", "float32")
+    others = floors.other_prompts(p.tokenizer, p.spec.bos, hreq.max_model_len, "cpu")
+    with POOL.lease([hreq]) as lease:
+        host = lease.host(hreq)
+        sample = [list(p.seqs[0])]
+        base = [s.logprob for s in host.score(sample, 1, None, 1)]
+        first, again, other = _Recording(host), _Recording(host), _Recording(host, address="another engine")
+        got = [floors.hf_variations(h, sample, base, others, "cpu") for h in (first, again, other)]
+
+    added = got[0][0]["micro_batch"]["texts_added"]
+    bundled = {tuple(o) for o in others[:added]}
+    assert added > 0 and got[0] == got[1] == got[2]  # topped up; the same floor, every figure
+
+    def bundled_passes(h):  # the top-up's own pass and the chunked passes of bundled texts
+        return [
+            (op, s) for op, texts in h.calls for s in texts if s in bundled and (op == "rollout_score" or set(texts) <= bundled)
+        ]
+
+    assert len(bundled_passes(first)) == 2 * added, first.calls
+    assert bundled_passes(again) == [], again.calls
+    assert bundled_passes(other) == bundled_passes(first)
+    assert ("rollout_score", [tuple(sample[0])]) in again.calls  # the sample's own chunks are scored every time

@@ -22,6 +22,7 @@ from logprob_parity.engines.backends.base import Backend
 from logprob_parity.engines.scores import TokenScores
 
 NOISE = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 3e-3, "float64": 0.0}
+TABLE_BYTES = 64 << 20  # the kept log_softmax rows of one fake engine, at most
 
 
 class FakeBackend(Backend):
@@ -32,16 +33,38 @@ class FakeBackend(Backend):
         self.role = role
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         self.vocab = int((cfg.get("text_config") or cfg)["vocab_size"])
+        self._table: dict[int, np.ndarray] = {}  # seed -> its log_softmax (_logprobs)
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(row) -> (row, its argsort) (_order)
         time.sleep(float(os.environ.get("LPP_FAKE_LOAD_S", "0")))
 
     def _logprobs(self, context: list[int]) -> np.ndarray:
-        """log_softmax of logits seeded by the last two context ids: a fixed, reproducible 'model'."""
+        """log_softmax of logits seeded by the last two context ids: a fixed, reproducible 'model'.
+        Kept per seed (TABLE_BYTES in all): a prompt set repeats its contexts, and drawing and
+        normalising a vocabulary's logits again for each was most of the plumbing tests' time."""
         seed = (context[-1] * 1_000_003 + (context[-2] if len(context) > 1 else 7)) % (2**32)
+        got = self._table.get(seed)
+        if got is not None:
+            return got
         logits = np.random.default_rng(seed).normal(0.0, 2.0, self.vocab)
         if self.role == "vllm" and NOISE.get(self.dtype, 0.0):
             logits = logits + np.random.default_rng(seed + 1).normal(0.0, NOISE[self.dtype], self.vocab)
         z = logits - logits.max()
-        return z - np.log(np.exp(z).sum())
+        lp = z - np.log(np.exp(z).sum())
+        lp.flags.writeable = False  # shared by every position with this seed
+        if len(self._table) >= max(1, TABLE_BYTES // lp.nbytes):
+            self._table.pop(next(iter(self._table)))
+        self._table[seed] = lp
+        return lp
+
+    def _order(self, lp: np.ndarray) -> np.ndarray:
+        """The ids from most to least likely (a stable sort), kept beside the row it sorts."""
+        got = self._orders.get(id(lp))
+        if got is None or got[0] is not lp:
+            got = (lp, np.argsort(-lp, kind="stable"))
+            if len(self._orders) >= len(self._table) + 1:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[id(lp)] = got
+        return got[1]
 
     def score(
         self,
@@ -60,8 +83,8 @@ class FakeBackend(Backend):
             sc = TokenScores.empty(ids, top_k)
             gathered = np.full((len(ids), top_k), np.nan) if gather_ids is not None else None
             for t in range(1, len(ids)):
-                lp = self._logprobs(ids[:t])
-                top = np.argsort(-lp, kind="stable")[:top_k]
+                lp = self._logprobs(ids[max(0, t - 2) : t])
+                top = self._order(lp)[:top_k]
                 sc.logprob[t] = lp[ids[t]]
                 sc.rank[t] = int((lp >= lp[ids[t]]).sum())
                 sc.topk_ids[t] = top
@@ -111,7 +134,7 @@ class FakeBackend(Backend):
         for ids, st in zip(sequences, starts):
             rows = {"logprob": [], "tempered": [], "log_kept_mass": [], "top_id": []}
             for t in range(st, len(ids)):
-                lp = self._logprobs(ids[:t])
+                lp = self._logprobs(ids[max(0, t - 2) : t])
                 z = lp / max(temperature, 1e-6)
                 if top_k > 0:
                     z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
