@@ -264,32 +264,41 @@ class _Recording:
 
 def test_a_second_floor_on_one_engine_scores_the_bundled_texts_once_and_is_the_same_floor(tiny_bos):
     """floors.BUNDLED: the texts that top a short sample up are scored alone and chunk by chunk once per
-    loaded engine; the next floor on that engine takes their values and comes out equal in every figure.
-    Another engine (another address) scores them itself."""
+    loaded engine; the next floor on that engine (of the same sample, or of a longer one that takes
+    fewer of them) takes their values and comes out equal in every figure. Another engine scores them
+    itself; an engine warmed ahead (the dashboard's prewarm) scores none of them in its first floor."""
     from logprob_parity.analysis import floors
     from logprob_parity.analysis.request import Context, prepare
     from logprob_parity.engines.pool import POOL
 
-    p = prepare(RunSpec(texts=("Dave lives in Palm Coast.",), model=str(tiny_bos), device="cpu"), Context.of())
+    texts = ("Dave lives in Palm Coast.", " ".join(["Dave lives in Palm Coast, FL and is a lawyer."] * 8))
+    p = prepare(RunSpec(texts=texts, model=str(tiny_bos), device="cpu"), Context.of())
     hreq = p.load("hf", "float32")
     others = floors.other_prompts(p.tokenizer, p.spec.bos, hreq.max_model_len, "cpu")
     with POOL.lease([hreq]) as lease:
         host = lease.host(hreq)
-        sample = [list(p.seqs[0])]
-        base = [s.logprob for s in host.score(sample, 1, None, 1)]
-        first, again, other = _Recording(host), _Recording(host), _Recording(host, address="another engine")
-        got = [floors.hf_variations(h, sample, base, others, "cpu") for h in (first, again, other)]
+        short, longer = [list(p.seqs[0])], [list(p.seqs[1])]
+        bases = {id(x): [s.logprob for s in host.score(x, 1, None, 1)] for x in (short, longer)}
+        # addresses of our own: the session's earlier floors on this host leave nothing for these
+        first, again, grown, other, warmed = (_Recording(host, address=a) for a in ("e1", "e1", "e1", "e2", "e3"))
+        got = [floors.hf_variations(h, short, bases[id(short)], others, "cpu") for h in (first, again, other)]
+        fewer = floors.hf_variations(grown, longer, bases[id(longer)], others, "cpu")
+        floors.BUNDLED.warm(warmed, others)
+        warm_calls = len(warmed.calls)
+        got.append(floors.hf_variations(warmed, short, bases[id(short)], others, "cpu"))
+        fresh = floors.hf_variations(_Recording(host, address="e4"), longer, bases[id(longer)], others, "cpu")
 
     added = got[0][0]["micro_batch"]["texts_added"]
-    bundled = {tuple(o) for o in others[:added]}
-    assert added > 0 and got[0] == got[1] == got[2]  # topped up; the same floor, every figure
+    bundled = {tuple(o) for o in others}
+    assert 0 < fewer[0]["micro_batch"]["texts_added"] < added  # the longer sample takes fewer of them
+    assert got[0] == got[1] == got[2] == got[3] and fewer == fresh  # the same floor, every figure
 
-    def bundled_passes(h):  # the top-up's own pass and the chunked passes of bundled texts
-        return [
-            (op, s) for op, texts in h.calls for s in texts if s in bundled and (op == "rollout_score" or set(texts) <= bundled)
-        ]
+    def bundled_passes(h, calls=None):  # the top-up's pass (bundled texts alone) and chunked passes of bundled texts
+        calls = h.calls if calls is None else calls
+        return [(op, s) for op, ts in calls for s in ts if s in bundled and (op == "rollout_score" or set(ts) <= bundled)]
 
     assert len(bundled_passes(first)) == 2 * added, first.calls
-    assert bundled_passes(again) == [], again.calls
+    assert bundled_passes(again) == bundled_passes(grown) == [], (again.calls, grown.calls)
     assert bundled_passes(other) == bundled_passes(first)
-    assert ("rollout_score", [tuple(sample[0])]) in again.calls  # the sample's own chunks are scored every time
+    assert bundled_passes(warmed, warmed.calls[:warm_calls]) and bundled_passes(warmed, warmed.calls[warm_calls:]) == []
+    assert ("rollout_score", [tuple(short[0])]) in again.calls  # the sample's own chunks are scored every time

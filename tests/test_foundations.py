@@ -313,3 +313,32 @@ def test_json_written_an_item_at_a_time_holds_what_json_dumps_holds(indent):
             lines = text.splitlines()
             assert [json.loads(ln.strip().rstrip(",")) for ln in lines if ln.strip().startswith('{"')] == items
             assert lines[1] == " " * indent + '"x": 1,'
+
+
+def test_the_prewarm_leaves_the_floors_bundled_texts_scored_on_each_hf_engine(fake_engines, tiny_bos):
+    """warm_defaults, as the dashboard's server runs it: besides loading the engines it scores the noise
+    floor's bundled texts alone and chunked on each HF engine (floors.BUNDLED), so the first Run's floor
+    finds them; vLLM's engines keep nothing there."""
+    from logprob_parity.analysis import floors
+    from logprob_parity.analysis.prewarm import warm_defaults
+    from logprob_parity.analysis.request import Context, prepare
+
+    ctx = Context.of(pool=fake_engines)
+    labels = warm_defaults(ctx, str(tiny_bos))
+    p = prepare(RunSpec(texts=("x",), model=str(tiny_bos), device="cpu"), ctx)
+    hf = [p.load("hf", d) for d in ("bfloat16", "float32")]
+    assert {r.label for r in hf} <= set(labels)
+    others = floors.other_prompts(p.tokenizer, p.spec.bos, hf[0].max_model_len, "cpu")
+
+    def unscored(texts):
+        raise AssertionError(f"{len(texts)} bundled texts were not scored by the prewarm")
+
+    with fake_engines.lease([*hf, p.load("vllm", "float32")]) as lease:
+        for r in hf:
+            host = lease.host(r)
+            assert len(floors.BUNDLED.each(host, ("alone",), others, unscored)) == len(others)
+            for c in {floors.chunk_of(len(o) - 1) for o in others}:
+                some = [o for o in others if floors.chunk_of(len(o) - 1) == c]
+                assert len(floors.BUNDLED.each(host, ("chunked", c), some, unscored)) == len(some)
+        with pytest.raises(AssertionError, match="not scored by the prewarm"):
+            floors.BUNDLED.each(lease.host(p.load("vllm", "float32")), ("alone",), others, unscored)

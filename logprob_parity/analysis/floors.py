@@ -211,41 +211,47 @@ class Bundled:
     """HF's values of the bundled texts that top a short sample up (top_up), kept per loaded engine.
 
     Why: they are the same ids on every comparison, and on a CPU scoring them one a forward (the
-    comparison's own micro-batch) and chunk by chunk through the KV cache was most of a short text's
-    floor (the demo model in float32: about 6 of 17 s). Each of those passes is one text alone, or the
-    bundled texts alone in one micro-batch: nothing of the comparison's shares their forward, so a
-    second pass on the same loaded engine repeats the first one's arithmetic. Kept per host and model
-    load (`address`, `loads`): another engine, a swapped model or a restarted host measures them again.
-    A host that is not an engine host (no `address`) keeps nothing."""
+    comparison's own micro-batch of one) and chunk by chunk through the KV cache was most of a short
+    text's floor (the demo model in float32: about 7 of 17 s). Each of those forwards holds one text
+    alone: nothing of the comparison shares it, so a second pass on the same loaded engine repeats the
+    first one's arithmetic. Kept per text, per host and model load (`address`, `loads`): another
+    engine, a swapped model or a restarted host measures them again. A host that is not an engine host
+    (no `address`) keeps nothing. `warm` fills them ahead (the dashboard's prewarm), so the first Run
+    of a demo pays only for its own text."""
 
     MAX = 4096  # entries (a text's values: some KB); the oldest go first
 
     def __init__(self) -> None:
         self._got: dict[tuple[Any, ...], Any] = {}
 
-    @staticmethod
-    def _engine(hf: Any) -> tuple[Any, ...] | None:
+    def each(self, hf: Any, what: tuple[Any, ...], texts: list[list[int]], compute: Any) -> list[Any]:
+        """Each text's values under `what`: those kept, and compute(the others) for the rest, in one call."""
         address = getattr(hf, "address", None)
-        return None if address is None else (address, getattr(hf, "loads", 0))
-
-    def peek(self, hf: Any, what: tuple[Any, ...]) -> Any:
-        engine = self._engine(hf)
-        return None if engine is None else self._got.get((*engine, *what))
-
-    def put(self, hf: Any, what: tuple[Any, ...], value: Any) -> None:
-        engine = self._engine(hf)
-        if engine is None:
-            return
-        self._got[(*engine, *what)] = value
-        while len(self._got) > self.MAX:
-            self._got.pop(next(iter(self._got)))
-
-    def get(self, hf: Any, what: tuple[Any, ...], compute: Any) -> Any:
-        got = self.peek(hf, what)
-        if got is None:
-            got = compute()
-            self.put(hf, what, got)
+        if address is None:
+            return list(compute(texts)) if texts else []
+        keys = [(address, getattr(hf, "loads", 0), *what, tuple(t)) for t in texts]
+        got = [self._got.get(k) for k in keys]
+        missing = [i for i, g in enumerate(got) if g is None]
+        if missing:
+            for i, value in zip(missing, compute([texts[i] for i in missing])):
+                got[i] = self._got[keys[i]] = value
+            while len(self._got) > self.MAX:
+                self._got.pop(next(iter(self._got)))
         return got
+
+    def alone(self, hf: Any, texts: list[list[int]]) -> list[Any]:
+        """HF's scores of each text alone (a micro-batch of one)."""
+        return self.each(hf, ("alone",), texts, lambda xs: hf.score(xs, 1, None, 1))
+
+    def chunked(self, hf: Any, texts: list[list[int]], chunk: int) -> list[Any]:
+        """Each text fed `chunk` tokens a forward through HF's KV cache, every position scored."""
+        return self.each(hf, ("chunked", chunk), texts, lambda xs: hf.rollout_score(xs, [1] * len(xs), chunk=chunk))
+
+    def warm(self, hf: Any, others: list[list[int]]) -> None:
+        """Score every bundled text that top_up may add, alone and chunked, on this engine now."""
+        self.alone(hf, others)
+        for c in sorted({chunk_of(len(o) - 1) for o in others}):
+            self.chunked(hf, [o for o in others if chunk_of(len(o) - 1) == c], c)
 
 
 BUNDLED = Bundled()
@@ -274,7 +280,7 @@ def top_up(
     if not add:
         return list(seqs), list(base), list(starts), top1, 0
     bs = max(1, hf_batch_size)
-    scored = BUNDLED.get(hf, ("score", bs, *map(tuple, add)), lambda: hf.score(add, 1, None, bs))
+    scored = BUNDLED.alone(hf, add) if bs == 1 else hf.score(add, 1, None, bs)
     return (
         [*seqs, *add],
         [*base, *(np.asarray(x.logprob, np.float64) for x in scored)],
@@ -337,17 +343,15 @@ def hf_variations(
     # each text in chunks of at most CHUNK tokens and at most half its scored length (at least two a text)
     chunks = [chunk_of(len(x) - s) for x, s in zip(seqs, starts)]
     chunked: list[Any] = [None] * n
-    bundled = n - added  # the texts top_up added: the same ids on every run, their values kept per engine
-    for i in range(bundled, n):
-        chunked[i] = BUNDLED.peek(hf, ("chunked", chunks[i], starts[i], tuple(seqs[i])))
+    own = n - added  # the texts after these top_up added: the same ids on every run (BUNDLED keeps theirs)
     for c in sorted(set(chunks)):
-        idx = [i for i in range(n) if chunks[i] == c and chunked[i] is None]
-        if not idx:
-            continue
-        for i, got in zip(idx, hf.rollout_score([seqs[i] for i in idx], [starts[i] for i in idx], chunk=c)):
+        idx = [i for i in range(own) if chunks[i] == c]
+        if idx:
+            for i, got in zip(idx, hf.rollout_score([seqs[i] for i in idx], [starts[i] for i in idx], chunk=c)):
+                chunked[i] = got
+        idx = [i for i in range(own, n) if chunks[i] == c]
+        for i, got in zip(idx, BUNDLED.chunked(hf, [seqs[i] for i in idx], c)):
             chunked[i] = got
-            if i >= bundled:
-                BUNDLED.put(hf, ("chunked", c, starts[i], tuple(seqs[i])), got)
     values = {
         "micro_batch": cut(right),
         "padding_side": cut(left),

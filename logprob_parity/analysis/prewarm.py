@@ -79,8 +79,10 @@ def default_dtypes(device: str) -> tuple[str, ...]:
 
 def warm_defaults(ctx: Any = None, model: str | None = None) -> tuple[str, ...]:
     """Load the default model's engines (HF and vLLM, each default dtype) into the pool, run one
-    warm-up pass on each, then leave them warm. `model`: another model than the demo (benchmarks).
+    warm-up pass on each and score the noise floor's bundled texts on HF's (floors.BUNDLED: a short
+    text's first floor then costs its own passes only), then leave them warm. `model`: another model than the demo (benchmarks).
     Returns the engines' labels."""
+    from logprob_parity.analysis import floors
     from logprob_parity.analysis.request import Context, prepare
     from logprob_parity.env import resolve_device
     from logprob_parity.inputs.models import model_roots_from_env
@@ -100,6 +102,8 @@ def warm_defaults(ctx: Any = None, model: str | None = None) -> tuple[str, ...]:
             # CPU) that the first Run of a demo should not
             with ctx.pool.device_turn(what="warming up"):
                 host.score(p.seqs, spec.top_k, None)
+                if r.backend == "hf":  # the floor's bundled texts, which every short text's floor adds
+                    floors.BUNDLED.warm(host, floors.other_prompts(p.tokenizer, spec.bos, r.max_model_len, p.device))
     return labels
 
 
