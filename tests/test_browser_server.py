@@ -138,7 +138,7 @@ def test_three_users_at_once_under_a_two_engine_cap_all_get_results(home, tiny_b
     (one for more than 30 s) and say so, and all three end with coloured tokens and no error."""
     from playwright.sync_api import sync_playwright
 
-    dash = Dashboard(home, LPP_FAKE_ENGINES="1", LPP_FAKE_SCORE_S="3", LPP_MAX_WARM_ENGINES="2")
+    dash = Dashboard(home, LPP_FAKE_ENGINES="1", LPP_FAKE_SCORE_S="1", LPP_MAX_WARM_ENGINES="2")
     clicks = {"float16": ["float16", "bfloat16", "float32"], "bfloat16": ["float32"], "float32": ["bfloat16"]}
     try:
         with sync_playwright() as p:
