@@ -57,7 +57,8 @@ def fit_of(p: Prepared, vllm: Any, hf: Any) -> memory.Fit:
 
 def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None) -> None:
     """Refuse in words, before anything loads, a run in turn whose spool would not fit in shared
-    memory or on disk, or (on a GPU) whose sleeping engine's weights would not fit in host memory.
+    memory or on disk, or (on a GPU) whose sleeping engine's weights would not fit in host memory
+    (unless that engine is warm in the pool already: then they hold their room).
     free: the free bytes of "spool" (the roomier of /dev/shm and the temp folder) and "host" (RAM), for tests."""
     from logprob_parity.errors import UserError
 
@@ -71,7 +72,10 @@ def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None) -> No
             "lower LPP_SPOOL_BYTES (past it the KL covers a sample of positions) or free some room"
         )
     weights = memory.weight_bytes(vllm.model_path, vllm.dtype)
-    if p.device.startswith("cuda") and weights > free["host"]:
+    # this engine already warm in the pool (a run before this one): its sleep's host memory is taken
+    # already (asleep, its weights are there), and the free bytes count without it
+    warm = p.ctx.pool.host_for(vllm)
+    if p.device.startswith("cuda") and weights > free["host"] and not (warm is not None and warm.alive()):
         raise UserError(
             f"engines in turn keep the sleeping engine's weights in host memory ({memory.size_words(weights)} in "
             f"{vllm.dtype}), but this machine has {memory.size_words(free['host'])} free"
