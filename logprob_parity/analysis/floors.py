@@ -34,6 +34,7 @@ holds fixed. A floor that is not measured is said to be so; it is never taken as
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,7 @@ class Bundled:
 
     def __init__(self) -> None:
         self._got: dict[tuple[Any, ...], Any] = {}
+        self._lock = threading.Lock()  # the dashboard's jobs measure floors in threads of one process
 
     def each(self, hf: Any, what: tuple[Any, ...], texts: list[list[int]], compute: Any) -> list[Any]:
         """Each text's values under `what`: those kept, and compute(the others) for the rest, in one call."""
@@ -230,13 +232,16 @@ class Bundled:
         if address is None:
             return list(compute(texts)) if texts else []
         keys = [(address, getattr(hf, "loads", 0), *what, tuple(t)) for t in texts]
-        got = [self._got.get(k) for k in keys]
+        with self._lock:
+            got = [self._got.get(k) for k in keys]
         missing = [i for i, g in enumerate(got) if g is None]
         if missing:
-            for i, value in zip(missing, compute([texts[i] for i in missing])):
-                got[i] = self._got[keys[i]] = value
-            while len(self._got) > self.MAX:
-                self._got.pop(next(iter(self._got)))
+            values = list(compute([texts[i] for i in missing]))  # outside the lock: it is the engine's work
+            with self._lock:
+                for i, value in zip(missing, values):
+                    got[i] = self._got[keys[i]] = value
+                while len(self._got) > self.MAX:
+                    self._got.pop(next(iter(self._got)))
         return got
 
     def alone(self, hf: Any, texts: list[list[int]]) -> list[Any]:
