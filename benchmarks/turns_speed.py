@@ -173,6 +173,12 @@ def in_turn_compare(a, p, spec, store, vreq, hreq, table) -> None:
     table.add("in turn: positions compared", f"{n:,} ({a.prompts} x {a.tokens} tokens)")
     table.add("in turn: compare with the exact KL, wall", f"{took:.2f} s ({n / took:,.0f} tokens/s)")
     table.add("in turn: / (bare vLLM + bare HF), target <= 1.5", f"{took / (bare_v + bare_h):.2f}x")
+    loads = float(tm.get("vllm_load_s", 0.0)) + float(tm.get("hf_load_s", 0.0))
+    if loads:  # fresh engines (--bare): the bare seconds exclude loading, which a side-by-side run pays too
+        table.add(
+            "in turn: less the two engines' loads, / (bare vLLM + bare HF)",
+            f"{took - loads:.2f} s: {(took - loads) / (bare_v + bare_h):.2f}x (loads {loads:.1f} s)",
+        )
     table.add("in turn: turns, groups' batches", f"{tm.get('turns')} turns, {tm.get('batches')} batches")
     table.add("in turn: exact KL", run.meta.env.vllm_engine.get("kl_full", ""))
     table.add(
