@@ -483,9 +483,13 @@ def test_a_spool_or_a_sleeping_engine_that_would_not_fit_is_refused_in_words_bef
     monkeypatch.setattr(p, "device", "cuda")
     with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory .* this machine has .* free"):
         turns.check_room(p, vreq, {"spool": rows, "host": 1000})
-    # a second run on the same warm engines: the sleeping vLLM's weights are already in host memory (and
-    # out of its free bytes), so they are not asked for again (seen on an H100: 19 GB free of 125 beside them)
-    with p.ctx.pool.lease([vreq]):
+    # a second run on the same warm engines: the slept vLLM's weights are already in host memory (and
+    # out of its free bytes), so they are not asked for again (seen on an H100: 19 GB free of 125 beside them);
+    # warm but never slept, its first sleep still needs the room
+    with p.ctx.pool.lease([vreq]) as lease:
+        with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory"):
+            turns.check_room(p, vreq, {"spool": rows, "host": 1000})
+        lease.host(vreq).slept = True  # what a sleep on a GPU records (a CPU engine stops instead of sleeping)
         turns.check_room(p, vreq, {"spool": rows, "host": 1000})
 
 

@@ -348,7 +348,8 @@ def hf_variations(
     # each text in chunks of at most CHUNK tokens and at most half its scored length (at least two a text)
     chunks = [chunk_of(len(x) - s) for x, s in zip(seqs, starts)]
     chunked: list[Any] = [None] * n
-    own = n - added  # the texts after these top_up added: the same ids on every run (BUNDLED keeps theirs)
+    # texts [0, own) are the sample's own; [own, n) the bundled ones top_up added, the same ids every run (BUNDLED keeps theirs)
+    own = n - added
     for c in sorted(set(chunks)):
         idx = [i for i in range(own) if chunks[i] == c]
         if idx:

@@ -58,7 +58,7 @@ def fit_of(p: Prepared, vllm: Any, hf: Any) -> memory.Fit:
 def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None) -> None:
     """Refuse in words, before anything loads, a run in turn whose spool would not fit in shared
     memory or on disk, or (on a GPU) whose sleeping engine's weights would not fit in host memory
-    (unless that engine is warm in the pool already: then they hold their room).
+    (unless that engine is warm in the pool and has slept already: then they hold their room).
     free: the free bytes of "spool" (the roomier of /dev/shm and the temp folder) and "host" (RAM), for tests."""
     from logprob_parity.errors import UserError
 
@@ -72,10 +72,12 @@ def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None) -> No
             "lower LPP_SPOOL_BYTES (past it the KL covers a sample of positions) or free some room"
         )
     weights = memory.weight_bytes(vllm.model_path, vllm.dtype)
-    # this engine already warm in the pool (a run before this one): its sleep's host memory is taken
-    # already (asleep, its weights are there), and the free bytes count without it
+    # this engine warm in the pool and slept by a run before this one: its host memory is taken already
+    # (asleep, its weights are there; woken, torch keeps the pinned blocks for its next sleep), and the
+    # free bytes count without it. A warm engine that never slept still needs the room for its first sleep.
     warm = p.ctx.pool.host_for(vllm)
-    if p.device.startswith("cuda") and weights > free["host"] and not (warm is not None and warm.alive()):
+    held = warm is not None and warm.alive() and warm.slept
+    if p.device.startswith("cuda") and weights > free["host"] and not held:
         raise UserError(
             f"engines in turn keep the sleeping engine's weights in host memory ({memory.size_words(weights)} in "
             f"{vllm.dtype}), but this machine has {memory.size_words(free['host'])} free"

@@ -301,6 +301,7 @@ class HostClient:
         self.swaps = 0  # of which loaded in place of another model
         self.refused_fork: str | None = None  # why the zygote did not fork this host, where one was asked
         self.asleep = False  # its model left the device for host memory (engines in turn); `wake` brings it back
+        self.slept = False  # it has slept: its host memory for the weights is taken (torch keeps the pinned blocks after a wake)
         self._began = threading.Event()  # set once begin_load has sent a load (wait_loaded waits for it)
 
     def start(self, spare: bool = False) -> HostClient:
@@ -582,7 +583,9 @@ class HostClient:
         """The engine leaves the device, its model kept in host memory; False: it cannot."""
         t = time.perf_counter()
         try:
-            return bool(self._request(HostRequest("sleep"), "leaving the device (engines in turn)", timeout))
+            went = bool(self._request(HostRequest("sleep"), "leaving the device (engines in turn)", timeout))
+            self.slept = self.slept or went
+            return went
         finally:
             self.turn_seconds["sleep"] += time.perf_counter() - t
 
