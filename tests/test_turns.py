@@ -7,6 +7,7 @@ Llama, and the pool stops the idle engine to make room (a GPU's vLLM sleeps inst
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -469,10 +470,17 @@ def test_diagnostics_in_turn_measure_the_noise_and_the_reference_the_side_by_sid
     assert a.reference == b.reference
 
 
-def test_a_spool_or_a_sleeping_engine_that_would_not_fit_is_refused_in_words_before_anything_loads(tiny_bos, home, monkeypatch):
+def test_a_spool_or_a_sleeping_engine_that_would_not_fit_is_refused_in_words_before_anything_loads_unless_idle_slept_engines_make_room(
+    tiny_bos, home, monkeypatch
+):
     """Words before work: the spool's rows against the free room of /dev/shm and the temp folder, and on a
-    GPU the sleeping engine's weights against host memory."""
-    p = prepare(RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"), Context.of())
+    GPU the sleeping engine's weights against host memory, less what a slept engine of this run holds
+    already; idle slept engines of another run are stopped for the room, and the run says so."""
+    said: list[str] = []
+    p = prepare(
+        RunSpec(texts=LINES, model=str(tiny_bos), device="cpu"),
+        Context.of(on_event=lambda stage, dtype, detail: said.append(detail)),
+    )
     vreq, _ = engine_requests(p, "float32")
     rows = sum(len(s) - 1 for s in p.seqs) * 4 * p.model.vocab_size
     turns.check_room(p, vreq, {"spool": rows, "host": 0})  # room enough; a CPU keeps no engine asleep
@@ -491,6 +499,19 @@ def test_a_spool_or_a_sleeping_engine_that_would_not_fit_is_refused_in_words_bef
             turns.check_room(p, vreq, {"spool": rows, "host": 1000})
         lease.host(vreq).slept = True  # what a sleep on a GPU records (a CPU engine stops instead of sleeping)
         turns.check_room(p, vreq, {"spool": rows, "host": 1000})
+        # another run's engine of the same model (a rollout after a comparison: its own context length):
+        # while the slept one is leased it is not stopped, and the room is not there
+        other = dataclasses.replace(vreq, max_model_len=vreq.max_model_len * 2)
+        with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory"):
+            turns.check_room(p, other, {"spool": rows, "host": 1000})
+    slept = p.ctx.pool.host_for(vreq)
+    with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory"):  # nor when the run keeps it
+        turns.check_room(p, other, {"spool": rows, "host": 1000}, keep={vreq.key()})
+    assert slept.alive()
+    # idle, it is stopped to make the room, and the run says so
+    turns.check_room(p, other, {"spool": rows, "host": 1000})
+    assert not slept.alive() and p.ctx.pool.host_for(vreq) is None
+    assert any("stopping 1 idle engine(s) of an earlier run" in s for s in said), said
 
 
 def test_a_diagnosis_rollout_or_frontier_in_turn_is_estimated_with_its_turns_and_one_side_by_side_without(tiny_bos, home):

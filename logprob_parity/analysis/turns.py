@@ -51,15 +51,18 @@ def fit_of(p: Prepared, vllm: Any, hf: Any) -> memory.Fit:
         return memory.Fit(False, "", 0, 0, 0)
     fit = memory.plan_fit(p.model.name, vllm, hf)
     if fit.in_turn:
-        check_room(p, vllm)
+        check_room(p, vllm, keep={hf.key()})
     return fit
 
 
-def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None) -> None:
+def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None, keep: set[str] = frozenset()) -> None:
     """Refuse in words, before anything loads, a run in turn whose spool would not fit in shared
     memory or on disk, or (on a GPU) whose sleeping engine's weights would not fit in host memory
     (unless that engine is warm in the pool and has slept already: then they hold their room).
-    free: the free bytes of "spool" (the roomier of /dev/shm and the temp folder) and "host" (RAM), for tests."""
+    Idle engines of other runs that slept (their weights in host memory: a comparison's engines
+    before a rollout of the same model, which starts its own) are stopped when that makes the room.
+    free: the free bytes of "spool" (the roomier of /dev/shm and the temp folder) and "host" (RAM), for tests.
+    keep: the run's other engine keys, never stopped for room."""
     from logprob_parity.errors import UserError
 
     free = free if free is not None else {"spool": spool_room(), "host": memory.free_bytes("cpu")}
@@ -78,6 +81,16 @@ def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None) -> No
     warm = p.ctx.pool.host_for(vllm)
     held = warm is not None and warm.alive() and warm.slept
     if p.device.startswith("cuda") and weights > free["host"] and not held:
+        others = p.ctx.pool.slept_idle(keep={vllm.key(), *keep})
+        freed = sum(memory.weight_bytes(h.request.model_path, h.request.dtype) for h in others if h.request is not None)
+        if others and weights <= free["host"] + freed:
+            p.ctx.emit(
+                "plan",
+                vllm.dtype,
+                f"stopping {len(others)} idle engine(s) of an earlier run, which hold host memory since they slept, to make room for this run's",
+            )
+            p.ctx.pool.stop_idle(others)
+            return
         raise UserError(
             f"engines in turn keep the sleeping engine's weights in host memory ({memory.size_words(weights)} in "
             f"{vllm.dtype}), but this machine has {memory.size_words(free['host'])} free"

@@ -477,6 +477,23 @@ class EnginePool:
         with self._cond:
             return [h for h in self._hosts.values() if h.alive()]
 
+    def slept_idle(self, keep: set[str]) -> list[HostClient]:
+        """Idle hosts (no lease) that have slept, so hold host memory for their weights, other than the
+        engine keys in `keep`: what a run in turn may stop to find room for its own sleeping engine."""
+        with self._cond:
+            return [
+                h for h in self._idle_locked() if h.slept and h.alive() and (h.request is None or h.request.key() not in keep)
+            ]
+
+    def stop_idle(self, hosts: list[HostClient]) -> list[HostClient]:
+        """Stop those of `hosts` that are still idle (a request may have leased one since): returns them."""
+        with self._cond:
+            idle = [h for h in hosts if h.leases == 0 and any(v is h for v in self._hosts.values())]
+            for h in idle:
+                self._forget_locked(h)
+        _stop_all(idle, grace=10.0)
+        return idle
+
     def reap_idle(self) -> int:
         """Stop hosts idle longer than LPP_ENGINE_IDLE_TIMEOUT seconds; returns how many stopped."""
         timeout = float(os.environ.get(IDLE_TIMEOUT_ENV, "1800"))
