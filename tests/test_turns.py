@@ -534,3 +534,27 @@ def test_a_diagnosis_rollout_or_frontier_in_turn_is_estimated_with_its_turns_and
     plain, plain_words = frontier_estimate("cpu", 2, 0)
     turned, words = frontier_estimate("cpu", 2, 0, 3, weights)
     assert "6 turns of the engines" in words and "turns" not in plain_words and turned > plain
+
+
+def test_a_vllm_that_sleeps_on_a_gpu_pins_its_host_memory_by_threads_and_keeps_the_users_allocator_settings(monkeypatch):
+    """A vLLM started with sleep mode (a GPU under a cap) gets torch's threaded pinned allocation (its first
+    sleep of a 46 GB model: 26.9 s the plain way, 7.6 s this way, on an H100); the user's own allocator
+    settings stay, under the name they used; a CPU engine, an engine without a cap and HF get nothing."""
+    from logprob_parity.engines.records import PINNED_REGISTER
+
+    capped = EngineSettings(device_memory="80GB")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert LoadRequest("vllm", "m", "bfloat16", "cuda", capped).host_env() == {"PYTORCH_CUDA_ALLOC_CONF": PINNED_REGISTER}
+    for other in (
+        LoadRequest("vllm", "m", "bfloat16", "cpu", capped),
+        LoadRequest("vllm", "m", "bfloat16", "cuda", EngineSettings()),
+        LoadRequest("hf", "m", "bfloat16", "cuda", capped),
+    ):
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in other.host_env(), other
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert LoadRequest("vllm", "m", "bfloat16", "cuda", capped).host_env() == {
+        "PYTORCH_CUDA_ALLOC_CONF": f"max_split_size_mb:512,{PINNED_REGISTER}"
+    }
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_use_cuda_host_register:False")  # the user chose: left alone
+    assert LoadRequest("vllm", "m", "bfloat16", "cuda", capped).host_env() == {}
