@@ -166,6 +166,14 @@ def cap_of(settings: Any) -> int | None:
     return parse_size(value) if value else None
 
 
+def sleeps_in_turn(device: str, settings: Any) -> bool:
+    """Whether an engine on `device` with these settings sleeps between turns instead of stopping: on a
+    GPU (CUDA or ROCm, where vLLM's sleep mode exists) under a memory cap. The one rule behind vLLM's
+    `enable_sleep_mode`, its pinned host allocation (`LoadRequest.host_env`) and the pool's choice to
+    put an engine to sleep for room rather than stop it (HF sleeps by its host copy)."""
+    return device.startswith("cuda") and cap_of(settings) is not None
+
+
 def size_words(n: float) -> str:
     """A size in GB (10^9 bytes), as the cap is written: 61 GB, 2.4 GB, 0.31 GB."""
     gb = n / 1e9

@@ -534,15 +534,7 @@ def _can_sleep(host: HostClient) -> bool:
     """Whether a host stopped for room may sleep instead: its engine loaded on a GPU under a memory cap
     (vLLM started with sleep mode then), in one process."""
     r = host.request
-    return (
-        r is not None
-        and host.info is not None
-        and host.alive()
-        and not host.asleep
-        and r.device.startswith("cuda")
-        and memory.cap_of(r.settings) is not None
-        and _one_process(r)
-    )
+    return r is not None and host.info is not None and host.alive() and not host.asleep and r.sleeps() and _one_process(r)
 
 
 def _sleep(host: HostClient) -> bool:

@@ -51,9 +51,15 @@ class LoadRequest:
         env: dict[str, str] = {}
         if self.backend == "vllm" and getattr(self.settings, "batch_invariant", False):
             env["VLLM_BATCH_INVARIANT"] = "1"
-        if self.backend == "vllm" and self.device != "cpu" and getattr(self.settings, "device_memory", None):
+        if self.backend == "vllm" and self.sleeps():
             env.update(pinned_register_env())
         return env
+
+    def sleeps(self) -> bool:
+        """Whether this engine sleeps between turns instead of stopping (engines.memory.sleeps_in_turn)."""
+        from logprob_parity.engines.memory import sleeps_in_turn
+
+        return sleeps_in_turn(self.device, self.settings)
 
     def backend_kwargs(self) -> dict[str, Any]:
         """The backend constructor's arguments."""

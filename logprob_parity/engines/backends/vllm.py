@@ -12,7 +12,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from logprob_parity.engines.backends.base import Backend, apply_tf32
-from logprob_parity.engines.memory import engine_share, kv_cache_bytes
+from logprob_parity.engines.memory import engine_share, kv_cache_bytes, sleeps_in_turn
 from logprob_parity.engines.scores import TokenScores
 from logprob_parity.inputs.spec import MAX_TOP_K, EngineSettings
 
@@ -56,7 +56,7 @@ class VLLMBackend(Backend):
             # seen (a router capture of ours would not run inside a replayed graph). CPU builds need
             # Model Runner V2 for it; there the capture of logprob_parity.engines.routing serves.
             kwargs["enable_return_routed_experts"] = True
-        if device != "cpu" and settings.device_memory:  # engines in turn: it sleeps while HF holds the card
+        if sleeps_in_turn(device, settings):  # engines in turn: it sleeps while HF holds the card
             kwargs["enable_sleep_mode"] = True
         self.engine_kwargs = kwargs
         self.llm = LLM(**kwargs)
