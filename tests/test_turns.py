@@ -483,33 +483,33 @@ def test_a_spool_or_a_sleeping_engine_that_would_not_fit_is_refused_in_words_bef
     )
     vreq, _ = engine_requests(p, "float32")
     rows = sum(len(s) - 1 for s in p.seqs) * 4 * p.model.vocab_size
-    turns.check_room(p, vreq, {"spool": rows, "host": 0})  # room enough; a CPU keeps no engine asleep
+    turns.make_room(p, vreq, {"spool": rows, "host": 0})  # room enough; a CPU keeps no engine asleep
     with pytest.raises(UserError, match=r"spool .* but /dev/shm and the temp folder have .* free; lower LPP_SPOOL_BYTES"):
-        turns.check_room(p, vreq, {"spool": rows - 1, "host": 1 << 40})
+        turns.make_room(p, vreq, {"spool": rows - 1, "host": 1 << 40})
     monkeypatch.setenv("LPP_SPOOL_BYTES", str(rows // 10))  # past the bound a sample: a tenth of the rows is all it needs
-    turns.check_room(p, vreq, {"spool": rows // 10, "host": 1 << 40})
+    turns.make_room(p, vreq, {"spool": rows // 10, "host": 1 << 40})
     monkeypatch.setattr(p, "device", "cuda")
     with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory .* this machine has .* free"):
-        turns.check_room(p, vreq, {"spool": rows, "host": 1000})
+        turns.make_room(p, vreq, {"spool": rows, "host": 1000})
     # a second run on the same warm engines: the slept vLLM's weights are already in host memory (and
     # out of its free bytes), so they are not asked for again (seen on an H100: 19 GB free of 125 beside them);
     # warm but never slept, its first sleep still needs the room
     with p.ctx.pool.lease([vreq]) as lease:
         with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory"):
-            turns.check_room(p, vreq, {"spool": rows, "host": 1000})
+            turns.make_room(p, vreq, {"spool": rows, "host": 1000})
         lease.host(vreq).slept = True  # what a sleep on a GPU records (a CPU engine stops instead of sleeping)
-        turns.check_room(p, vreq, {"spool": rows, "host": 1000})
+        turns.make_room(p, vreq, {"spool": rows, "host": 1000})
         # another run's engine of the same model (a rollout after a comparison: its own context length):
         # while the slept one is leased it is not stopped, and the room is not there
         other = dataclasses.replace(vreq, max_model_len=vreq.max_model_len * 2)
         with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory"):
-            turns.check_room(p, other, {"spool": rows, "host": 1000})
+            turns.make_room(p, other, {"spool": rows, "host": 1000})
     slept = p.ctx.pool.host_for(vreq)
     with pytest.raises(UserError, match=r"the sleeping engine's weights in host memory"):  # nor when the run keeps it
-        turns.check_room(p, other, {"spool": rows, "host": 1000}, keep={vreq.key()})
+        turns.make_room(p, other, {"spool": rows, "host": 1000}, keep={vreq.key()})
     assert slept.alive()
     # idle, it is stopped to make the room, and the run says so
-    turns.check_room(p, other, {"spool": rows, "host": 1000})
+    turns.make_room(p, other, {"spool": rows, "host": 1000})
     assert not slept.alive() and p.ctx.pool.host_for(vreq) is None
     assert any("stopping 1 idle engine(s) of an earlier run" in s for s in said), said
 

@@ -51,16 +51,15 @@ def fit_of(p: Prepared, vllm: Any, hf: Any) -> memory.Fit:
         return memory.Fit(False, "", 0, 0, 0)
     fit = memory.plan_fit(p.model.name, vllm, hf)
     if fit.in_turn:
-        check_room(p, vllm, keep={hf.key()})
+        make_room(p, vllm, keep={hf.key()})
     return fit
 
 
-def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None, keep: set[str] = frozenset()) -> None:
+def make_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None, keep: set[str] = frozenset()) -> None:
     """Refuse in words, before anything loads, a run in turn whose spool would not fit in shared
     memory or on disk, or (on a GPU) whose sleeping engine's weights would not fit in host memory
-    (unless that engine is warm in the pool and has slept already: then they hold their room).
-    Idle engines of other runs that slept (their weights in host memory: a comparison's engines
-    before a rollout of the same model, which starts its own) are stopped when that makes the room.
+    (unless that engine is warm in the pool and has slept already: then they hold their room). The
+    pool makes that room when idle engines of earlier runs that slept can give it (EnginePool.make_host_room).
     free: the free bytes of "spool" (the roomier of /dev/shm and the temp folder) and "host" (RAM), for tests.
     keep: the run's other engine keys, never stopped for room."""
     from logprob_parity.errors import UserError
@@ -74,23 +73,22 @@ def check_room(p: Prepared, vllm: Any, free: dict[str, int] | None = None, keep:
             f"(the bound is LPP_SPOOL_BYTES), but /dev/shm and the temp folder have {memory.size_words(free['spool'])} free; "
             "lower LPP_SPOOL_BYTES (past it the KL covers a sample of positions) or free some room"
         )
-    weights = memory.weight_bytes(vllm.model_path, vllm.dtype)
     # this engine warm in the pool and slept by a run before this one: its host memory is taken already
     # (asleep, its weights are there; woken, torch keeps the pinned blocks for its next sleep), and the
     # free bytes count without it. A warm engine that never slept still needs the room for its first sleep.
     warm = p.ctx.pool.host_for(vllm)
     held = warm is not None and warm.alive() and warm.slept
-    if p.device.startswith("cuda") and weights > free["host"] and not held:
-        others = p.ctx.pool.slept_idle(keep={vllm.key(), *keep})
-        freed = sum(memory.weight_bytes(h.request.model_path, h.request.dtype) for h in others if h.request is not None)
-        if others and weights <= free["host"] + freed:
-            p.ctx.emit(
-                "plan",
-                vllm.dtype,
-                f"stopping {len(others)} idle engine(s) of an earlier run, which hold host memory since they slept, to make room for this run's",
-            )
-            p.ctx.pool.stop_idle(others)
-            return
+    if not p.device.startswith("cuda") or held:
+        return
+    weights = memory.weight_bytes(vllm.model_path, vllm.dtype)
+
+    def stopping(n: int) -> None:
+        what = (
+            f"stopping {n} idle engine(s) of an earlier run, which hold host memory since they slept, to make room for this run's"
+        )
+        p.ctx.emit("plan", vllm.dtype, what)
+
+    if p.ctx.pool.make_host_room(weights, free["host"], keep={vllm.key(), *keep}, on_stop=stopping) is None:
         raise UserError(
             f"engines in turn keep the sleeping engine's weights in host memory ({memory.size_words(weights)} in "
             f"{vllm.dtype}), but this machine has {memory.size_words(free['host'])} free"

@@ -477,22 +477,29 @@ class EnginePool:
         with self._cond:
             return [h for h in self._hosts.values() if h.alive()]
 
-    def slept_idle(self, keep: set[str]) -> list[HostClient]:
-        """Idle hosts (no lease) that have slept, so hold host memory for their weights, other than the
-        engine keys in `keep`: what a run in turn may stop to find room for its own sleeping engine."""
+    def make_host_room(
+        self, need: int, free: int, keep: set[str], on_stop: Callable[[int], None] | None = None
+    ) -> list[HostClient] | None:
+        """Host memory for `need` bytes where `free` are free: a sleeping engine's weights (engines in turn,
+        on a GPU), as `_room_locked` finds room on the device. When short, idle hosts that slept (their
+        weights in host memory: a comparison's engines before a rollout of the same model, which starts
+        its own) other than the engine keys in `keep` are stopped, if together they make the room;
+        on_stop hears how many first. Returns the hosts stopped ([]: the room was there), or None when
+        even they would not make it (then none is stopped)."""
+        if need <= free:
+            return []
         with self._cond:
-            return [
-                h for h in self._idle_locked() if h.slept and h.alive() and (h.request is None or h.request.key() not in keep)
-            ]
-
-    def stop_idle(self, hosts: list[HostClient]) -> list[HostClient]:
-        """Stop those of `hosts` that are still idle (a request may have leased one since): returns them."""
-        with self._cond:
-            idle = [h for h in hosts if h.leases == 0 and any(v is h for v in self._hosts.values())]
-            for h in idle:
+            idle = [h for h in self._idle_locked() if h.slept and h.alive() and h.request is not None]
+            others = [h for h in idle if h.request.key() not in keep]
+            freed = sum(memory.weight_bytes(h.request.model_path, h.request.dtype) for h in others)
+            if not others or need > free + freed:
+                return None
+            for h in others:
                 self._forget_locked(h)
-        _stop_all(idle, grace=10.0)
-        return idle
+        if on_stop is not None:
+            on_stop(len(others))
+        _stop_all(others, grace=10.0)
+        return others
 
     def reap_idle(self) -> int:
         """Stop hosts idle longer than LPP_ENGINE_IDLE_TIMEOUT seconds; returns how many stopped."""
