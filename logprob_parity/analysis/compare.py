@@ -140,7 +140,7 @@ def _compare_locked(p: Prepared, use_cache: bool, keys: dict[str, str]) -> list[
     plan = {d: engine_requests(p, d) for d in todo}
     # a dtype whose two engines do not fit together runs them in turn; a model vLLM cannot serve alone
     # is refused here, in words, before any engine starts
-    fits = {d: turns.fit_of(p, *plan[d]) for d in todo}
+    fits = {d: turns.fit_of(p, *plan[d], keep=[r for pair in plan.values() for r in pair]) for d in todo}
     side = [d for d in todo if not fits[d].in_turn]
     everything = [r for d in side for r in plan[d]]
     # Every engine at once when they all fit (they load side by side); otherwise dtype after dtype.

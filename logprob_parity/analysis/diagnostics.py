@@ -108,7 +108,8 @@ def diagnose(
     if unknown:
         raise UserError(f"unknown diagnostic(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
     p = prepare(spec, ctx)  # refuses a model outside the allowed roots before anything runs
-    fits = {d: turns.fit_of(p, p.load("vllm", d), p.load("hf", d)) for d in p.spec.dtypes}
+    every = [p.load(b, d) for d in p.spec.dtypes for b in ("vllm", "hf")]
+    fits = {d: turns.fit_of(p, p.load("vllm", d), p.load("hf", d), keep=every) for d in p.spec.dtypes}
     if "layers" in parts and any(f.in_turn for f in fits.values()):
         raise UserError(
             "the layer part compares vLLM's and HF's vectors of every layer at once, so both engines must hold the "

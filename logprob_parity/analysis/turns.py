@@ -44,14 +44,15 @@ def spool_bound() -> int:
     return memory.parse_size(value) if value else SPOOL_DEFAULT
 
 
-def fit_of(p: Prepared, vllm: Any, hf: Any) -> memory.Fit:
+def fit_of(p: Prepared, vllm: Any, hf: Any, keep: Any = ()) -> memory.Fit:
     """How one dtype's engines fit (engines.memory.plan_fit). A CPU without a cap is not sized at all:
-    there the engines always ran side by side, and a model folder is not read twice for nothing."""
+    there the engines always ran side by side, and a model folder is not read twice for nothing.
+    keep: the run's engines of its other dtypes, which `make_room` never stops for room."""
     if not p.device.startswith("cuda") and not (memory.cap_of(vllm.settings) or memory.cap_of(hf.settings)):
         return memory.Fit(False, "", 0, 0, 0)
     fit = memory.plan_fit(p.model.name, vllm, hf)
     if fit.in_turn:
-        make_room(p, vllm, keep={hf.key()})
+        make_room(p, vllm, keep={hf.key(), *(r.key() for r in keep)})
     return fit
 
 
