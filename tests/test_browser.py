@@ -561,6 +561,10 @@ def test_diagnostics_shows_where_in_the_network_as_words_a_heat_map_and_lines(se
         tip = token.locator(".lpp-tip")
         said = tip.text_content()  # what the token's hover panel holds
         assert f"where in the network: first beyond HF's noise at layer {row['layer']}'s" in said, said
-        _force_hover(page, css)
+        for _ in range(3):  # a page redrawn meanwhile replaces the element, and its forced state with it
+            _force_hover(page, css)
+            with contextlib.suppress(Exception):
+                tip.wait_for(state="visible", timeout=5_000)
+                break
         expect(tip).to_be_visible()
         page.screenshot(path=str(out / "compare-hover-layers.png"))
