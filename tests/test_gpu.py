@@ -55,6 +55,22 @@ def test_the_card_runs_every_dtype():
         assert (reason is None) == (d != "bfloat16" or major >= 8), (d, reason)
 
 
+def test_asking_the_cuda_build_finds_its_fp8_kernels(tmp_path, monkeypatch):
+    """vLLM 0.26.0's CUDA build ships its ops as vllm._C_stable_libtorch, not vllm._C: a probe that
+    imported vllm._C by name refused FP8 on the card ("No module named 'vllm._C'") and the frontier's
+    FP8 rows were skipped (H200, 2026-12-07). Asked afresh, the build's answer must let FP8 run."""
+    from logprob_parity.engines.build import CACHE_NAME, unsupported
+
+    monkeypatch.setenv("LOGPROB_PARITY_HOME", str(tmp_path))  # a store that has never asked
+    unsupported.cache_clear()
+    try:
+        found = unsupported()
+    finally:
+        unsupported.cache_clear()
+    assert ("quantization", "fp8") not in found, found
+    assert (tmp_path / CACHE_NAME).is_file()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_both_engines_on_cuda(gpu_model, store, dtype):
     (run,) = compare(RunSpec(texts=tuple(SENTENCES), model=gpu_model, dtypes=(dtype,), device="cuda"), store=store)

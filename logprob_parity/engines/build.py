@@ -27,7 +27,11 @@ _FP8_PROBE = """
 import json
 try:
     import torch
-    import vllm._C  # noqa: F401  the compiled ops of this vLLM build
+    from vllm.platforms import current_platform
+    # The compiled ops of this vLLM build, loaded the way the build's own platform loads them: the module
+    # differs by build (vllm._C on the CPU build, vllm._C_stable_libtorch on CUDA builds since 0.26), and
+    # a probe that imported vllm._C by name read vLLM 0.26.0's CUDA build as having no kernels at all.
+    current_platform.import_kernels()
     op = getattr(torch.ops._C, "static_scaled_fp8_quant", None)
     args = len(op.default._schema.arguments) if op is not None else 0
     if op is None:
@@ -69,9 +73,17 @@ CACHE_NAME = "build-checks.json"
 FACTS = "facts"
 
 
+# Bumped whenever a probe changes what it asks, so an answer stored by an older probe is asked again:
+# revision 2 loads the kernels through vLLM's platform (the first read every CUDA build of vLLM 0.26 as
+# unable to run FP8).
+PROBE_REVISION = 2
+
+
 def _key() -> str:
     v = versions()
-    return f"{v.get('vllm_dist')}=={v.get('vllm')} torch=={v.get('torch')} python=={sys.version_info[:2]}"
+    return (
+        f"{v.get('vllm_dist')}=={v.get('vllm')} torch=={v.get('torch')} python=={sys.version_info[:2]} probes=={PROBE_REVISION}"
+    )
 
 
 def _probe(code: str) -> dict[str, Any]:
