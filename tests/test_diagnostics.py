@@ -302,3 +302,52 @@ def test_a_second_floor_on_one_engine_scores_the_bundled_texts_once_and_is_the_s
     assert bundled_passes(other) == bundled_passes(first)
     assert bundled_passes(warmed, warmed.calls[:warm_calls]) and bundled_passes(warmed, warmed.calls[warm_calls:]) == []
     assert ("rollout_score", [tuple(short[0])]) in again.calls  # the sample's own chunks are scored every time
+
+
+class _NoRoomForALargeBatch(_Recording):
+    """An HF engine host whose padded batches of more than one text run out of device memory, with the
+    words the host sends for a torch OutOfMemoryError (an 8B model's 32,000-token text on an 80 GB card)."""
+
+    def score(self, seqs, top_k, gather_ids=None, batch_size=None, *args):
+        if (batch_size or 1) > 1:
+            import torch
+
+            from logprob_parity.engines.host import _describe_error
+            from logprob_parity.errors import UserError
+
+            kind, text = _describe_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.98 GiB."))
+            assert kind == "user"
+            raise UserError(f"hf (bfloat16): {text}")
+        return super().score(seqs, top_k, gather_ids, batch_size, *args)
+
+
+def test_a_large_batch_that_runs_out_of_memory_leaves_the_floor_to_the_other_variations_and_says_so(tiny_bos):
+    """The floor's large batch pads every row to the longest text. Where that does not fit on the device,
+    micro_batch and padding_side are 'not measured' with the reason, and the floor, its tail and its
+    words come from the variations that did run (packed, chunked_kv) instead of the comparison failing."""
+    from logprob_parity.analysis import floors
+    from logprob_parity.analysis.request import Context, prepare
+    from logprob_parity.engines.pool import POOL
+
+    p = prepare(
+        RunSpec(texts=("Dave lives in Palm Coast, FL and is a lawyer.",), model=str(tiny_bos), device="cpu"), Context.of()
+    )
+    hreq = p.load("hf", "float32")
+    others = floors.other_prompts(p.tokenizer, p.spec.bos, hreq.max_model_len, "cpu")
+    with POOL.lease([hreq]) as lease:
+        host = lease.host(hreq)
+        seqs = [list(p.seqs[0])]
+        base = [s.logprob for s in host.score(seqs, 1, None, 1)]
+        full, _ = floors.hf_variations(host, seqs, base, others, "cpu")
+        short, skipped = floors.hf_variations(_NoRoomForALargeBatch(host), seqs, base, others, "cpu")
+
+    assert set(skipped) == {"micro_batch", "padding_side"}
+    assert "did not fit in the device's memory" in skipped["micro_batch"]
+    assert set(short) == set(full) - {"micro_batch", "padding_side"} == {"packed", "chunked_kv", "envelope"}
+    for k in ("packed", "chunked_kv"):  # the variations that ran gave what they give beside the large batch
+        assert short[k] == full[k], k
+    floor = floors.floor_of(short)
+    assert floor["noise_set_by"] in ("packed", "chunked_kv") and floor["hf_noise_mean"] is not None
+    assert short["envelope"]["n"] == full["micro_batch"]["n"] and short["envelope"]["texts_added"] > 0
+    rows = floors.floor_rows(short, skipped)
+    assert rows["micro_batch"]["what"].startswith("not measured: the large batch")

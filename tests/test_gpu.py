@@ -330,7 +330,10 @@ def test_an_8b_shaped_model_scores_a_32k_token_text_with_the_exact_kl(store, tmp
     assert parts[0][2] == max(w[2] for w in parts) and len(html) > 10_000
     line = (
         f"| 8B shape, one {n + 1:,}-token text, bfloat16 | {took:.1f} s end to end with the engines' start | "
-        f"exact KL at {kl.size:,} positions, mean {run.summary['kl_full_mean']:.3e} | worst window drawn in {drawn:.2f} s |"
+        f"exact KL at {kl.size:,} positions, mean {run.summary['kl_full_mean']:.3e} | worst window drawn in {drawn:.2f} s | "
+        f"floor: {run.summary['noise_words']}; not measured: "
+        + ("; ".join(f"{k} ({why})" for k, why in (run.meta.noise.get("skipped") or {}).items()) or "none")
+        + " |"
     )
     (RESULTS.with_name(RESULTS.stem + "-long.md")).write_text(line + "\n")
     print(line)

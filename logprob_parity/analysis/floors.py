@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from logprob_parity.errors import UserError
 from logprob_parity.inputs.tokens import encode_texts
 from logprob_parity.results.bands import TAIL_MIN_POSITIONS, TAIL_Q, VARIATIONS, tail_of, tail_words  # noqa: F401 - their home
 
@@ -325,15 +326,22 @@ def hf_variations(
     in_batch = beside if str(device).startswith("cuda") else others[:OTHER_PROMPTS_CPU]
     big = filled(seqs, in_batch, large_positions(device))
     size = {"to": len(big), "positions": sum(len(x) - 1 for x in big), "texts": n, "texts_added": added}
-    right_s = hf.score(big, 1, None, len(big), "right")[:n]
-    left_s = hf.score(big, 1, None, len(big), "left")[:n]
-    right, left = [s.logprob for s in right_s], [s.logprob for s in left_s]
-    out = {
-        # from the micro-batch the comparison used (base: its values) to the large one
-        "micro_batch": {**gap(cut(base), cut(right)), "from": hf_batch_size, **size, **flips(top1, _top1(right_s), starts)},
-        "padding_side": {**gap(cut(right), cut(left)), **size, **flips(_top1(right_s), _top1(left_s), starts)},
-    }
+    out: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
+    try:
+        right_s = hf.score(big, 1, None, len(big), "right")[:n]
+        left_s = hf.score(big, 1, None, len(big), "left")[:n]
+    except UserError as exc:  # a long text pads every row of the batch to its length: its logits may not fit
+        if "out of memory" not in str(exc):
+            raise
+        why = f"the large batch ({len(big)} texts padded to {max(map(len, big)):,} tokens) did not fit in the device's memory"
+        skipped["micro_batch"] = skipped["padding_side"] = why
+        right_s = left_s = None
+    if right_s is not None and left_s is not None:
+        right, left = [s.logprob for s in right_s], [s.logprob for s in left_s]
+        # from the micro-batch the comparison used (base: its values) to the large one
+        out["micro_batch"] = {**gap(cut(base), cut(right)), "from": hf_batch_size, **size, **flips(top1, _top1(right_s), starts)}
+        out["padding_side"] = {**gap(cut(right), cut(left)), **size, **flips(_top1(right_s), _top1(left_s), starts)}
     # one row holds the texts and the other prompts (a trainer packs to its row length)
     packed = hf.score_packed(seqs + beside, max(large_positions(device), sum(map(len, seqs + beside))))
     if isinstance(packed, str):
@@ -359,13 +367,12 @@ def hf_variations(
         for i, got in zip(idx, BUNDLED.chunked(hf, [seqs[i] for i in idx], c)):
             chunked[i] = got
     values = {
-        "micro_batch": cut(right),
-        "padding_side": cut(left),
+        **({"micro_batch": cut(right), "padding_side": cut(left)} if "micro_batch" in out else {}),
         "chunked_kv": [c["logprob"] for c in chunked],
         **({"packed": cut([s.logprob for s in packed[:n]])} if "packed" in out else {}),
     }
     out["chunked_kv"] = {**gap(cut(base), values["chunked_kv"]), "chunk": max(chunks), "texts": n}
-    out["envelope"] = {**envelope(cut(base), cut(right), values), "texts": n}
+    out["envelope"] = {**envelope(cut(base), values.get("micro_batch", []), values), "texts": n, "texts_added": added}
     for k, v in out.items():
         if v.get("flip_n") == 0:  # no argmax known on one side: not measured, not 0
             v.pop("flips"), v.pop("flip_n")
@@ -457,20 +464,21 @@ def measure(
     t_hf = time.perf_counter() - t
     own = vllm if isinstance(vllm, dict) else vllm_noise(vllm, seqs, main_v, others, device)
     measured = [k for k in VARIATIONS if k in variations]
-    added = variations["micro_batch"].get("texts_added", 0)
+    added = variations["envelope"]["texts_added"]
+    positions = variations.get("micro_batch", variations["envelope"])["n"]  # the sample's positions, from each start on
     return {
         **floor_of(variations),
         "variations": variations,
         "skipped": skipped,
         "vllm_noise_mean": own["mean"],
         "vllm_noise_max": own["max"],
-        "noise_tokens": variations["micro_batch"]["n"],
+        "noise_tokens": positions,
         "noise_texts": n,
         "seconds": {"hf": round(t_hf, 3), "vllm": round(own["seconds"], 3)},
         "noise_what": (
             f"HF against itself on {n} of the texts"
             + (f" and {added} bundled sentences (so the tail rests on enough tokens)" if added else "")
-            + f" ({variations['micro_batch']['n']} tokens): "
+            + f" ({positions} tokens): "
             + ", ".join(variation_when(k, variations[k]) for k in measured)
             + "".join(f"; not measured: {k.replace('_', ' ')} ({why})" for k, why in skipped.items())
             + f". vLLM against itself: the same texts each alone, and batched with {len(near(others))} other prompts"

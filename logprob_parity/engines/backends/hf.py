@@ -582,7 +582,7 @@ class HFBackend(Backend):
         whole long completion would cost more than the rollout it is the floor of."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         first = start if tail is None else max(start, len(ids) - tail)
-        rows, past = [], None
+        got, past = [], None
         # chunks of `chunk` from position 0, or with a tail: the prefix [0, first) at once, then chunks
         bounds = list(range(0, len(ids), chunk)) if tail is None else [0, *range(first, len(ids), chunk)]
         bounds = sorted(set(bounds)) + [len(ids)]
@@ -590,11 +590,17 @@ class HFBackend(Backend):
             pos = torch.arange(lo, hi, device=self.device)[None]
             res = self.model(input_ids=x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=True)
             past = res.past_key_values
-            rows.append(res.logits[0])
-        f32 = torch.cat(rows)[first - 1 : len(ids) - 1]
-        f32 = f32 if f32.dtype == torch.float64 else f32.float()
+            # each chunk's rows [a, b) (row t-1 predicts token t) as they come: float32 log_softmax is
+            # row-wise, so the values are those of the whole text's rows at once, and a 32,000-token
+            # text of a 128k vocabulary never holds its [rows, vocab] float32 copy (15 GiB) at once
+            a, b = max(lo, first - 1), min(hi, len(ids) - 1)
+            if a < b:
+                block = res.logits[0, a - lo : b - lo]
+                block = block if block.dtype == torch.float64 else block.float()
+                got.append(torch.log_softmax(block, dim=-1).gather(1, x[0, a + 1 : b + 1, None])[:, 0].double())
+            del res
         return {
-            "logprob": torch.log_softmax(f32, dim=-1).gather(1, x[0, first:, None])[:, 0].double().cpu().numpy(),
+            "logprob": torch.cat(got).cpu().numpy() if got else np.zeros(0),
             "first": np.asarray(first),
         }
 
