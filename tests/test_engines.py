@@ -290,10 +290,11 @@ def test_the_zygote_forks_no_host_whose_environment_differs_in_what_imports_read
         zygote.stop()
 
 
-def test_what_ray_and_streamlit_write_at_run_time_leaves_a_fork_allowed_and_what_vllm_configures_does_not():
+def test_what_ray_and_streamlit_write_at_run_time_leaves_a_fork_allowed_and_a_preload_does_not():
     """ray.init and Streamlit's start write variables that are read when used, never at import: a test
-    process (or dashboard) that ran them still gets forked hosts. vLLM's CPU platform writes LD_PRELOAD
-    when it configures an engine: that one refuses (a fresh host would start with it preloaded)."""
+    process (or dashboard) that ran them still gets forked hosts, and so does a Ray worker, whose raylet
+    writes its own. vLLM's CPU platform writes LD_PRELOAD when it configures an engine: that one refuses
+    (a fresh host would start with it preloaded)."""
     from logprob_parity.engines.zygote import refusal
 
     base = {"PATH": "/usr/bin", "HOME": "/root"}
@@ -302,6 +303,10 @@ def test_what_ray_and_streamlit_write_at_run_time_leaves_a_fork_allowed_and_what
     assert (
         refusal({**base, **ran, "LD_PRELOAD": "libtcmalloc_minimal.so.4"}, base, base) == "its environment differs in LD_PRELOAD"
     )
+    # a Ray worker (a host it starts): the raylet's own variables leave the fork allowed, a preload does not
+    worker = {"RAY_JOB_ID": "01000000", "RAY_RAYLET_PID": "4242", "RAY_LD_PRELOAD_ON_WORKERS": "0", "SPT_NOENV": "1"}
+    assert refusal({**base, **ran, **worker}, base, base) is None
+    assert refusal({**base, **worker, "LD_PRELOAD": "libjemalloc.so"}, base, base) == "its environment differs in LD_PRELOAD"
 
 
 def test_two_tests_asking_for_one_engine_key_in_a_session_start_it_once(pytester, tiny_bos):

@@ -242,19 +242,32 @@ def test_a_gpu_run_on_a_cluster_without_a_gpu_is_refused_in_words_before_any_wor
 
 
 @pytest.mark.engine
-def test_60_prompts_on_two_ray_workers_with_the_real_engines_match_one_process_bit_for_bit(
+def test_60_prompts_on_two_ray_workers_with_real_engines_forked_from_the_zygote_match_one_process_bit_for_bit(
     cluster, demo_model, tmp_path, monkeypatch
 ):
     """The demo model on the real HF and vLLM CPU engines: two workers, each with its own engines,
-    score 60 prompts in batches; the run id, summary and every value are those of one process."""
+    score 60 prompts in batches; the run id, summary and every value are those of one process. In the
+    test session the workers' hosts are forked from its zygote: what Ray's raylet writes into a worker's
+    environment (RAY_JOB_ID, SPT_NOENV, ...) is read by Ray's own code, not by an engine's imports."""
+    import os
+
+    from conftest import START_LOG
+
     from logprob_parity.analysis.compare import compare
+    from logprob_parity.engines.zygote import ZYGOTE_ENV
     from logprob_parity.inputs.spec import RunSpec
 
     monkeypatch.setenv("LPP_BATCH_TOKENS", "300")
     spec = RunSpec(texts=TEXTS[:60], model=str(demo_model), dtypes=("float32",), device="cpu")
     (one,) = compare(spec, _ctx(tmp_path / "one"), use_cache=False)
+    logged = len(START_LOG.read_text().splitlines()) if START_LOG.exists() else 0
     (many,) = compare(spec, _ctx(tmp_path / "ray", ray={"address": cluster.address, "workers": 2}), use_cache=False)
     assert many.meta.timing["ray_workers"] == 2 and many.meta.timing["batches"] >= 4
+    if os.environ.get(ZYGOTE_ENV):  # LPP_TEST_ZYGOTE=0 starts every host the ordinary way
+        rows = [json.loads(x) for x in START_LOG.read_text().splitlines()[logged:] if x.strip()]
+        workers = [r for r in rows if r["pid"] != os.getpid()]
+        assert len(workers) >= 4, rows  # HF and vLLM on each of the two workers
+        assert all(r.get("forked") for r in workers), [r.get("fork_refused") for r in workers]
     assert "exact" in many.meta.env.vllm_engine["kl_full"]
     _assert_same_run(one, many)
 

@@ -41,9 +41,16 @@ EXIT_FILE = "exit"  # written by the zygote, in the host's folder, when it reaps
 # The rest are written at run time by what the asking process ran, and read when used, never at
 # import: Ray's connect (`ray.init`) writes PYTHONBREAKPOINT (read by each `breakpoint()`),
 # RAY_AUTH_MODE and RAY_USAGE_STATS_ENABLED (read by the next `ray.init`) and RAY_CLIENT_MODE;
-# Streamlit's start writes MAPBOX_API_KEY (read by PyDeck's charts).
+# Streamlit's start writes MAPBOX_API_KEY (read by PyDeck's charts). A Ray worker's raylet gives it
+# RAY_JOB_ID, RAY_RAYLET_PID and RAY_LD_PRELOAD_ON_WORKERS, read by Ray's own worker code, which an engine
+# host does not run (LD_PRELOAD itself, read by the loader at exec, is checked like any other), and
+# SPT_NOENV, which setproctitle reads at its first title change, in the host after the fork.
 FORK_SAFE = frozenset(
     {
+        "RAY_JOB_ID",
+        "RAY_RAYLET_PID",
+        "RAY_LD_PRELOAD_ON_WORKERS",
+        "SPT_NOENV",
         "PYTEST_CURRENT_TEST",
         "LOGPROB_PARITY_HOME",
         "MPLBACKEND",
