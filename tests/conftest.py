@@ -23,6 +23,15 @@ START_LOG = CACHE / "engine-starts.jsonl"
 os.environ.setdefault("LPP_ENGINE_START_LOG", str(START_LOG))
 
 
+def start_rows() -> list[dict]:
+    """The session's engine loads so far (START_LOG), one dict a load, oldest first."""
+    import json
+
+    if not START_LOG.exists():
+        return []
+    return [json.loads(line) for line in START_LOG.read_text().splitlines() if line.strip()]
+
+
 ZYGOTE = None  # the session's engine zygote (logprob_parity.engines.zygote), where it started one
 
 
@@ -68,12 +77,11 @@ def cold_start(monkeypatch):
 
 def pytest_terminal_summary(terminalreporter):
     """How many engines the session loaded, where, and what they cost: the suite's largest cost."""
-    import json
     from collections import Counter
 
     if not START_LOG.exists():
         return
-    rows = [json.loads(line) for line in START_LOG.read_text().splitlines() if line.strip()]
+    rows = start_rows()
     here = [r for r in rows if r["pid"] == os.getpid()]
     keys = Counter(r["key"] for r in here)
     by_test = Counter(r["test"].split("::")[0] for r in rows)

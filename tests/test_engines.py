@@ -315,7 +315,7 @@ def test_two_tests_asking_for_one_engine_key_in_a_session_start_it_once(pytester
     import json
     import os
 
-    from conftest import START_LOG
+    from conftest import start_rows
 
     key_len = 112  # a context length no other test asks for: a key this session has not loaded
     pytester.makepyfile(
@@ -340,6 +340,6 @@ def test_second_asks_again():
     )
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
-    rows = [json.loads(line) for line in START_LOG.read_text().splitlines()]
+    rows = start_rows()
     loads = [r for r in rows if r["pid"] == os.getpid() and json.loads(r["key"])["max_model_len"] == key_len]
     assert len(loads) == 1, loads

@@ -251,7 +251,7 @@ def test_60_prompts_on_two_ray_workers_with_real_engines_forked_from_the_zygote_
     environment (RAY_JOB_ID, SPT_NOENV, ...) is read by Ray's own code, not by an engine's imports."""
     import os
 
-    from conftest import START_LOG
+    from conftest import start_rows
 
     from logprob_parity.analysis.compare import compare
     from logprob_parity.engines.zygote import ZYGOTE_ENV
@@ -260,11 +260,11 @@ def test_60_prompts_on_two_ray_workers_with_real_engines_forked_from_the_zygote_
     monkeypatch.setenv("LPP_BATCH_TOKENS", "300")
     spec = RunSpec(texts=TEXTS[:60], model=str(demo_model), dtypes=("float32",), device="cpu")
     (one,) = compare(spec, _ctx(tmp_path / "one"), use_cache=False)
-    logged = len(START_LOG.read_text().splitlines()) if START_LOG.exists() else 0
+    logged = len(start_rows())
     (many,) = compare(spec, _ctx(tmp_path / "ray", ray={"address": cluster.address, "workers": 2}), use_cache=False)
     assert many.meta.timing["ray_workers"] == 2 and many.meta.timing["batches"] >= 4
     if os.environ.get(ZYGOTE_ENV):  # LPP_TEST_ZYGOTE=0 starts every host the ordinary way
-        rows = [json.loads(x) for x in START_LOG.read_text().splitlines()[logged:] if x.strip()]
+        rows = start_rows()[logged:]
         workers = [r for r in rows if r["pid"] != os.getpid()]
         assert len(workers) >= 4, rows  # HF and vLLM on each of the two workers
         assert all(r.get("forked") for r in workers), [r.get("fork_refused") for r in workers]

@@ -336,8 +336,7 @@ def hf_variations(
             raise
         why = f"the large batch ({len(big)} texts padded to {max(map(len, big)):,} tokens) did not fit in the device's memory"
         skipped["micro_batch"] = skipped["padding_side"] = why
-        right_s = left_s = None
-    if right_s is not None and left_s is not None:
+    else:
         right, left = [s.logprob for s in right_s], [s.logprob for s in left_s]
         # from the micro-batch the comparison used (base: its values) to the large one
         out["micro_batch"] = {**gap(cut(base), cut(right)), "from": hf_batch_size, **size, **flips(top1, _top1(right_s), starts)}
