@@ -10,6 +10,21 @@ WITH_TEST=0
 PY=${PYTHON:-python3}
 VENV=.venv
 
+# Debian's Chromium for the browser tests installs in the background while pip works (apt is mostly
+# download and unpacking, pip one core): on a fresh machine the two overlap instead of adding up.
+CHROMIUM_PID=""
+CHROMIUM_LOG=$(mktemp)
+trap 'rm -f "$CHROMIUM_LOG"' EXIT
+if [ $WITH_TEST = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian's chromium for the browser test (in the background)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) >"$CHROMIUM_LOG" 2>&1 &
+    CHROMIUM_PID=$!
+  else
+    echo "note: no chromium found; the browser test will be skipped (install Debian's chromium)" >&2
+  fi
+fi
+
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=gpu; else FLAVOUR=cpu; fi
 EXTRAS=$FLAVOUR
 [ $WITH_TEST = 1 ] && EXTRAS="$EXTRAS,test,docs,ray"
@@ -40,12 +55,9 @@ if ! out=$("$VENV/bin/python" -c "from logprob_parity.inputs.demo import build_d
   echo "$out" | tail -5 >&2
 fi
 
-if [ $WITH_TEST = 1 ] && ! command -v chromium >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing Debian's chromium for the browser test" >&2
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-      || echo "warning: could not install chromium; the browser test will be skipped" >&2
-  else
-    echo "note: no chromium found; the browser test will be skipped (install Debian's chromium)" >&2
+if [ -n "$CHROMIUM_PID" ]; then
+  if ! wait "$CHROMIUM_PID"; then
+    tail -5 "$CHROMIUM_LOG" >&2
+    echo "warning: could not install chromium; the browser test will be skipped" >&2
   fi
 fi

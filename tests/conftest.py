@@ -33,6 +33,20 @@ def start_rows() -> list[dict]:
 
 
 ZYGOTE = None  # the session's engine zygote (logprob_parity.engines.zygote), where it started one
+# The processes that run tests (this one, or each pytest-xdist worker): a load in one of them is a
+# load "in the test process" at the end of the run; any other pid is a CLI or server a test started.
+TEST_PIDS = CACHE / "test-pids"
+
+
+def pytest_configure(config):
+    """On several processes (pytest-xdist's `-n`), each gets its share of the cores for torch's and
+    OpenMP's threads: two workers on a 2-core machine, each spinning two threads, fight for cores
+    they think are theirs (CI on `-n 2`: user CPU 45 min in one process, 34 min on two, at one
+    thread a worker). Set before the workers start, so they and every host they start inherit it;
+    a value the caller set is kept."""
+    workers = config.getoption("numprocesses", None)
+    if isinstance(workers, int) and workers > 1 and not hasattr(config, "workerinput"):
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 def pytest_sessionstart(session):
@@ -51,6 +65,10 @@ def pytest_sessionstart(session):
     START_LOG.parent.mkdir(parents=True, exist_ok=True)
     if not hasattr(session.config, "workerinput"):  # the session's own process, not a pytest-xdist worker
         START_LOG.unlink(missing_ok=True)
+        TEST_PIDS.unlink(missing_ok=True)
+    if not controller:
+        with TEST_PIDS.open("a") as f:
+            f.write(f"{os.getpid()}\n")
     # the session's engines are shared across tests by key (the pool keeps them warm); a new key loads
     # into a spare that has done its imports, or swaps into a host stopped for room
     POOL.keep_spares = True
@@ -82,13 +100,15 @@ def pytest_terminal_summary(terminalreporter):
     if not START_LOG.exists():
         return
     rows = start_rows()
-    here = [r for r in rows if r["pid"] == os.getpid()]
-    keys = Counter(r["key"] for r in here)
+    testers = {int(p) for p in TEST_PIDS.read_text().split()} if TEST_PIDS.exists() else {os.getpid()}
+    here = [r for r in rows if r["pid"] in testers]
+    keys = Counter((r["pid"], r["key"]) for r in here)
     by_test = Counter(r["test"].split("::")[0] for r in rows)
     tr = terminalreporter
     tr.section("engine loads")
     tr.write_line(
-        f"{len(rows)} engine loads, {sum(r['wall_s'] for r in rows):.0f} s in all; {len(here)} in the test process "
+        f"{len(rows)} engine loads, {sum(r['wall_s'] for r in rows):.0f} s in all; {len(here)} in the "
+        f"{len(testers)} test process{'es' if len(testers) > 1 else ''} "
         f"({len(keys)} keys, {sum(n - 1 for n in keys.values())} loaded again after being stopped), "
         f"{len(rows) - len(here)} in CLIs and servers it started; {sum(1 for r in rows if r.get('swapped'))} swaps, "
         f"{sum(1 for r in rows if r.get('forked'))} forked from the zygote; "

@@ -22,7 +22,7 @@ def test_the_readme_opens_with_the_two_commands_and_ci_runs_the_second():
     assert README.index("```bash") < README.index("\n## ")  # before anything else
     assert first_block == [
         "bash scripts/setup.sh && .venv/bin/logprob-parity dashboard",
-        "bash scripts/setup.sh --test && .venv/bin/python -m pytest",
+        "bash scripts/setup.sh --test && .venv/bin/python -m pytest -n 2 --dist loadfile",
     ]
     assert first_block[1] in (REPO / ".ci" / "run").read_text().splitlines()
 
