@@ -47,6 +47,9 @@ def pytest_configure(config):
     workers = config.getoption("numprocesses", None)
     if isinstance(workers, int) and workers > 1 and not hasattr(config, "workerinput"):
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        # whole modules go out in the order pytest_collection_modifyitems gives them (the longest
+        # first), not xdist's default of the most tests first
+        config.option.loadscopereorder = False
 
 
 def pytest_sessionstart(session):
@@ -130,16 +133,35 @@ def _module_rank(items) -> dict[str, int]:
     return rank
 
 
+def _on_workers(config) -> bool:
+    """Whether this session's tests run on several pytest-xdist processes (asked in any of them)."""
+    workers = config.getoption("numprocesses", None)
+    return hasattr(config, "workerinput") or (isinstance(workers, int) and workers > 1)
+
+
 def pytest_collection_modifyitems(config, items):
     """The fast modules first, so a failure there shows in seconds; then those that drive the real
     engines, then the browser's (whole modules move, in their own order: a module's shared engines and
-    fixtures are set up once). GPU tests need CUDA, multi-GPU tests two GPUs; skip them (with the
-    reason) elsewhere."""
+    fixtures are set up once). On several processes the slow modules go longest first instead, by
+    their seconds in a measured run (tests/durations.json): a long module handed out last would keep
+    one process busy while the other has nothing left. GPU tests need CUDA, multi-GPU tests two GPUs;
+    skip them (with the reason) elsewhere."""
+    from durations import module_seconds
+
     from logprob_parity.engines.memory import gpus
     from logprob_parity.env import cuda_present
 
     rank = _module_rank(items)
-    items.sort(key=lambda item: rank[item.module.__name__])  # stable: each module keeps its order
+    if _on_workers(config):
+        seconds = module_seconds()
+
+        def order(item) -> tuple:
+            name = item.module.__name__
+            return (rank[name] > 0, name not in seconds, -seconds.get(name, 0.0), rank[name], name)
+
+        items.sort(key=order)  # stable: each module keeps its own order
+    else:
+        items.sort(key=lambda item: rank[item.module.__name__])
 
     cuda = cuda_present()
     many = cuda and len(gpus()) >= 2
