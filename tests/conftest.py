@@ -38,14 +38,20 @@ ZYGOTE = None  # the session's engine zygote (logprob_parity.engines.zygote), wh
 TEST_PIDS = CACHE / "test-pids"
 
 
+def _on_workers(config) -> bool:
+    """Whether this session's tests run on several pytest-xdist processes (asked in any of them)."""
+    workers = config.getoption("numprocesses", None)
+    return hasattr(config, "workerinput") or (isinstance(workers, int) and workers > 1)
+
+
 def pytest_configure(config):
     """On several processes (pytest-xdist's `-n`), each gets its share of the cores for torch's and
     OpenMP's threads: two workers on a 2-core machine, each spinning two threads, fight for cores
     they think are theirs (CI on `-n 2`: user CPU 45 min in one process, 34 min on two, at one
     thread a worker). Set before the workers start, so they and every host they start inherit it;
     a value the caller set is kept."""
-    workers = config.getoption("numprocesses", None)
-    if isinstance(workers, int) and workers > 1 and not hasattr(config, "workerinput"):
+    if _on_workers(config) and not hasattr(config, "workerinput"):  # the controller, before its workers start
+        workers = config.getoption("numprocesses")
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
         # whole modules go out in the order pytest_collection_modifyitems gives them (the longest
         # first), not xdist's default of the most tests first
@@ -131,12 +137,6 @@ def _module_rank(items) -> dict[str, int]:
         r = 2 if "browser" in item.keywords else 1 if "engine" in item.keywords else 0
         rank[item.module.__name__] = max(rank.get(item.module.__name__, 0), r)
     return rank
-
-
-def _on_workers(config) -> bool:
-    """Whether this session's tests run on several pytest-xdist processes (asked in any of them)."""
-    workers = config.getoption("numprocesses", None)
-    return hasattr(config, "workerinput") or (isinstance(workers, int) and workers > 1)
 
 
 def pytest_collection_modifyitems(config, items):
