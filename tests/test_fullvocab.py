@@ -67,8 +67,9 @@ def test_exact_kl_equals_a_numpy_full_vocabulary_computation(tiny_bos, home, mon
     from logprob_parity.analysis.compare import compare
     from logprob_parity.inputs.spec import RunSpec
 
-    def folders() -> set[str]:
-        return {f for f in os.listdir("/dev/shm") if f.startswith("lpp-fullvocab-")} if os.path.isdir("/dev/shm") else set()
+    def folders() -> set[str]:  # this process's: on two test processes the other may hold one of its own
+        mine = f"lpp-fullvocab-{os.getpid()}-"
+        return {f for f in os.listdir("/dev/shm") if f.startswith(mine)} if os.path.isdir("/dev/shm") else set()
 
     before = folders()
     (run,) = compare(RunSpec(texts=(TEXT,), model=str(tiny_bos), dtypes=("float32",), device="cpu"), use_cache=False)
