@@ -1,5 +1,6 @@
-"""A forked engine host's first score, with and without the zygote's prefork work
-(`VLLMBackend.prefork`: vLLM's torch.compile'd token ranker compiled once before the forks).
+"""A forked engine host's start and first score, with and without the zygote's prefork work
+(`VLLMBackend.prefork`: vLLM's torch.compile'd token ranker compiled, and the modules an engine's
+start imports imported, once before the forks).
 
 Why: every new vLLM engine process traced and compiled that function on its first score, about 2 s of
 CPU here, which a test session paid for each of its ~150 vLLM hosts, and a dashboard for each model it
@@ -23,9 +24,11 @@ def child(model: str, ids: list[int], max_len: int) -> None:
     from logprob_parity.engines.backends.vllm import VLLMBackend
     from logprob_parity.inputs.spec import EngineSettings
 
+    before = len(sys.modules)
     t = time.perf_counter()
     engine = VLLMBackend(model, "bfloat16", "cpu", EngineSettings(), max_len)
     init = time.perf_counter() - t
+    imported = len(sys.modules) - before
     times, first = [], None
     for _ in range(3):
         t = time.perf_counter()
@@ -33,7 +36,7 @@ def child(model: str, ids: list[int], max_len: int) -> None:
         times.append(time.perf_counter() - t)
         first = hashlib.sha256(got.logprob.tobytes()).hexdigest()[:12] if first is None else first
     print(
-        f"| {os.path.basename(model)} | {os.environ['LPP_BENCH_PREFORK']} | {init:.2f} | {' / '.join(f'{x:.2f}' for x in times)} | {first} |"
+        f"| {os.path.basename(model)} | {os.environ['LPP_BENCH_PREFORK']} | {init:.2f} | {imported} | {' / '.join(f'{x:.2f}' for x in times)} | {first} |"
     )
     sys.stdout.flush()
     os._exit(0)
@@ -49,9 +52,9 @@ def main() -> None:
     models = sys.argv[1:] or [str(build_demo_model())]
     print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, {os.cpu_count()} CPUs\n")
     print(
-        "| model | prefork in the parent | engine init s | first / second / third score s | sha256 of the first score's logprobs |"
+        "| model | prefork in the parent | engine init s | modules it imported | first / second / third score s | sha256 of the first score's logprobs |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for prefork in (False, True):  # without first: once compiled, this process keeps it
         os.environ["LPP_BENCH_PREFORK"] = "yes" if prefork else "no"
         if prefork:
