@@ -247,8 +247,8 @@ def test_60_prompts_on_two_ray_workers_with_real_engines_forked_from_the_zygote_
 ):
     """The tiny Llama on the real HF and vLLM CPU engines: two workers, each with its own engines,
     score 60 prompts in batches; the run id, summary and every value are those of one process (the
-    demo model proved the same in 125 s of a CI run, two thirds of them its floors on one core: what
-    is checked is the path each value takes, not the model's size). In the
+    demo model proved the same in 125 s of a CI run, most of them its floors and HF's scoring on one
+    core: what is checked is the path each value takes, not the model's size). In the
     test session the workers' hosts are forked from its zygote: what Ray's raylet writes into a worker's
     environment (RAY_JOB_ID, SPT_NOENV, ...) is read by Ray's own code, not by an engine's imports."""
     import os
