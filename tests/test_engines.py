@@ -271,9 +271,17 @@ os.environ.update(host_env({}))
 import torch
 from vllm.v1.sample.ops.logprobs import batched_count_greater_than as ranks
 from logprob_parity.engines.backends.vllm import VLLMBackend
-VLLMBackend.prefork()  # what the zygote does before it forks
 compiled = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
 code = ranks._torchdynamo_orig_callable.__code__
+set_to, real_set, real_get = [], torch.set_num_threads, torch.get_num_threads
+torch.set_num_threads = set_to.append  # the zygote must never set it (VLLMBackend.prefork says why)
+torch.get_num_threads = lambda: 2  # as where OpenMP runs two threads: nothing compiled
+VLLMBackend.prefork()
+assert len(compiled(code)) == 0, "compiled at two threads"
+torch.get_num_threads = real_get
+VLLMBackend.prefork()  # what the zygote does before it forks
+torch.set_num_threads = real_set
+assert set_to == [], f"the zygote set the thread count: {set_to}"
 before = len(compiled(code))
 pid = os.fork()
 if pid == 0:  # a forked host: the demo model's, a Llama 2's and a Qwen's vocabulary, 1 to 5 tokens
@@ -296,6 +304,8 @@ def test_vllms_token_ranker_compiled_in_the_zygote_serves_every_vocabulary_in_a_
     (VLLMBackend.prefork): a forked host calls it for other vocabularies and token counts, gets the
     counts computed without it, and no graph is compiled again, at one thread as each test worker runs
     (at another thread count the graph's guards ask for a recompile from the cache: 0.12 s, not 2.3 s).
+    Where OpenMP runs two threads it compiles nothing, and it never sets the thread count: forked HF
+    hosts then raced on the thread pool as they loaded ("Invalid thread pool!").
     That a forked host's scores, ranks included, equal a new process's:
     test_a_host_forked_from_the_zygote_scores_exactly_as_a_new_process."""
     import os

@@ -77,7 +77,8 @@ class VLLMBackend(Backend):
         and compiled on its first score: on this 2-core CPU the tiny Llama's first score took 1.9-2.9 s
         and the next 0.01 s; forked after this, its first takes 0.02-0.11 s, with the same values
         (benchmarks/zygote_first_score.py). Called on two vocabulary sizes with the batch dimension
-        unbacked, as vLLM marks it, so that the compiled graph is dynamic in both and serves any model.
+        unbacked, as vLLM marks it, so that the compiled graph is dynamic in both and serves any model;
+        only where OpenMP runs one thread, and without setting the count (why: below).
 
         Also imports what an engine's start imports past `import vllm` (PREFORK_MODULES: the CPU
         worker and its model runner, the model loader, the Llama code most families share): a forked
@@ -91,20 +92,21 @@ class VLLMBackend(Backend):
             with contextlib.suppress(Exception):  # another vLLM build may keep them elsewhere: its hosts import them
                 importlib.import_module(name)
 
-        threads = torch.get_num_threads()
-        # on one thread: a compiled kernel run on several would leave OpenMP's thread pool in the zygote,
-        # and a forked child's first parallel region would wait forever on threads it does not have
-        torch.set_num_threads(1)
-        try:
-            with torch.inference_mode():  # as vLLM calls it: the grad mode is among the graph's guards
-                for vocab in (7, 11):
-                    x = torch.randn(3, vocab)  # the logprobs, float32 [tokens, vocabulary]
-                    ranked = x.gather(-1, torch.zeros(3, 1, dtype=torch.int64))  # each token's own, as vLLM gathers it
-                    torch._dynamo.decorators.mark_unbacked(x, 0)
-                    torch._dynamo.decorators.mark_unbacked(ranked, 0)
-                    batched_count_greater_than(x, ranked)
-        finally:
-            torch.set_num_threads(threads)
+        if torch.get_num_threads() != 1:
+            # A compiled kernel run on several threads leaves OpenMP's threads in the zygote, and a forked
+            # child's first parallel region waits forever on threads it does not have. Nor may this set the
+            # count: torch.set_num_threads here made every new thread of a forked host set it again, and two
+            # of an HF host's loading threads doing so at once raced on the thread pool that fork had left
+            # to be rebuilt ("Invalid thread pool!", seen once in three full test runs). So only where OpenMP
+            # runs one thread anyway (OMP_NUM_THREADS=1, as the tests set); elsewhere hosts compile on first use.
+            return
+        with torch.inference_mode():  # as vLLM calls it: the grad mode is among the graph's guards
+            for vocab in (7, 11):
+                x = torch.randn(3, vocab)  # the logprobs, float32 [tokens, vocabulary]
+                ranked = x.gather(-1, torch.zeros(3, 1, dtype=torch.int64))  # each token's own, as vLLM gathers it
+                torch._dynamo.decorators.mark_unbacked(x, 0)
+                torch._dynamo.decorators.mark_unbacked(ranked, 0)
+                batched_count_greater_than(x, ranked)
 
     def sleep(self) -> bool:
         """vLLM's sleep mode, level 1: the weights move to host memory and the KV cache is dropped, so
