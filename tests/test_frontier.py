@@ -190,8 +190,14 @@ def test_frontier_cli_writes_json_and_a_bad_configuration_exits_2(demo_model, ho
     assert rc == 0
     data = json.loads(out.read_text())
     assert [c["name"] for c in data["configs"]] == ["float32", "bfloat16"] and data["tolerance"]["source"] == "given"
-    fastest = max(data["configs"], key=lambda c: c["tokens_per_s"]["prefill"])  # both are within a tolerance of 1
-    assert data["recommendation"]["name"] == fastest["name"]
+    # both are within a tolerance of 1: the faster beyond the spread of the repeats, or, where the two
+    # spreads overlap, the more accurate (frontier.recommend); on this CPU both happen, run to run
+    fast, slow = sorted(data["configs"], key=lambda c: -c["tokens_per_s"]["prefill"])
+    overlap = slow["tokens_per_s"]["prefill_spread"][1] >= fast["tokens_per_s"]["prefill_spread"][0]
+    expected = min(data["configs"], key=lambda c: c["ref_gap"]["mean"]) if overlap else fast
+    rec = data["recommendation"]
+    assert rec["name"] == expected["name"], (rec, [(c["name"], c["tokens_per_s"], c["ref_gap"]) for c in data["configs"]])
+    assert ("no faster beyond the spread" in rec["why"]) == overlap, rec["why"]
     rc = main(["frontier", "--model", str(demo_model), "--prompt", "x y z", "--configs", "float32 warp=9"])
     assert rc == 2 and "known setting" in capsys.readouterr().err
 
