@@ -3,6 +3,7 @@ engine pool's counted leases (on the fake backend, in seconds), and thread-safe 
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import threading
@@ -317,8 +318,9 @@ def test_json_written_an_item_at_a_time_holds_what_json_dumps_holds(indent):
 
 def test_the_prewarm_leaves_the_floors_bundled_texts_scored_on_each_hf_engine(fake_engines, tiny_bos):
     """warm_defaults, as the dashboard's server runs it: besides loading the engines it scores the noise
-    floor's bundled texts alone and chunked on each HF engine (floors.BUNDLED), so the first Run's floor
-    finds them; vLLM's engines keep nothing there."""
+    floor's bundled texts that a top-up can take alone and chunked on each HF engine (floors.BUNDLED),
+    so the first Run's floor finds them, and no text beyond those (no floor adds them); vLLM's engines
+    keep nothing there."""
     from logprob_parity.analysis import floors
     from logprob_parity.analysis.prewarm import warm_defaults
     from logprob_parity.analysis.request import Context, prepare
@@ -328,7 +330,11 @@ def test_the_prewarm_leaves_the_floors_bundled_texts_scored_on_each_hf_engine(fa
     p = prepare(RunSpec(texts=("x",), model=str(tiny_bos), device="cpu"), ctx)
     hf = [p.load("hf", d) for d in ("bfloat16", "float32")]
     assert {r.label for r in hf} <= set(labels)
-    others = floors.other_prompts(p.tokenizer, p.spec.bos, hf[0].max_model_len, "cpu")
+    every = floors.other_prompts(p.tokenizer, p.spec.bos, hf[0].max_model_len, "cpu")
+    # the most any floor's top-up takes: the first texts, until they hold TAIL_MIN_POSITIONS scored positions
+    held = list(itertools.accumulate(len(o) - 1 for o in every))
+    others = every[: next(i for i, h in enumerate(held) if h >= floors.TAIL_MIN_POSITIONS) + 1]
+    assert 0 < len(others) < len(every)
 
     def unscored(texts):
         raise AssertionError(f"{len(texts)} bundled texts were not scored by the prewarm")
@@ -340,5 +346,7 @@ def test_the_prewarm_leaves_the_floors_bundled_texts_scored_on_each_hf_engine(fa
             for c in {floors.chunk_of(len(o) - 1) for o in others}:
                 some = [o for o in others if floors.chunk_of(len(o) - 1) == c]
                 assert len(floors.BUNDLED.each(host, ("chunked", c), some, unscored)) == len(some)
+            beyond = every[len(others) :]  # none of them scored: each is computed here (as "missing")
+            assert floors.BUNDLED.each(host, ("alone",), beyond, lambda xs: ["missing"] * len(xs)) == ["missing"] * len(beyond)
         with pytest.raises(AssertionError, match="not scored by the prewarm"):
             floors.BUNDLED.each(lease.host(p.load("vllm", "float32")), ("alone",), others, unscored)

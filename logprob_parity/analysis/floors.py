@@ -254,13 +254,28 @@ class Bundled:
         return self.each(hf, ("chunked", chunk), texts, lambda xs: hf.rollout_score(xs, [1] * len(xs), chunk=chunk))
 
     def warm(self, hf: Any, others: list[list[int]]) -> None:
-        """Score every bundled text that top_up may add, alone and chunked, on this engine now."""
-        self.alone(hf, others)
-        for c in sorted({chunk_of(len(o) - 1) for o in others}):
-            self.chunked(hf, [o for o in others if chunk_of(len(o) - 1) == c], c)
+        """Score every bundled text that top_up may add, alone and chunked, on this engine now: those
+        it takes for a sample of no positions (taken), not the rest, which no floor adds (on the demo
+        model 21 of the 40 texts, 424 of their 995 positions)."""
+        may = taken(others, 0)
+        self.alone(hf, may)
+        for c in sorted({chunk_of(len(o) - 1) for o in may}):
+            self.chunked(hf, [o for o in may if chunk_of(len(o) - 1) == c], c)
 
 
 BUNDLED = Bundled()
+
+
+def taken(others: list[list[int]], have: int) -> list[list[int]]:
+    """The bundled texts top_up adds to a sample of `have` positions: the first of them, in order,
+    until the sample holds TAIL_MIN_POSITIONS (each counts its positions after the first token)."""
+    add: list[list[int]] = []
+    for o in others:
+        if have >= TAIL_MIN_POSITIONS:
+            break
+        add.append(list(o))
+        have += len(o) - 1
+    return add
 
 
 def top_up(
@@ -276,13 +291,7 @@ def top_up(
     the noise's tail rests on enough positions; each added text scored by HF in the comparison's own
     micro-batch size (its base). Returns (texts, base, starts, base argmax ids (-1: unknown), texts added)."""
     top1 = list(base_top1) if base_top1 is not None else [np.full(len(s), -1) for s in seqs]
-    have = sum(max(len(x) - s, 0) for x, s in zip(seqs, starts))
-    add: list[list[int]] = []
-    for o in others:
-        if have >= TAIL_MIN_POSITIONS:
-            break
-        add.append(list(o))
-        have += len(o) - 1
+    add = taken(others, sum(max(len(x) - s, 0) for x, s in zip(seqs, starts)))
     if not add:
         return list(seqs), list(base), list(starts), top1, 0
     bs = max(1, hf_batch_size)
