@@ -72,6 +72,7 @@ def pytest_sessionstart(session):
         ZYGOTE = Zygote().start(host_env({}))  # pytest-xdist's controller runs no test: each worker starts its own
 
     START_LOG.parent.mkdir(parents=True, exist_ok=True)
+    _demo_from_setup()  # before any test, CLI or dashboard of the session looks for the demo model
     if not hasattr(session.config, "workerinput"):  # the session's own process, not a pytest-xdist worker
         START_LOG.unlink(missing_ok=True)
         TEST_PIDS.unlink(missing_ok=True)
@@ -203,11 +204,44 @@ def tiny_nobos() -> Path:
     return build_tiny_llama("tiny-llama-nobos", adds_bos=False)
 
 
+DEMO = MODELS_HOME / "models" / "smollm2-135m-instruct"
+
+
+def _demo_from_setup() -> None:
+    """The demo model's folder for the tests, copied from the one `scripts/setup.sh` has just built
+    in the default store (the same GGUF converted by the same packages): a fresh clone then converts
+    it once, not twice (20 s of CPU on the 2-core machine). Where there is none, build_demo_model
+    converts it on first use, as before."""
+    import fcntl
+    import tempfile
+
+    from logprob_parity.paths import store_root
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LOGPROB_PARITY_HOME", raising=False)
+        built = store_root() / "models" / DEMO.name
+    if built.resolve() == DEMO.resolve() or not all((built / f).is_file() for f in ("config.json", "model.safetensors")):
+        return
+    DEMO.parent.mkdir(parents=True, exist_ok=True)
+    with open(DEMO.parent / f".{DEMO.name}.lock", "w") as lock:  # build_demo_model's lock: one writer
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (DEMO / "config.json").is_file() and (DEMO / "model.safetensors").is_file():
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=DEMO.parent))
+        try:
+            shutil.copytree(built, tmp, dirs_exist_ok=True)
+            if DEMO.exists():
+                shutil.rmtree(DEMO)
+            os.replace(tmp, DEMO)  # whole or absent, as build_demo_model leaves it
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
     from logprob_parity.inputs.demo import build_demo_model
 
-    return build_demo_model(MODELS_HOME / "models" / "smollm2-135m-instruct")
+    return build_demo_model(DEMO)
 
 
 @pytest.fixture(scope="session")
