@@ -282,6 +282,17 @@ torch.get_num_threads = real_get
 VLLMBackend.prefork()  # what the zygote does before it forks
 torch.set_num_threads = real_set
 assert set_to == [], f"the zygote set the thread count: {set_to}"
+# the platform's Triton kernel stand-ins are registered in the zygote, and an engine's start (which
+# asks again, from vLLM's init_worker) scans no module for them again (register_kernels_once)
+import vllm.triton_utils.dispatcher as dispatcher
+from vllm.platforms import current_platform
+from vllm.v1.worker.block_table import ComputeSlotMappingKernel
+scans, rebind = [], dispatcher._rebind_kernels
+dispatcher._rebind_kernels = lambda overrides: (scans.append(len(overrides)), rebind(overrides))
+current_platform.register_triton_kernel_overrides()
+dispatcher._rebind_kernels = rebind
+assert isinstance(ComputeSlotMappingKernel.kernel, dispatcher.KernelOverride), ComputeSlotMappingKernel.kernel
+assert scans == [], f"an engine's start scanned the modules again: {scans}"
 before = len(compiled(code))
 pid = os.fork()
 if pid == 0:  # a forked host: the demo model's, a Llama 2's and a Qwen's vocabulary, 1 to 5 tokens
@@ -305,7 +316,8 @@ def test_vllms_token_ranker_compiled_in_the_zygote_serves_every_vocabulary_in_a_
     counts computed without it, and no graph is compiled again, at one thread as each test worker runs
     (at another thread count the graph's guards ask for a recompile from the cache: 0.12 s, not 2.3 s).
     Where OpenMP runs two threads it compiles nothing, and it never sets the thread count: forked HF
-    hosts then raced on the thread pool as they loaded ("Invalid thread pool!").
+    hosts then raced on the thread pool as they loaded ("Invalid thread pool!"). The platform's kernel
+    stand-ins are registered there too, and an engine's start does not scan the modules for them again.
     That a forked host's scores, ranks included, equal a new process's:
     test_a_host_forked_from_the_zygote_scores_exactly_as_a_new_process."""
     import os

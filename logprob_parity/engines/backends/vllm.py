@@ -36,12 +36,41 @@ PREFORK_MODULES = (
 )
 
 
+_KERNELS_REGISTERED: list[bool] = []  # one entry once this process registered the platform's kernel overrides
+
+
+def register_kernels_once() -> None:
+    """vLLM's platform registers its stand-ins for Triton kernels (the CPU build: C++ ones) as each
+    engine's worker starts (`register_triton_kernel_overrides`, from `init_worker`). Each call scans
+    every loaded module's namespace for references to the kernels and replaces them with new wrappers
+    of the same implementations: 0.1-0.2 s of a forked demo-model host's 2.3 s start on this 2-core CPU
+    (benchmarks/results/zygote_first_score_cpu.md). Once a process has registered them, the kernels'
+    own modules hold the wrappers, so a module imported later takes the wrappers too: once a process
+    is all it needs. Here the platform's method runs once per process and returns at once after;
+    prefork runs it in the zygote, so no forked host scans."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    if getattr(platform.register_triton_kernel_overrides, "lpp_once", False):
+        return
+    original = platform.register_triton_kernel_overrides  # bound to the class: a classmethod
+
+    def once(cls: Any) -> None:
+        if not _KERNELS_REGISTERED:
+            original()
+            _KERNELS_REGISTERED.append(True)
+
+    once.lpp_once = True  # type: ignore[attr-defined]
+    platform.register_triton_kernel_overrides = classmethod(once)  # type: ignore[method-assign,assignment]
+
+
 class VLLMBackend(Backend):
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str, device: str, settings: EngineSettings, max_model_len: int):
         super().__init__(model_path, dtype, device, settings, max_model_len)
         apply_tf32(settings)
+        register_kernels_once()
         kwargs: dict[str, Any] = {
             "model": model_path,
             "tokenizer": model_path,
@@ -91,6 +120,10 @@ class VLLMBackend(Backend):
         for name in PREFORK_MODULES:
             with contextlib.suppress(Exception):  # another vLLM build may keep them elsewhere: its hosts import them
                 importlib.import_module(name)
+        from vllm.platforms import current_platform
+
+        register_kernels_once()
+        current_platform.register_triton_kernel_overrides()  # after the imports above: their copies are rebound too
 
         if torch.get_num_threads() != 1:
             # A compiled kernel run on several threads leaves OpenMP's threads in the zygote, and a forked
