@@ -212,29 +212,14 @@ def _demo_from_setup() -> None:
     in the default store (the same GGUF converted by the same packages): a fresh clone then converts
     it once, not twice (20 s of CPU on the 2-core machine). Where there is none, build_demo_model
     converts it on first use, as before."""
-    import fcntl
-    import tempfile
-
+    from logprob_parity.inputs.demo import build_demo_model, built
     from logprob_parity.paths import store_root
 
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("LOGPROB_PARITY_HOME", raising=False)
-        built = store_root() / "models" / DEMO.name
-    if built.resolve() == DEMO.resolve() or not all((built / f).is_file() for f in ("config.json", "model.safetensors")):
-        return
-    DEMO.parent.mkdir(parents=True, exist_ok=True)
-    with open(DEMO.parent / f".{DEMO.name}.lock", "w") as lock:  # build_demo_model's lock: one writer
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (DEMO / "config.json").is_file() and (DEMO / "model.safetensors").is_file():
-            return
-        tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=DEMO.parent))
-        try:
-            shutil.copytree(built, tmp, dirs_exist_ok=True)
-            if DEMO.exists():
-                shutil.rmtree(DEMO)
-            os.replace(tmp, DEMO)  # whole or absent, as build_demo_model leaves it
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        setup = store_root() / "models" / DEMO.name
+    if setup.resolve() != DEMO.resolve() and built(setup):
+        build_demo_model(DEMO, copy_of=setup)
 
 
 @pytest.fixture(scope="session")

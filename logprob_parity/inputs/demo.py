@@ -42,37 +42,35 @@ def gguf_path() -> Path:
 _BUILD_LOCK = threading.Lock()
 
 
-def build_demo_model(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
+def built(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a whole build of the demo model (its config and weights)."""
+    return (Path(folder) / "config.json").is_file() and (Path(folder) / "model.safetensors").is_file()
+
+
+def build_demo_model(out_dir: str | os.PathLike | None = None, force: bool = False, copy_of: Path | None = None) -> Path:
     """Write the demo model as an HF folder (config, safetensors, tokenizer) and return its path.
     One build at a time: sessions of a process, and processes (two CLIs, a dashboard and a CLI) that
-    ask together, wait for the first build and then find the model built."""
+    ask together, wait for the first build and then find the model built. `copy_of`: a whole build
+    elsewhere (the same GGUF converted by the same packages), copied instead of converted again."""
     import fcntl
 
     out = Path(out_dir) if out_dir is not None else demo_dir()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _BUILD_LOCK, open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build(out, force)
+        return _build(out, force, copy_of)
 
 
-def _build(out: Path, force: bool) -> Path:
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
+def _build(out: Path, force: bool, copy_of: Path | None = None) -> Path:
+    if built(out) and not force:
         return out
-    src = gguf_path()
-    from logprob_parity.env import from_transformers
-
-    AutoModelForCausalLM, AutoTokenizer = from_transformers("AutoModelForCausalLM", "AutoTokenizer")
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        if copy_of is not None and built(copy_of):
+            shutil.copytree(copy_of, tmp, dirs_exist_ok=True)
+        else:
+            _convert(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)  # atomic: a half-built folder is never seen as the model
@@ -80,3 +78,18 @@ def _build(out: Path, force: bool) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _convert(tmp: Path) -> None:
+    """The GGUF, dequantized by transformers, saved as a float32 HF folder in `tmp`."""
+    src = gguf_path()
+    from logprob_parity.env import from_transformers
+
+    AutoModelForCausalLM, AutoTokenizer = from_transformers("AutoModelForCausalLM", "AutoTokenizer")
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)

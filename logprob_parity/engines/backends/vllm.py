@@ -36,9 +36,6 @@ PREFORK_MODULES = (
 )
 
 
-_KERNELS_REGISTERED: list[bool] = []  # one entry once this process registered the platform's kernel overrides
-
-
 def register_kernels_once() -> None:
     """vLLM's platform registers its stand-ins for Triton kernels (the CPU build: C++ ones) as each
     engine's worker starts (`register_triton_kernel_overrides`, from `init_worker`). Each call scans
@@ -54,11 +51,12 @@ def register_kernels_once() -> None:
     if getattr(platform.register_triton_kernel_overrides, "lpp_once", False):
         return
     original = platform.register_triton_kernel_overrides  # bound to the class: a classmethod
+    done: list[bool] = []  # an entry once this process has registered them
 
     def once(cls: Any) -> None:
-        if not _KERNELS_REGISTERED:
+        if not done:
             original()
-            _KERNELS_REGISTERED.append(True)
+            done.append(True)
 
     once.lpp_once = True  # type: ignore[attr-defined]
     platform.register_triton_kernel_overrides = classmethod(once)  # type: ignore[method-assign,assignment]
