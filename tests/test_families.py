@@ -227,15 +227,15 @@ def test_an_moe_rollout_compares_the_decodes_experts_with_hfs_and_replay_shrinks
         ["The quick brown fox", "Shall I compare", "Numbers like"],
         model=str(path),
         dtypes=("bfloat16",),
-        samples=2,
-        max_tokens=12,
+        samples=4,  # 288 decode steps: on an AVX2-only CPU 72 steps had no flip (vLLM's AVX2 MoE kernels), 288 had 1.9%
+        max_tokens=24,
         ignore_eos=True,
         home=str(matrix_home),
         progress=False,
     )
     rt = ro.meta.routing
     per = [info["routing"] for info in ro.meta.samples]
-    assert rt["measured"] and rt["tokens"] == 72 == sum(len(r["flipped"]) for r in per)
+    assert rt["measured"] and rt["tokens"] == 288 == sum(len(r["flipped"]) for r in per)
     assert [len(r["flipped"]) for r in per] == [len(x.completion_token_ids) for x in ro.samples]
     assert rt["routing_flip_frac"] > 0, "bfloat16 decode and HF route some token differently on this model"
     flips = sum(sum(r["flipped"]) for r in per)

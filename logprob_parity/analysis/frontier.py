@@ -293,7 +293,10 @@ def frontier(
     configs = [with_build_skip(c) for c in (configs or default_grid(p.device))]
     checkpoints = {c.checkpoint: _checkpoint(p, c.checkpoint) for c in configs if c.checkpoint and not c.skip}
     configs = [
-        dataclasses.replace(c, changes=tuple((k, checkpoints[x].path if k == CHECKPOINT else x) for k, x in c.changes))
+        _checkpoint_skip(
+            dataclasses.replace(c, changes=tuple((k, checkpoints[x].path if k == CHECKPOINT else x) for k, x in c.changes)),
+            checkpoints[c.checkpoint],
+        )
         if c.checkpoint and not c.skip
         else c
         for c in configs
@@ -424,6 +427,15 @@ def _checkpoint(p: Prepared, path: str) -> Any:
     return m
 
 
+def _checkpoint_skip(c: Config, m: Any) -> Config:
+    """The checkpoint's configuration, listed as skipped with the reason when this vLLM build cannot run
+    its quantization method on this machine (asked of the build: a GPTQ checkpoint on vLLM's CPU build
+    for a processor without AVX-512 has no 4-bit kernel), before its engine starts."""
+    method = str((m.config.get("quantization_config") or {}).get("quant_method", "")).lower()
+    why = build.unsupported().get((build.QUANT_METHOD, method))
+    return dataclasses.replace(c, skip=f"vLLM cannot run this {method} checkpoint here: {why}") if why else c
+
+
 def _engines(p: Prepared, configs: list[Config], ref_req: LoadRequest) -> list[LoadRequest]:
     """Every engine these configurations need, each once, and the float64 reference."""
     return list({r.key(): r for c in configs for r in _requests(p, c, ref_req.max_model_len)}.values()) + [ref_req]
@@ -547,6 +559,13 @@ def _measure(
         }
         info = vllm.info or {}
         row["memory"] = {k: info.get(k) for k in ("weights_bytes", "kv_bytes_per_token", "kv_cache_bytes")}
+    except EngineError as exc:
+        if not str(exc).startswith(vllm.label):  # HF's or the reference's failure is not this configuration's
+            raise
+        # vLLM loaded it but failed at its first forward (a kernel this build lacks for this processor):
+        # the other configurations are still measured, and this one's row says why
+        lease.discard(vreq)
+        row["skipped"] = f"vLLM could not run it: {str(exc).splitlines()[0][:300]}"
     finally:
         fullvocab.remove(vfolder)
         fullvocab.remove(hfolder)

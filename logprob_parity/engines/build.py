@@ -13,10 +13,12 @@ beside the runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from logprob_parity.env import versions
@@ -68,7 +70,57 @@ elif out["platform"] == "cuda":
     out["attention_backends"] = ["FLASH_ATTN", "FLEX_ATTENTION", "TRITON_ATTN"] + (["FLASHINFER"] if out["flashinfer"] else [])
 print(json.dumps({"ok": True, "why": "", "facts": out}))
 """
-PROBES = {("quantization", "fp8"): _FP8_PROBE}
+# What vLLM's CPU build can run depends on the processor too: it loads one of three kernel libraries
+# (_C with AVX-512 BF16, _C_AVX512, _C_AVX2), and the AVX2 one lacks some kernels. Each probe asks vLLM's
+# own code or its loaded kernels, never a list of CPU flags kept here: on an AMD EPYC with AVX2 only,
+# vLLM 0.32 refused an FP8 KV cache at engine start and failed a GPTQ checkpoint at its first forward
+# ("_C has no attribute 'cpu_gemm_wna16'"), both after the engines had loaded.
+_KV_FP8_PROBE = """
+import json
+try:
+    import torch
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        print(json.dumps({"ok": True, "why": ""}))
+    else:
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        except ImportError:  # another vLLM: its engine's start says, and the frontier lists why
+            print(json.dumps({"ok": True, "why": ""}))
+        else:
+            try:
+                _get_attn_isa(torch.bfloat16, 128, 64, "fp8")
+                print(json.dumps({"ok": True, "why": ""}))
+            except NotImplementedError as exc:
+                print(json.dumps({"ok": False, "why": f"vLLM's CPU attention refuses it on this processor ({exc})"}))
+except Exception as exc:
+    print(json.dumps({"ok": False, "why": f"this vLLM build's kernels could not be loaded ({type(exc).__name__}: {exc})"[:300]}))
+"""
+_WNA16_PROBE = """
+import json
+try:
+    import torch
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        print(json.dumps({"ok": True, "why": ""}))
+    else:
+        current_platform.import_kernels()
+        if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+            print(json.dumps({"ok": True, "why": ""}))
+        else:
+            print(json.dumps({"ok": False, "why": "the kernels vLLM's CPU build loads for this processor have no 4-bit "
+                                                  "weight GEMM (cpu_gemm_wna16: built for AVX-512 only)"}))
+except Exception as exc:
+    print(json.dumps({"ok": False, "why": f"this vLLM build's kernels could not be loaded ({type(exc).__name__}: {exc})"[:300]}))
+"""
+# (setting, value): a setting of logprob_parity.inputs.settings; ("quant_method", m): a pre-quantized
+# checkpoint's method (its config's quantization_config), which a frontier configuration can load
+PROBES = {
+    ("quantization", "fp8"): _FP8_PROBE,
+    ("kv_cache_dtype", "fp8"): _KV_FP8_PROBE,
+    ("quant_method", "gptq"): _WNA16_PROBE,
+}
+QUANT_METHOD = "quant_method"
 CACHE_NAME = "build-checks.json"
 FACTS = "facts"
 
@@ -76,14 +128,34 @@ FACTS = "facts"
 # Bumped whenever a probe changes what it asks, so an answer stored by an older probe is asked again:
 # revision 2 loads the kernels through vLLM's platform (the first read every CUDA build of vLLM 0.26 as
 # unable to run FP8).
-PROBE_REVISION = 2
+# 3 asks the processor's kernels too (FP8 KV cache, 4-bit weights), so the key names the processor.
+PROBE_REVISION = 3
 
 
 def _key() -> str:
     v = versions()
     return (
         f"{v.get('vllm_dist')}=={v.get('vllm')} torch=={v.get('torch')} python=={sys.version_info[:2]} probes=={PROBE_REVISION}"
+        f" cpu=={_processor()}"
     )
+
+
+def _processor() -> str:
+    """This processor's model and instruction sets, hashed: a store that moves to another machine (or a
+    home shared by machines) asks again where the CPU build's kernels differ."""
+    import hashlib
+    import platform
+
+    seen: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            name, _, value = line.partition(":")
+            name = name.strip()
+            if name in ("model name", "flags", "Features", "isa") and name not in seen:
+                seen[name] = value.strip()
+    except OSError:
+        seen["machine"] = platform.machine() + " " + platform.processor()
+    return hashlib.sha256(json.dumps(seen, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _probe(code: str) -> dict[str, Any]:
@@ -108,8 +180,12 @@ def unsupported() -> dict[tuple[str, Any], str]:
         cached = {}
     found = cached.get(key)
     if not isinstance(found, dict) or FACTS not in found:
-        found = {f"{name}={value}": _probe(code) for (name, value), code in PROBES.items()}
-        found[FACTS] = _probe(_FACTS_PROBE).get("facts") or {}
+        # side by side: each probe is a process that imports vLLM (seconds), and they ask independent things
+        with concurrent.futures.ThreadPoolExecutor(len(PROBES) + 1) as pool:
+            asked = {f"{name}={value}": pool.submit(_probe, code) for (name, value), code in PROBES.items()}
+            facts = pool.submit(_probe, _FACTS_PROBE)
+            found = {k: f.result() for k, f in asked.items()}
+            found[FACTS] = facts.result().get("facts") or {}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(path, json.dumps({**cached, key: found}, indent=1))

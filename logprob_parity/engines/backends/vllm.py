@@ -465,8 +465,20 @@ class VLLMBackend(Backend):
         its KV cache's bytes per token (FP8 keys and values: 1 byte each) and in all."""
 
         def weights(worker: Any) -> int:
+            # vLLM's CPU build moves a linear layer's weight into a oneDNN kernel where it can (float32 on an
+            # AVX2 processor), leaving an empty parameter behind: that layer's weight is counted from its
+            # sizes, or the demo model in float32 read 113 MB (its embedding alone) for 538 MB of weights
             model = worker.model_runner.model
-            return sum(t.numel() * t.element_size() for t in model.parameters())
+            seen: set[int] = set()
+            total = 0
+            for module in model.modules():
+                for name, t in module.named_parameters(recurse=False):
+                    if t.numel() == 0 and name == "weight" and hasattr(module, "input_size_per_partition"):
+                        total += module.input_size_per_partition * module.output_size_per_partition * t.element_size()
+                    elif id(t) not in seen:  # a tied embedding is one tensor
+                        seen.add(id(t))
+                        total += t.numel() * t.element_size()
+            return total
 
         try:
             w = int(self.llm.collective_rpc(weights)[0])
