@@ -260,7 +260,7 @@ def gpu_model() -> str:
 @pytest.fixture(scope="session")
 def build_answer() -> bytes:
     """What this machine's vLLM build can run (logprob_parity.engines.build), asked once: the probe
-    imports vLLM in two subprocesses (about 8 s), and every CLI and dashboard a test starts on a new
+    imports vLLM in a child process (about 14 s), and every CLI and dashboard a test starts on a new
     store would ask again. Kept in MODELS_HOME, keyed by the versions, like any store keeps it."""
     from logprob_parity.engines.build import CACHE_NAME, unsupported
 

@@ -25,7 +25,7 @@ from logprob_parity.results.store import Store
 NEW = Setting("demo_knob", int, 7, "vllm", "a setting that exists only in this test", label="vLLM demo_knob", minimum=1)
 
 
-def test_a_setting_added_to_the_registry_alone_reaches_help_form_and_run_id(tiny_bos):
+def test_a_setting_added_to_the_registry_alone_reaches_help_form_and_run_id(tiny_bos, home):  # home: the build's answer, kept
     from logprob_parity.cli import _settings, build_parser
     from logprob_parity.inputs.models import resolve_model
     from logprob_parity.inputs.tokens import load_tokenizer, tokenize

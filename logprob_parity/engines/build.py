@@ -13,7 +13,6 @@ beside the runs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import subprocess
@@ -158,12 +157,37 @@ def _processor() -> str:
     return hashlib.sha256(json.dumps(seen, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _probe(code: str) -> dict[str, Any]:
+# One child process answers every probe: each snippet runs in its own namespace and prints its answer,
+# and vLLM is imported once. A process a probe (four, side by side) took over 30 s on a busy 2-core
+# machine, where a page drawing the settings form asks when its store has no answer yet.
+_RUNNER = """
+import contextlib, io, json, sys
+out = {}
+for key, code in json.loads(sys.stdin.read()).items():
+    buf = io.StringIO()
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        with contextlib.redirect_stdout(buf):
+            exec(code, {"__name__": "__probe__"})
+        out[key] = json.loads(buf.getvalue().strip().splitlines()[-1])
+    except Exception as exc:
+        out[key] = {"ok": False, "why": f"the check of this vLLM build failed ({type(exc).__name__}: {exc})"[:300]}
+print(json.dumps(out))
+"""
+
+
+def _probe(codes: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Each probe's answer ({"ok", "why", ...}), by key, from one child process."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _RUNNER], input=json.dumps(codes), capture_output=True, text=True, timeout=180, check=False
+        )
+        got = json.loads(out.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
-        return {"ok": False, "why": f"the check of this vLLM build did not answer ({type(exc).__name__})"}
+        got = {}
+        why = f"the check of this vLLM build did not answer ({type(exc).__name__})"
+    else:
+        why = "the check of this vLLM build did not answer"
+    return {k: got.get(k) or {"ok": False, "why": why} for k in codes}
 
 
 @functools.lru_cache(maxsize=1)
@@ -180,12 +204,8 @@ def unsupported() -> dict[tuple[str, Any], str]:
         cached = {}
     found = cached.get(key)
     if not isinstance(found, dict) or FACTS not in found:
-        # side by side: each probe is a process that imports vLLM (seconds), and they ask independent things
-        with concurrent.futures.ThreadPoolExecutor(len(PROBES) + 1) as pool:
-            asked = {f"{name}={value}": pool.submit(_probe, code) for (name, value), code in PROBES.items()}
-            facts = pool.submit(_probe, _FACTS_PROBE)
-            found = {k: f.result() for k, f in asked.items()}
-            found[FACTS] = facts.result().get("facts") or {}
+        found = _probe({**{f"{name}={value}": code for (name, value), code in PROBES.items()}, FACTS: _FACTS_PROBE})
+        found[FACTS] = found[FACTS].get("facts") or {}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(path, json.dumps({**cached, key: found}, indent=1))
